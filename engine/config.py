@@ -1,0 +1,116 @@
+"""Engine configuration and the design note's start-up rules.
+
+Every rule refuses to start with a message that names the options involved and how to fix them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+               "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+
+
+class ConfigError(ValueError):
+    """Contradictory or out-of-range engine options."""
+
+
+def parse_size(value: str | int, option: str) -> int:
+    """'512MiB', '2GiB', '1e9' or an int, in bytes."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9.e+]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ConfigError(f"{option}: cannot read {value!r} as a size; write e.g. 512MiB or 2GiB")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+@dataclass
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None  # default: 512 with chunked prefill, else max_model_len
+    max_model_len: int | None = None  # default: the model's context length, capped at 2048
+    block_size: int = 16
+    kv_cache_memory: str | int = "512MiB"
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests, simulations)
+    swap_space: str | int = "256MiB"
+    num_cpu_blocks: int | None = None  # overrides swap_space
+    chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
+    scheduling: str = "continuous"
+    attention_backend: str = "auto"
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    step_log: str | None = None
+    watermark: float = 0.01
+
+    def resolve(self, model_context_len: int | None = None) -> EngineConfig:
+        """Fill defaults that depend on the model, then check every rule."""
+        if self.max_model_len is None:
+            self.max_model_len = min(model_context_len or 2048, 2048)
+        elif model_context_len is not None and self.max_model_len > model_context_len:
+            raise ConfigError(
+                f"--max-model-len {self.max_model_len} exceeds the model's context length "
+                f"{model_context_len}; lower --max-model-len"
+            )
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = (
+                max(512, self.max_num_seqs) if self.chunked_prefill else max(self.max_model_len, self.max_num_seqs)
+            )
+        self.validate()
+        return self
+
+    def validate(self) -> None:
+        _positive("--max-num-seqs", self.max_num_seqs)
+        _positive("--max-model-len", self.max_model_len)
+        _positive("--max-num-batched-tokens", self.max_num_batched_tokens)
+        _positive("--block-size", self.block_size)
+        if self.block_size > 256 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"--block-size must be a power of two up to 256, got {self.block_size}")
+        _choice("--preemption-mode", self.preemption_mode, ("recompute", "swap"))
+        _choice("--scheduling", self.scheduling, ("continuous", "static"))
+        _choice("--attention-backend", self.attention_backend, ("auto", "torch", "triton"))
+        _choice("--device", self.device, ("auto", "cpu", "cuda"))
+        _choice("--dtype", self.dtype, ("auto", "float32", "float16", "bfloat16"))
+        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is below --max-model-len "
+                f"({self.max_model_len}) with chunked prefill off: a full-length prompt could never be "
+                "scheduled. Raise --max-num-batched-tokens, lower --max-model-len, or enable chunked prefill."
+            )
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ConfigError(
+                f"--max-num-seqs ({self.max_num_seqs}) exceeds --max-num-batched-tokens "
+                f"({self.max_num_batched_tokens}): each running sequence needs at least one token of the "
+                "step budget. Lower --max-num-seqs or raise --max-num-batched-tokens."
+            )
+        if not 0 <= self.watermark < 0.5:
+            raise ConfigError(f"watermark must be in [0, 0.5), got {self.watermark}")
+
+    def check_kv_capacity(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        """Called once the pool is sized: a max-length sequence must fit in it."""
+        if num_blocks * self.block_size < self.max_model_len:
+            raise ConfigError(
+                f"the KV cache holds {num_blocks} blocks x {self.block_size} = "
+                f"{num_blocks * self.block_size} tokens, fewer than --max-model-len ({self.max_model_len}): "
+                "a full-length sequence could never run. Raise --kv-cache-memory or lower --max-model-len."
+            )
+        if self.preemption_mode == "swap" and num_cpu_blocks == 0:
+            raise ConfigError("--preemption-mode swap needs a CPU swap pool; set --swap-space above 0")
+
+
+def _positive(option: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{option} must be a positive integer, got {value!r}")
+
+
+def _choice(option: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{option} must be one of {', '.join(allowed)}; got {value!r}")

@@ -1,0 +1,280 @@
+"""The engine loop: requests in, one scheduled model step at a time, outputs out.
+
+Threading: `add_request`, `abort_request` and `set_max_num_seqs` may be called from any thread;
+they only validate and enqueue. `step()` runs on one thread (the engine thread) and applies the
+queued changes at its start, so a change always takes effect at the next step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from iterserve.engine.block_manager import BlockManager
+from iterserve.engine.config import EngineConfig, parse_size
+from iterserve.engine.detokenizer import append_new_text, find_stop_string
+from iterserve.engine.executor import Executor, FakeExecutor, FakeTokenizer, LinearStepTime
+from iterserve.engine.outputs import CompletionOutput, RequestOutput
+from iterserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.engine.scheduler import Scheduler, SchedulerOutput
+from iterserve.engine.sequence import Sequence
+from iterserve.engine.step_log import StepLog
+
+logger = logging.getLogger(__name__)
+
+FAKE_MODEL = "fake"
+# KV bytes per token of SmolLM2-135M in fp32 (30 layers x K,V x 3 heads x 64 dims x 4 bytes):
+# the fake model sizes its pool as the real one would.
+FAKE_KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    kv_usage: float
+    num_preemptions: int
+    max_num_seqs: int
+    num_kv_blocks: int
+    block_size: int
+    num_steps: int
+
+
+@dataclass(slots=True)
+class StepTiming:
+    schedule_s: float = 0.0
+    model_s: float = 0.0
+    postprocess_s: float = 0.0
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor,
+        tokenizer,
+        clock: Callable[[], float] = time.monotonic,
+        model_name: str | None = None,
+    ):
+        self.config = config
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.clock = clock
+        self.model_name = model_name or config.model
+        self.block_manager = BlockManager(
+            executor.num_kv_blocks, config.block_size, executor.num_cpu_blocks, config.watermark
+        )
+        self.scheduler = Scheduler(config, self.block_manager)
+        self._sequences: dict[str, Sequence] = {}
+        self._lock = threading.Lock()
+        self._inbox: deque[Sequence] = deque()
+        self._aborts: deque[str] = deque()
+        self._request_counter = itertools.count()
+        self._step_log = StepLog(config.step_log) if config.step_log else None
+        self.num_steps = 0
+        self.last_timing = StepTiming()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> LLMEngine:
+        if config.model == FAKE_MODEL:
+            config.resolve()
+            num_blocks = config.num_kv_blocks or parse_size(config.kv_cache_memory, "--kv-cache-memory") // (
+                FAKE_KV_BYTES_PER_TOKEN * config.block_size
+            )
+            num_cpu = config.num_cpu_blocks
+            if num_cpu is None:
+                num_cpu = parse_size(config.swap_space, "--swap-space") // (FAKE_KV_BYTES_PER_TOKEN * config.block_size)
+            config.check_kv_capacity(num_blocks, num_cpu)
+            step_time = LinearStepTime(base_s=0.002, per_prefill_token_s=0.00005, per_decode_token_s=0.0003)
+            return cls(config, FakeExecutor(num_blocks, num_cpu, step_time), FakeTokenizer(), clock, "fake")
+        from iterserve.engine.model_runner import ModelRunner
+
+        runner = ModelRunner(config)
+        return cls(config, runner, runner.tokenizer, clock, runner.model_name)
+
+    # -- called from any thread -----------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Validate and queue a request; raises InvalidRequestError (nothing is queued then)."""
+        params = params or SamplingParams()
+        if prompt_token_ids is None:
+            if not isinstance(prompt, str):
+                raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        self._check_prompt(prompt_token_ids)
+        request_id = request_id or f"req-{next(self._request_counter)}"
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
+            prompt=prompt,
+            eos_token_id=self.tokenizer.eos_token_id,
+        )
+        with self._lock:
+            if request_id in self._sequences:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+            self._sequences[request_id] = seq
+            self._inbox.append(seq)
+        return request_id
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty; send at least one token", param="prompt")
+        limit = self.config.max_model_len
+        if len(token_ids) >= limit:
+            raise InvalidRequestError(
+                f"prompt has {len(token_ids)} tokens, but max_model_len is {limit} (prompt plus at least "
+                "one generated token must fit); shorten the prompt",
+                param="prompt",
+            )
+        vocab = getattr(self.tokenizer, "vocab_size", None)
+        if vocab is not None and any(not 0 <= t < vocab for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+
+    def abort_request(self, request_id: str) -> None:
+        self._aborts.append(request_id)
+
+    def set_max_num_seqs(self, value: int) -> int:
+        """Change the running-sequence cap at the next step; running sequences are never killed."""
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InvalidRequestError("max_num_seqs must be a positive integer", param="max_num_seqs")
+        if value > self.config.max_num_batched_tokens:
+            raise InvalidRequestError(
+                f"max_num_seqs ({value}) may not exceed max_num_batched_tokens "
+                f"({self.config.max_num_batched_tokens})",
+                param="max_num_seqs",
+            )
+        previous = self.scheduler.max_num_seqs
+        self.scheduler.max_num_seqs = value
+        logger.info("max_num_seqs changed from %d to %d", previous, value)
+        return previous
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._inbox) or self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        sched = self.scheduler
+        return EngineStats(
+            num_waiting=len(sched.waiting) + len(self._inbox),
+            num_running=len(sched.running),
+            num_swapped=len(sched.swapped),
+            kv_usage=self.block_manager.usage(),
+            num_preemptions=sched.num_preemptions,
+            max_num_seqs=sched.max_num_seqs,
+            num_kv_blocks=self.block_manager.num_blocks,
+            block_size=self.config.block_size,
+            num_steps=self.num_steps,
+        )
+
+    # -- the engine thread ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t_start = time.perf_counter()
+        finished_now: list[Sequence] = []
+        self._drain_inbox(finished_now)
+        out = self.scheduler.schedule()
+        now = self.clock()
+        for chunk in out.chunks:
+            if chunk.seq.metrics.first_scheduled_time is None:
+                chunk.seq.metrics.first_scheduled_time = now
+        t_scheduled = time.perf_counter()
+        sampled = self.executor.execute(out) if not out.is_empty else []
+        t_model = time.perf_counter()
+        progressed = self.scheduler.update(out, sampled)
+        outputs = self._make_outputs(progressed, finished_now)
+        t_end = time.perf_counter()
+        self.num_steps += 1
+        self.last_timing = StepTiming(t_scheduled - t_start, t_model - t_scheduled, t_end - t_model)
+        if self._step_log is not None and not out.is_empty:
+            self._log_step(out, t_end - t_start)
+        return outputs
+
+    def _drain_inbox(self, finished_now: list[Sequence]) -> None:
+        while self._inbox:
+            self.scheduler.add(self._inbox.popleft())
+        while self._aborts:
+            request_id = self._aborts.popleft()
+            seq = self._sequences.get(request_id)
+            if seq is not None and not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+                finished_now.append(seq)
+
+    def _make_outputs(self, progressed: list[Sequence], finished_now: list[Sequence]) -> list[RequestOutput]:
+        now = self.clock()
+        outputs = []
+        for seq in progressed:
+            metrics = seq.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            new_text = append_new_text(seq, self.tokenizer) if self.tokenizer is not None else ""
+            if seq.params.stop and new_text:
+                cut = find_stop_string(seq, len(new_text))
+                if cut != -1:
+                    new_text = new_text[: max(0, len(new_text) - (len(seq.output_text) - cut))]
+                    seq.output_text = seq.output_text[:cut]
+                    self.scheduler.finish(seq, "stop")
+            outputs.append(self._output(seq, [seq.output_token_ids[-1]], new_text))
+        outputs.extend(self._output(seq, [], "") for seq in finished_now)
+        finished_ids = [o.request_id for o in outputs if o.finished]
+        if finished_ids:
+            with self._lock:
+                for request_id in finished_ids:
+                    self._sequences[request_id].metrics.finished_time = now
+                    del self._sequences[request_id]
+            self.executor.release(finished_ids)
+        return outputs
+
+    def _output(self, seq: Sequence, new_token_ids: list[int], new_text: str) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0,
+            text=seq.output_text,
+            token_ids=list(seq.output_token_ids),
+            finish_reason=seq.finish_reason,
+            new_token_ids=new_token_ids,
+            new_text=new_text,
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[completion],
+            finished=seq.is_finished,
+            metrics=seq.metrics,
+        )
+
+    def _log_step(self, out: SchedulerOutput, duration: float) -> None:
+        timing = self.last_timing
+        self._step_log.write(
+            {
+                "step": self.num_steps,
+                "time": self.clock(),
+                "duration_s": duration,
+                "schedule_s": timing.schedule_s,
+                "model_s": timing.model_s,
+                "postprocess_s": timing.postprocess_s,
+                "prefill_tokens": out.num_prefill_tokens,
+                "decode_tokens": out.num_decode_tokens,
+                "num_seqs": len(out.chunks),
+                "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting),
+                "kv_blocks_used": self.block_manager.gpu.num_used,
+                "preemptions": len(out.preempted),
+            }
+        )
+
+    def close(self) -> None:
+        if self._step_log is not None:
+            self._step_log.close()

@@ -1,0 +1,208 @@
+"""Iteration-level scheduling: one decision per model step.
+
+Each step has a token budget (max_num_batched_tokens). Running sequences are served first, in
+arrival order, each advancing toward its token count (a decode token, or the next prefill chunk).
+When the KV pool runs out, the most recently admitted sequence is preempted: its blocks are freed
+(recompute) or copied to the CPU pool (swap). In a step without preemption, swapped sequences are
+resumed and then waiting requests admitted while the budget and max_num_seqs allow.
+
+The scheduler knows nothing of time, torch or HTTP.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from iterserve.engine.block_manager import BlockManager
+from iterserve.engine.config import EngineConfig
+from iterserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first position computed this step
+    num_tokens: int
+    sample: bool  # the chunk reaches the sequence's last token, so the step samples a new one
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.start >= self.seq.num_prompt_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block, cpu_block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block, gpu_block)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for chunk in self.chunks if chunk.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_batched_tokens - self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks and not self.swap_out and not self.swap_in
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.max_num_seqs = config.max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    # -- queue membership -------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+        else:
+            self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    # -- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if self.config.scheduling == "static" and not self.running and not self.swapped:
+            self._admit_static_batch()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            budget = self._resume_swapped(out, budget)
+            if self.config.scheduling == "continuous":
+                self._admit_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = self._chunk_size(seq, budget)
+            if num_new == 0:
+                index += 1
+                continue
+            while not self.block_manager.can_allocate(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is seq:
+                    return budget
+            self._schedule(seq, num_new, out)
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _resume_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            if not self.block_manager.can_swap_in(seq):
+                break
+            self.swapped.popleft()
+            out.swap_in.extend(self.block_manager.swap_in(seq))
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            num_new = self._chunk_size(seq, budget)
+            if num_new and self.block_manager.can_allocate(seq, num_new):
+                self._schedule(seq, num_new, out)
+                budget -= num_new
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            num_new = self._chunk_size(seq, budget)
+            if num_new == 0 or not self.block_manager.can_allocate(seq, num_new, keep_watermark=True):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._schedule(seq, num_new, out)
+            budget -= num_new
+
+    def _admit_static_batch(self) -> None:
+        """Static batching baseline: a whole batch enters together, nothing joins until it ends."""
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+
+    def _chunk_size(self, seq: Sequence, budget: int) -> int:
+        remaining = seq.num_uncomputed_tokens
+        if self.config.chunked_prefill:
+            return min(remaining, budget)
+        return remaining if remaining <= budget else 0
+
+    def _schedule(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+        self.block_manager.allocate(seq, num_new)
+        start = seq.num_computed_tokens
+        out.chunks.append(ScheduledChunk(seq, start, num_new, start + num_new == seq.num_tokens))
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.num_preemptions += 1
+        seq.num_preemptions += 1
+        out.preempted.append(seq)
+        if (
+            self.config.preemption_mode == "swap"
+            and seq.block_table
+            and self.block_manager.can_swap_out(seq)
+        ):
+            out.swap_out.extend(self.block_manager.swap_out(seq))
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            return
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    # -- after the model ran -----------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
+        """Advance sequences by what the step computed; returns the ones that got a new token."""
+        progressed = []
+        for chunk, token in zip(out.chunks, sampled, strict=True):
+            seq = chunk.seq
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            seq.num_computed_tokens += chunk.num_tokens
+            if token is None:
+                continue
+            seq.output_token_ids.append(token)
+            progressed.append(seq)
+            reason = self._stop_reason(seq, token)
+            if reason:
+                self.finish(seq, reason)
+        return progressed
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if not params.ignore_eos and token == seq.eos_token_id:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,70 @@
+"""One request's tokens, progress and state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from iterserve.engine.outputs import RequestMetrics
+from iterserve.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    prompt: str | None = None
+    eos_token_id: int | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    # Tokens whose KV is in the cache; the step computes tokens[num_computed_tokens:].
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    cpu_block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    output_text: str = ""
+    detok_prefix_offset: int = 0
+    detok_read_offset: int = 0
+    metrics: RequestMetrics | None = None
+
+    def __post_init__(self) -> None:
+        if self.metrics is None:
+            self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len : end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
