@@ -1,0 +1,50 @@
+"""Every metric name the engine exports, defined once. The server, the operator's metric readers,
+the Helm chart's alerts and the Grafana dashboard all take names from here, so a rename breaks a
+test instead of silently breaking a dashboard or an autoscaler."""
+
+# The design note's names.
+WAITING_REQUESTS = "llm_scheduler_waiting_requests"
+RUNNING_SEQS = "llm_scheduler_running_seqs"
+PREEMPTIONS_TOTAL = "llm_scheduler_preemptions_total"
+KV_CACHE_USAGE = "llm_gpu_kv_cache_usage_fraction"
+THROUGHPUT_TOKENS_PER_SECOND = "llm_throughput_tokens_per_second"
+MAX_NUM_SEQS = "llm_scheduler_max_num_seqs"
+
+# Latency histograms and counters.
+TIME_TO_FIRST_TOKEN = "llm_time_to_first_token_seconds"
+INTER_TOKEN_LATENCY = "llm_inter_token_latency_seconds"
+E2E_REQUEST_LATENCY = "llm_e2e_request_latency_seconds"
+REQUEST_QUEUE_TIME = "llm_request_queue_time_seconds"
+PROMPT_TOKENS_TOTAL = "llm_prompt_tokens_total"
+GENERATION_TOKENS_TOTAL = "llm_generation_tokens_total"
+REQUESTS_TOTAL = "llm_requests_total"
+
+MODEL_LABEL = "model_name"
+
+# vLLM-compatible aliases, for existing dashboards, KEDA triggers and the Gateway API
+# Inference Extension's endpoint picker.
+VLLM_WAITING = "vllm:num_requests_waiting"
+VLLM_RUNNING = "vllm:num_requests_running"
+VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"
+VLLM_PREEMPTIONS_TOTAL = "vllm:num_preemptions_total"
+VLLM_CACHE_CONFIG_INFO = "vllm:cache_config_info"
+VLLM_TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"
+VLLM_INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"
+VLLM_E2E_REQUEST_LATENCY = "vllm:e2e_request_latency_seconds"
+
+ENGINE_METRIC_NAMES = [
+    WAITING_REQUESTS, RUNNING_SEQS, PREEMPTIONS_TOTAL, KV_CACHE_USAGE, THROUGHPUT_TOKENS_PER_SECOND,
+    MAX_NUM_SEQS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME,
+    PROMPT_TOKENS_TOTAL, GENERATION_TOKENS_TOTAL, REQUESTS_TOTAL,
+]
+
+# The operator's own metrics.
+AUTOSCALER_DESIRED_REPLICAS = "iterserve_autoscaler_desired_replicas"
+AUTOSCALER_DECISIONS_TOTAL = "iterserve_autoscaler_decisions_total"
+METRICS_SCRAPE_ERRORS_TOTAL = "iterserve_metrics_scrape_errors_total"
+EFFECTIVE_MAX_NUM_SEQS = "iterserve_effective_max_num_seqs"
+
+OPERATOR_METRIC_NAMES = [
+    AUTOSCALER_DESIRED_REPLICAS, AUTOSCALER_DECISIONS_TOTAL, METRICS_SCRAPE_ERRORS_TOTAL,
+    EFFECTIVE_MAX_NUM_SEQS,
+]
