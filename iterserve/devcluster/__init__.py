@@ -1,0 +1,8 @@
+"""A local Kubernetes control plane (etcd, API server, controller manager, scheduler, KWOK fake
+GPU nodes) for tests and for trying the operator without a cluster of one's own."""
+
+from iterserve.devcluster.cluster import ClusterStartError, LocalCluster, stop_in
+from iterserve.devcluster.handle import ClusterHandle
+from iterserve.devcluster.tools import MissingToolsError
+
+__all__ = ["ClusterHandle", "ClusterStartError", "LocalCluster", "MissingToolsError", "stop_in"]
