@@ -312,7 +312,7 @@ class LocalCluster:
         (self.workdir / STATE_FILE).write_text(json.dumps(state, indent=2))
 
     def cluster_handle(self) -> ClusterHandle:
-        return ClusterHandle(self.kubeconfig, self.workdir)
+        return ClusterHandle(self.kubeconfig, self.workdir, self.startup_seconds)
 
 
 def running_pids(workdir: Path) -> dict[str, int]:
@@ -331,6 +331,15 @@ def running_pids(workdir: Path) -> dict[str, int]:
     return alive
 
 
+def process_alive(pid: int) -> bool:
+    """True unless the process is gone or a zombie (an exited child nobody reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def stop_in(workdir: Path, grace: float = 10) -> list[str]:
     """Stops a detached cluster started in `workdir`; returns the names it stopped."""
     pids = running_pids(workdir)
@@ -338,9 +347,9 @@ def stop_in(workdir: Path, grace: float = 10) -> list[str]:
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     for pid in pids.values():
-        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        while process_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        if Path(f"/proc/{pid}").exists():
+        if process_alive(pid):
             os.kill(pid, signal.SIGKILL)
     (Path(workdir).resolve() / STATE_FILE).unlink(missing_ok=True)
     return list(pids)

@@ -14,8 +14,9 @@ from iterserve.devcluster.nodes import gpu_node_manifest, is_schedulable
 
 
 class ClusterHandle:
-    def __init__(self, kubeconfig: Path, workdir: Path):
+    def __init__(self, kubeconfig: Path, workdir: Path, startup_seconds: float | None = None):
         self.kubeconfig = Path(kubeconfig)
+        self.startup_seconds = startup_seconds  # None for a cluster this process did not start
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._cluster = current_cluster(self.kubeconfig)
