@@ -38,13 +38,16 @@ ENGINE_METRIC_NAMES = [
     PROMPT_TOKENS_TOTAL, GENERATION_TOKENS_TOTAL, REQUESTS_TOTAL,
 ]
 
-# The operator's own metrics.
+# The operator's own metrics, labelled `namespace` and `inferenceservice` (plus `pod` where
+# per engine pod) like the engine series, so alerts can join the two.
 AUTOSCALER_DESIRED_REPLICAS = "iterserve_autoscaler_desired_replicas"
+# The InferenceService's spec.autoscaling.maxReplicas, so an alert can tell "pinned at max".
+AUTOSCALER_MAX_REPLICAS = "iterserve_autoscaler_max_replicas"
 AUTOSCALER_DECISIONS_TOTAL = "iterserve_autoscaler_decisions_total"
 METRICS_SCRAPE_ERRORS_TOTAL = "iterserve_metrics_scrape_errors_total"
 EFFECTIVE_MAX_NUM_SEQS = "iterserve_effective_max_num_seqs"
 
 OPERATOR_METRIC_NAMES = [
-    AUTOSCALER_DESIRED_REPLICAS, AUTOSCALER_DECISIONS_TOTAL, METRICS_SCRAPE_ERRORS_TOTAL,
-    EFFECTIVE_MAX_NUM_SEQS,
+    AUTOSCALER_DESIRED_REPLICAS, AUTOSCALER_MAX_REPLICAS, AUTOSCALER_DECISIONS_TOTAL,
+    METRICS_SCRAPE_ERRORS_TOTAL, EFFECTIVE_MAX_NUM_SEQS,
 ]
