@@ -1,0 +1,1 @@
+"""The engine's HTTP server: an OpenAI-compatible API over one engine thread."""

@@ -1,0 +1,82 @@
+"""Admin API: read and change max_num_seqs live, and start a drain.
+
+With a token configured (ITERSERVE_ADMIN_TOKEN or --admin-token-file) every admin call needs
+`Authorization: Bearer <token>`. Without one, admin calls are refused unless the server listens
+on loopback only, where only local processes can reach it.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+
+from iterserve.engine.sampling_params import InvalidRequestError
+from iterserve.engine.server.errors import APIError, invalid, unavailable
+from iterserve.engine.server.protocol import (
+    AdminConfig,
+    AdminConfigPatch,
+    DrainStatus,
+    ErrorResponse,
+)
+from iterserve.engine.server.state import ServerState
+
+ADMIN_TOKEN_ENV = "ITERSERVE_ADMIN_TOKEN"
+
+
+def require_admin(request: Request) -> ServerState:
+    state: ServerState = request.app.state.server
+    token = state.options.admin_token
+    if token is None:
+        if state.options.loopback_only:
+            return state
+        raise APIError(403, f"admin API disabled: the server listens beyond loopback and no admin token is set; "
+                            f"set {ADMIN_TOKEN_ENV}", "permission_error", None, "admin_disabled")
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise APIError(401, "admin API: send Authorization: Bearer <admin token>", "authentication_error",
+                       None, "invalid_admin_token", {"WWW-Authenticate": "Bearer"})
+    return state
+
+
+Admin = Annotated[ServerState, Depends(require_admin)]
+ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 403, 503)}
+router = APIRouter(prefix="/admin", responses=ERRORS)
+
+
+@router.get("/config", response_model=AdminConfig)
+async def get_config(state: Admin) -> AdminConfig:
+    return _config(state)
+
+
+@router.patch("/config", response_model=AdminConfig)
+async def patch_config(patch: AdminConfigPatch, state: Admin) -> AdminConfig:
+    if state.engine is None:
+        raise unavailable("the model is still loading; retry shortly", "loading")
+    try:
+        state.engine.set_max_num_seqs(patch.max_num_seqs)
+    except InvalidRequestError as error:
+        raise invalid(str(error), error.param) from None
+    return _config(state)
+
+
+@router.post("/drain", response_model=DrainStatus, status_code=202)
+async def drain(state: Admin) -> DrainStatus:
+    state.begin_drain()
+    return DrainStatus(draining=True, in_flight=state.in_flight)
+
+
+def _config(state: ServerState) -> AdminConfig:
+    config = state.engine_config
+    stats = state.engine.stats() if state.engine is not None else None
+    return AdminConfig(
+        model=state.model_name,
+        max_num_seqs=stats.max_num_seqs if stats else config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens or 0,
+        max_model_len=config.max_model_len or 0,
+        block_size=config.block_size,
+        num_kv_blocks=stats.num_kv_blocks if stats else 0,
+        max_waiting_requests=state.options.max_waiting_requests,
+        draining=state.draining,
+    )

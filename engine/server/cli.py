@@ -1,0 +1,190 @@
+"""`iterserve serve`: serve a model over the OpenAI-compatible HTTP API.
+
+With no arguments it serves the embedded SmolLM2-135M on 127.0.0.1:8000. The HTTP server starts
+at once (GET /health answers while the model loads; GET /ready turns true once it is loaded).
+
+SIGTERM (or Ctrl-C) drains: readiness goes false at once, new requests get 503, requests in
+flight finish within --drain-timeout seconds (the rest are aborted), then the process exits 0.
+A second Ctrl-C exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import os
+import signal
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import uvicorn
+
+from iterserve.engine.config import DEFAULT_MODEL, ConfigError, EngineConfig
+from iterserve.engine.llm_engine import FAKE_MODEL
+
+logger = logging.getLogger("iterserve.server")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=DEFAULT_MODEL,
+                       help=f"a .gguf file, a HuggingFace directory, or the alias {DEFAULT_MODEL} (default)")
+    model.add_argument("--fake-model", action="store_true",
+                       help="serve a fake model (deterministic letters, modelled step time, no weights): "
+                            "for tests, load generators and simulations")
+    model.add_argument("--served-model-name", help="the model id clients send and /v1/models lists")
+    model.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    model.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    model.add_argument("--seed", type=int, default=0)
+
+    http = parser.add_argument_group("HTTP")
+    http.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    http.add_argument("--port", type=int, default=8000)
+    http.add_argument("--max-waiting-requests", type=int, default=256,
+                      help="bound on the waiting queue; beyond it requests get 429 with Retry-After")
+    http.add_argument("--drain-timeout", type=float, default=30.0,
+                      help="seconds in-flight requests get to finish after SIGTERM (default 30)")
+    http.add_argument("--admin-token-file",
+                      help="file holding the admin bearer token (else the env var ITERSERVE_ADMIN_TOKEN)")
+    http.add_argument("--no-vllm-metric-names", dest="vllm_metric_names", action="store_false",
+                      help="do not export the vllm:* metric aliases")
+    http.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    engine = parser.add_argument_group("scheduling and KV cache")
+    engine.add_argument("--max-num-seqs", type=int, default=64, help="cap on running sequences (default 64)")
+    engine.add_argument("--max-num-batched-tokens", type=int,
+                        help="token budget per step (default 512 with chunked prefill, else max-model-len)")
+    engine.add_argument("--max-model-len", type=int, help="context length (default: the model's, at most 2048)")
+    engine.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false")
+    engine.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    engine.add_argument("--scheduling", default="continuous", choices=["continuous", "static"],
+                        help="static = the request-level batching baseline")
+    engine.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    engine.add_argument("--kv-cache-memory", default="512MiB", help="KV pool size, e.g. 512MiB or 2GiB")
+    engine.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks (overrides --kv-cache-memory)")
+    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    engine.add_argument("--swap-space", default="256MiB", help="CPU swap pool size for --preemption-mode swap")
+    engine.add_argument("--step-log", help="write one JSON line per engine step to this file")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=FAKE_MODEL if args.fake_model else args.model,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        num_kv_blocks=args.num_kv_blocks,
+        swap_space=args.swap_space,
+        chunked_prefill=args.chunked_prefill,
+        preemption_mode=args.preemption_mode,
+        scheduling=args.scheduling,
+        attention_backend=args.attention_backend,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        step_log=args.step_log,
+    )
+
+
+def served_model_name(model: str) -> str:
+    if model in (FAKE_MODEL, DEFAULT_MODEL):
+        return model
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def admin_token(args: argparse.Namespace) -> str | None:
+    from iterserve.engine.server.admin import ADMIN_TOKEN_ENV
+
+    if args.admin_token_file:
+        token = Path(args.admin_token_file).read_text().strip()
+        if not token:
+            raise ConfigError(f"--admin-token-file {args.admin_token_file} is empty")
+        return token
+    return os.environ.get(ADMIN_TOKEN_ENV) or None
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = engine_config(args)
+        replace(config).resolve()  # fail fast on contradictory options, before binding the port
+        token = admin_token(args)
+        if args.max_waiting_requests < 1:
+            raise ConfigError("--max-waiting-requests must be a positive integer")
+        if args.drain_timeout < 0:
+            raise ConfigError("--drain-timeout must be >= 0 seconds")
+    except (ConfigError, OSError) as error:
+        print(f"iterserve serve: {error}", file=sys.stderr)
+        return 2
+
+    from iterserve.engine.server.app import build_app
+    from iterserve.engine.server.state import ServerOptions, ServerState
+
+    options = ServerOptions(
+        config=config,
+        served_model_name=args.served_model_name or served_model_name(config.model),
+        max_waiting_requests=args.max_waiting_requests,
+        vllm_metric_names=args.vllm_metric_names,
+        admin_token=token,
+        loopback_only=is_loopback(args.host),
+        drain_timeout_s=args.drain_timeout,
+    )
+    state = ServerState(options)
+    server = DrainingServer(
+        uvicorn.Config(build_app(state), host=args.host, port=args.port, log_config=None,
+                       log_level=args.log_level, access_log=args.access_log, timeout_graceful_shutdown=5),
+        state,
+    )
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    logger.info("serving model %s on http://%s:%d (OpenAI API under /v1, metrics at /metrics)",
+                options.served_model_name, host, args.port)
+    if token is None and not options.loopback_only:
+        logger.warning("no admin token set: the admin API is refused; set ITERSERVE_ADMIN_TOKEN to enable it")
+    server.run()
+    return server.exit_code
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, with SIGTERM turned into a drain instead of an immediate shutdown."""
+
+    def __init__(self, config: uvicorn.Config, state):
+        super().__init__(config)
+        self.state = state
+        self.exit_code = 0
+        self._signalled = False
+        self._drain_task: asyncio.Task | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # Runs in a signal handler: only set flags; on_tick (every 0.1 s, on the loop) acts on them.
+        if self._signalled and sig == signal.SIGINT:
+            self.should_exit = self.force_exit = True
+        self._signalled = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._signalled and self._drain_task is None:
+            self._drain_task = asyncio.create_task(self._drain_then_exit())
+        if self.state.load_error is not None:
+            self.exit_code = 1
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+    async def _drain_then_exit(self) -> None:
+        await self.state.drain(self.state.options.drain_timeout_s)
+        await asyncio.sleep(0.1)  # let the last responses flush
+        self.should_exit = True

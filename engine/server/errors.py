@@ -1,0 +1,96 @@
+"""Every error leaves the server as OpenAI's error body, `{"error": {message, type, param, code}}`,
+naming the field at fault. Unexpected exceptions are logged here and answered with a generic
+500: no stack trace ever reaches a client."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), exc.status, headers=exc.headers)
+
+
+def invalid(message: str, param: str | None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def overloaded(message: str, retry_after_s: int) -> APIError:
+    return APIError(429, message, "rate_limit_error", None, "queue_full", {"Retry-After": str(retry_after_s)})
+
+
+def unavailable(message: str, code: str) -> APIError:
+    return APIError(503, message, "service_unavailable", None, code, {"Retry-After": "1"})
+
+
+def _describe_validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
+    first = exc.errors()[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return "the request body is not valid JSON", None
+    if kind == "missing" and not loc:
+        return "the request needs a JSON body", None
+    # A union's alternatives add their type names to the path (prompt.str, prompt.list[int]...):
+    # the client wants the field, not the alternative.
+    field_path = [part for part in loc if not any(c in part for c in "[]") and part not in _TYPE_NAMES]
+    param = ".".join(field_path) or None
+    if kind == "extra_forbidden":
+        return f"unknown field {param!r}: remove it (see the API reference for the accepted fields)", param
+    if kind == "missing":
+        return f"{param} is required", param
+    return f"{param}: {first.get('msg', 'invalid value')}", param
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "literal"}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _describe_validation_error(exc)
+        return JSONResponse(error_body(message, "invalid_request_error", param), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind), exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error serving %s %s", request.method, request.url.path)
+        return JSONResponse(error_body("internal server error; see the server log", "server_error"), 500)

@@ -1,0 +1,253 @@
+"""POST /v1/completions, POST /v1/chat/completions and GET /v1/models.
+
+Streaming answers are server-sent events shaped exactly like OpenAI's, ending with
+`data: [DONE]`. Whether streaming or not, a client that disconnects has its request aborted at
+the engine's next step, which frees the request's KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from iterserve.engine.outputs import RequestOutput
+from iterserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.engine.server.async_engine import (
+    AsyncEngine,
+    EngineFailed,
+    NotAccepting,
+    QueueFull,
+    RequestStream,
+)
+from iterserve.engine.server.errors import APIError, error_body, invalid, overloaded, unavailable
+from iterserve.engine.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    _SamplingFields,
+)
+from iterserve.engine.server.state import ServerState
+
+ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 429, 503)}
+router = APIRouter()
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def list_models(request: Request) -> ModelList:
+    state: ServerState = request.app.state.server
+    card = ModelCard(id=state.model_name, created=state.created, max_model_len=state.engine_config.max_model_len)
+    return ModelList(data=[card])
+
+
+@router.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
+async def create_completion(body: CompletionRequest, request: Request):
+    state: ServerState = request.app.state.server
+    engine = state.require_engine()
+    state.check_model(body.model)
+    prompt = body.prompt
+    if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        text, token_ids = prompt, engine.engine.tokenizer.encode(prompt)
+    else:
+        text, token_ids = None, list(prompt)
+    params = _sampling_params(body, body.max_tokens, len(token_ids), engine, "prompt", default_max_tokens=16)
+    stream = _submit(engine, text, token_ids, params, "prompt")
+    ids = _Ids("cmpl", state.model_name)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = _completion_events(_watch(request, engine, stream), ids, include_usage)
+        return _sse(events)
+    final = await _final_output(request, engine, stream)
+    out = final.outputs[0]
+    return {
+        "id": ids.id, "object": "text_completion", "created": ids.created, "model": ids.model,
+        "choices": [{"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}],
+        "usage": _usage(final),
+    }
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+    state: ServerState = request.app.state.server
+    engine = state.require_engine()
+    state.check_model(body.model)
+    tokenizer = engine.engine.tokenizer
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as error:  # noqa: BLE001 - a template that rejects the conversation
+        raise invalid(f"messages: the model's chat template rejected them: {error}", "messages") from None
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    max_model_len = engine.engine.config.max_model_len
+    params = _sampling_params(body, max_tokens, len(token_ids), engine, "messages",
+                              default_max_tokens=max(1, max_model_len - len(token_ids)))
+    stream = _submit(engine, text, token_ids, params, "messages")
+    ids = _Ids("chatcmpl", state.model_name)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _sse(_chat_events(_watch(request, engine, stream), ids, include_usage))
+    final = await _final_output(request, engine, stream)
+    out = final.outputs[0]
+    return {
+        "id": ids.id, "object": "chat.completion", "created": ids.created, "model": ids.model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+                     "finish_reason": out.finish_reason}],
+        "usage": _usage(final),
+    }
+
+
+# -- request -> engine -----------------------------------------------------------------------
+def _sampling_params(body: _SamplingFields, max_tokens: int | None, prompt_len: int, engine: AsyncEngine,
+                     prompt_field: str, default_max_tokens: int) -> SamplingParams:
+    max_model_len = engine.engine.config.max_model_len
+    if prompt_len >= max_model_len:
+        raise invalid(f"{prompt_field}: the prompt has {prompt_len} tokens, but this model's maximum context "
+                      f"length is {max_model_len} tokens; shorten it", prompt_field, "context_length_exceeded")
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        raise invalid(f"max_tokens: this model's maximum context length is {max_model_len} tokens, but "
+                      f"{prompt_len} prompt tokens + max_tokens {max_tokens} exceed it; lower max_tokens to "
+                      f"at most {max_model_len - prompt_len}", "max_tokens", "context_length_exceeded")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    try:
+        return SamplingParams(
+            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+            max_tokens=max_tokens or default_max_tokens, stop=stop, stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos,
+        )
+    except InvalidRequestError as error:
+        raise invalid(str(error), error.param) from None
+
+
+def _submit(engine: AsyncEngine, text: str | None, token_ids: list[int], params: SamplingParams,
+            prompt_field: str) -> RequestStream:
+    try:
+        return engine.add_request(text, params, prompt_token_ids=token_ids)
+    except InvalidRequestError as error:
+        raise invalid(str(error), prompt_field if error.param == "prompt" else error.param) from None
+    except QueueFull as error:
+        raise overloaded(f"the server is overloaded ({error}); retry after the Retry-After interval", 1) from None
+    except NotAccepting as error:
+        raise unavailable(str(error), "draining") from None
+
+
+async def _watch(request: Request, engine: AsyncEngine, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+    """The request's outputs; aborts it in the engine if the client goes away first."""
+    watcher = asyncio.create_task(_abort_on_disconnect(request, engine, stream))
+    try:
+        async for out in stream:
+            yield out
+    finally:
+        watcher.cancel()
+        if not stream.finished:
+            engine.abort(stream.request_id)
+
+
+async def _abort_on_disconnect(request: Request, engine: AsyncEngine, stream: RequestStream) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            engine.abort(stream.request_id)
+            stream.put(ClientDisconnected())
+            return
+        await asyncio.sleep(0.05)
+
+
+async def _final_output(request: Request, engine: AsyncEngine, stream: RequestStream) -> RequestOutput:
+    final = None
+    try:
+        async for out in _watch(request, engine, stream):
+            final = out
+    except EngineFailed as error:
+        raise unavailable(str(error), "engine_failed") from None
+    except ClientDisconnected:
+        raise APIError(499, "client closed the request", "client_closed_request") from None
+    return final
+
+
+def _usage(out: RequestOutput) -> dict:
+    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# -- server-sent events ----------------------------------------------------------------------
+class _Ids:
+    def __init__(self, prefix: str, model: str):
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+
+
+def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+        except ClientDisconnected:
+            return
+        except EngineFailed as error:
+            yield f"data: {json.dumps(error_body(str(error), 'server_error'))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _completion_events(outputs: AsyncIterator[RequestOutput], ids: _Ids, include_usage: bool):
+    def chunk(text: str, finish_reason: str | None) -> dict:
+        event = {"id": ids.id, "object": "text_completion", "created": ids.created, "model": ids.model,
+                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+        if include_usage:
+            event["usage"] = None
+        return event
+
+    final = None
+    async for out in outputs:
+        final = out
+        completion = out.outputs[0]
+        if completion.new_text or out.finished:
+            yield chunk(completion.new_text, completion.finish_reason if out.finished else None)
+    if include_usage and final is not None:
+        yield _usage_chunk(ids, "text_completion", final)
+
+
+async def _chat_events(outputs: AsyncIterator[RequestOutput], ids: _Ids, include_usage: bool):
+    def chunk(delta: dict, finish_reason: str | None) -> dict:
+        event = {"id": ids.id, "object": "chat.completion.chunk", "created": ids.created, "model": ids.model,
+                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+        if include_usage:
+            event["usage"] = None
+        return event
+
+    yield chunk({"role": "assistant", "content": ""}, None)
+    final = None
+    async for out in outputs:
+        final = out
+        completion = out.outputs[0]
+        if completion.new_text:
+            yield chunk({"content": completion.new_text}, None)
+        if out.finished:
+            yield chunk({}, completion.finish_reason)
+    if include_usage and final is not None:
+        yield _usage_chunk(ids, "chat.completion.chunk", final)
+
+
+def _usage_chunk(ids: _Ids, kind: str, final: RequestOutput) -> dict:
+    return {"id": ids.id, "object": kind, "created": ids.created, "model": ids.model, "choices": [],
+            "usage": _usage(final)}
+

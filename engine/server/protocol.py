@@ -1,0 +1,168 @@
+"""OpenAI request and response schemas.
+
+Requests are strict: an unknown field or a wrong type is refused (400, naming the field) rather
+than silently ignored, so a client never believes a setting took effect when it did not.
+Fields that OpenAI defines but iterserve does not implement are accepted only at their neutral
+value, and refused otherwise with a message saying so.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+StopStrings = str | Annotated[list[str], Field(max_length=16)] | None
+
+
+class _SamplingFields(_Request):
+    """Fields both endpoints share; the names and ranges are OpenAI's."""
+
+    model: str | None = Field(None, description="The served model's id (GET /v1/models); defaults to it.")
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=1, description="Only 1 is supported.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: StopStrings = None
+    seed: int | None = None
+    presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="Not supported: only 0.")
+    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="Not supported: only 0.")
+    user: str | None = None
+    # vLLM's extensions, which load generators and benchmarks rely on.
+    top_k: int = Field(-1, ge=-1)
+    ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[
+        list[TokenIds], Field(min_length=1, max_length=1)
+    ] = Field(description="One prompt: a string or a list of token ids (batched prompts are not supported).")
+    echo: Literal[False] = False
+    logprobs: None = Field(None, description="Not supported.")
+    suffix: None = Field(None, description="Not supported.")
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: Literal[False] = False
+
+
+# -- responses -------------------------------------------------------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "iterserve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+# -- admin -----------------------------------------------------------------------------------
+class AdminConfigPatch(_Request):
+    max_num_seqs: int = Field(ge=1, description="Cap on running sequences, applied at the next step.")
+
+
+class AdminConfig(BaseModel):
+    model: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    max_waiting_requests: int
+    draining: bool
+
+
+class DrainStatus(BaseModel):
+    draining: bool
+    in_flight: int

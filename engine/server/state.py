@@ -1,0 +1,120 @@
+"""What one server process holds: its options, the engine (once loaded), metrics and the drain
+state. Readiness = the model is loaded, the engine is healthy and the server is not draining."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from iterserve.engine.config import EngineConfig
+from iterserve.engine.llm_engine import EngineStats, LLMEngine
+from iterserve.engine.server.async_engine import AsyncEngine
+from iterserve.engine.server.errors import APIError, unavailable
+from iterserve.engine.server.metrics import ServerMetrics
+
+logger = logging.getLogger("iterserve.server")
+
+
+@dataclass
+class ServerOptions:
+    config: EngineConfig
+    served_model_name: str
+    max_waiting_requests: int = 256
+    vllm_metric_names: bool = True
+    admin_token: str | None = None
+    loopback_only: bool = True
+    drain_timeout_s: float = 30.0
+
+
+class ServerState:
+    def __init__(self, options: ServerOptions, engine_factory: Callable[[EngineConfig], LLMEngine] = LLMEngine.from_config):
+        self.options = options
+        self.model_name = options.served_model_name
+        self.engine_factory = engine_factory
+        self.engine: AsyncEngine | None = None
+        self.load_error: BaseException | None = None
+        self.draining = False
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(self.model_name, self._stats, options.vllm_metric_names)
+
+    def _stats(self) -> EngineStats | None:
+        return self.engine.stats() if self.engine is not None else None
+
+    async def load(self) -> None:
+        config = self.options.config
+        logger.info("loading model %s", config.model)
+        started = time.monotonic()
+        try:
+            engine = await asyncio.to_thread(self.engine_factory, config)
+        except Exception as error:  # noqa: BLE001 - reported, and the process exits non-zero
+            logger.error("could not start the engine: %s", error)
+            self.load_error = error
+            return
+        self.engine = AsyncEngine(engine, self.options.max_waiting_requests, on_step=self.metrics.observe_step)
+        self.engine.draining = self.draining
+        self.engine.start(asyncio.get_running_loop())
+        stats, config = engine.stats(), engine.config
+        logger.info(
+            "model %s ready in %.1f s: KV pool %d blocks x %d tokens = %d tokens; max_num_seqs %d, "
+            "max_num_batched_tokens %d, max_model_len %d",
+            self.model_name, time.monotonic() - started, stats.num_kv_blocks, stats.block_size,
+            stats.num_kv_blocks * stats.block_size, stats.max_num_seqs, config.max_num_batched_tokens,
+            config.max_model_len,
+        )
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        return self.engine.engine.config if self.engine is not None else self.options.config
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.engine.failed is None and not self.draining
+
+    def require_engine(self) -> AsyncEngine:
+        if self.draining:
+            raise unavailable("the server is draining and accepts no new requests; retry on another replica",
+                              "draining")
+        if self.engine is None:
+            if self.load_error is not None:
+                raise unavailable("the model failed to load; see the server log", "engine_failed")
+            raise unavailable("the model is still loading; retry shortly", "loading")
+        if self.engine.failed is not None:
+            raise unavailable("the engine failed; see the server log", "engine_failed")
+        return self.engine
+
+    def check_model(self, requested: str | None) -> None:
+        if requested is not None and requested != self.model_name:
+            raise APIError(400, f"model {requested!r} is not served here; this server serves "
+                                f"{self.model_name!r} (GET /v1/models)", "invalid_request_error", "model",
+                           "model_not_found")
+
+    @property
+    def in_flight(self) -> int:
+        return self.engine.num_in_flight if self.engine is not None else 0
+
+    def begin_drain(self) -> None:
+        if not self.draining:
+            logger.info("draining: readiness is false, new requests get 503; %d in flight", self.in_flight)
+        self.draining = True
+        if self.engine is not None:
+            self.engine.draining = True
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until in-flight requests finish; after timeout_s abort the rest. True if none was cut."""
+        self.begin_drain()
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.in_flight:
+            logger.warning("drain timeout (%.0f s): aborting %d requests", timeout_s, self.in_flight)
+            self.engine.abort_all()
+            return False
+        logger.info("drained: no request in flight")
+        return True
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()
