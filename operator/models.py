@@ -1,0 +1,347 @@
+"""The InferenceService resource as pydantic models: the one source of the CRD's schema
+(operator/crd.py turns them into OpenAPI v3) and of the operator's defaulting and validation.
+
+Field names are camelCase on the wire (aliases) and snake_case in Python. Cross-field rules are
+written twice on purpose: as CEL (`x-kubernetes-validations`, checked by the API server at
+`kubectl apply` time) and as pydantic validators (checked by the operator, for objects that got
+in some other way, e.g. written before the CRD carried the rule). Both name the field.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "iterserve.dev"
+VERSION = "v1alpha1"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+SINGULAR = "inferenceservice"
+SHORT_NAME = "infsvc"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+DEFAULT_ENGINE_IMAGE = "ghcr.io/iterserve/engine:0.1.0"
+SCALING_HISTORY_LIMIT = 10
+
+# Kubernetes quantities ("4Gi", "500m", 2) as the API server's own schemas describe them.
+Quantity = Annotated[
+    int | str,
+    WithJsonSchema({
+        "anyOf": [{"type": "integer"}, {"type": "string"}],
+        "x-kubernetes-int-or-string": True,
+        "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
+    }),
+]
+# Free-form Kubernetes objects (affinity, a volume source, a pod template patch): kept as given.
+FreeForm = Annotated[
+    dict[str, Any],
+    WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True}),
+]
+SIZE_PATTERN = r"^[0-9]+(\.[0-9]+)?([kKMGT]i?[bB]?|[bB])?$"
+
+
+def cel(rule: str, message: str, field_path: str | None = None) -> dict:
+    entry = {"rule": rule, "message": message}
+    if field_path:
+        entry["fieldPath"] = field_path
+    return entry
+
+
+class WireModel(BaseModel):
+    """camelCase on the wire; unknown fields refused (the API server prunes them anyway)."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+    def to_wire(self) -> dict:
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+# ---------------------------------------------------------------------------------------- spec
+
+
+class PersistentVolumeClaimRef(WireModel):
+    """An existing PersistentVolumeClaim holding the model files, mounted read-only."""
+
+    claim_name: str = Field(min_length=1, description="Name of the PVC in the InferenceService's namespace.")
+
+
+class ModelSpec(WireModel):
+    """What to serve: a path or URI the engine understands, and optionally a volume holding it."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel("!(has(self.persistentVolumeClaim) && has(self.volume))",
+            "spec.model: set at most one of persistentVolumeClaim and volume"),
+    ]})
+
+    uri: str = Field(min_length=1, description=(
+        "Passed to `iterserve serve --model`: a GGUF file or Hugging Face directory, absolute or "
+        "relative to mountPath when a volume is given, or the name of the embedded model "
+        "(smollm2-135m)."))
+    persistent_volume_claim: PersistentVolumeClaimRef | None = Field(
+        None, description="Mount this PVC (read-only) at mountPath.")
+    volume: FreeForm | None = Field(
+        None, description="Any Kubernetes volume source (e.g. {hostPath: {path: /models}}), mounted read-only at mountPath.")
+    mount_path: str = Field("/models", pattern=r"^/", description="Where the model volume is mounted in the engine container.")
+
+    @model_validator(mode="after")
+    def _one_volume(self):
+        if self.persistent_volume_claim is not None and self.volume is not None:
+            raise ValueError("spec.model: set at most one of persistentVolumeClaim and volume")
+        return self
+
+    @property
+    def has_volume(self) -> bool:
+        return self.persistent_volume_claim is not None or self.volume is not None
+
+    @property
+    def engine_path(self) -> str:
+        """The --model argument: relative paths are resolved inside the mounted volume."""
+        if self.has_volume and not self.uri.startswith("/") and "://" not in self.uri:
+            return f"{self.mount_path.rstrip('/')}/{self.uri}"
+        return self.uri
+
+
+class ResourceRequirements(WireModel):
+    """Container resources; `nvidia.com/gpu` in limits (or requests) asks for GPUs."""
+
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+
+
+class EnvVar(WireModel):
+    name: str = Field(min_length=1)
+    value: str | None = None
+    value_from: FreeForm | None = Field(None, description="As in a container's env[].valueFrom.")
+
+
+class EngineSpec(WireModel):
+    """The engine container and its options (each maps to an `iterserve serve` flag)."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel("self.chunkedPrefill || !has(self.maxNumBatchedTokens) || !has(self.maxModelLen) "
+            "|| self.maxNumBatchedTokens >= self.maxModelLen",
+            "spec.engine.maxNumBatchedTokens must be >= spec.engine.maxModelLen when chunkedPrefill is false",
+            ".maxNumBatchedTokens"),
+        cel("!has(self.maxNumBatchedTokens) || self.maxNumSeqs <= self.maxNumBatchedTokens",
+            "spec.engine.maxNumSeqs must be <= spec.engine.maxNumBatchedTokens (each sequence needs a token of the step budget)",
+            ".maxNumSeqs"),
+    ]})
+
+    image: str = Field(DEFAULT_ENGINE_IMAGE, min_length=1, description="Engine container image.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    max_num_seqs: int = Field(64, ge=1, description="Cap on concurrent sequences (a memory bound); the KV retune may lower the effective value.")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="Tokens per iteration (a compute bound). Default: the engine's.")
+    max_model_len: int | None = Field(None, ge=1, description="Longest sequence. Default: the model's context, capped at 2048.")
+    block_size: Literal[1, 2, 4, 8, 16, 32, 64, 128, 256] = Field(16, description="KV cache block size in tokens.")
+    chunked_prefill: bool = True
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    kv_cache_memory: str | None = Field(None, pattern=SIZE_PATTERN, description="KV cache pool size, e.g. 512MiB or 20GiB.")
+    extra_args: list[str] = Field(default_factory=list, description="More `iterserve serve` flags (not the ones above, which the operator manages).")
+    env: list[EnvVar] = Field(default_factory=list)
+    drain_seconds: int = Field(30, ge=0, le=3600, description="How long a terminating pod may take to finish in-flight requests (preStop drain).")
+    startup_seconds: int = Field(600, ge=10, le=7200, description="How long model loading may take before the pod is restarted.")
+
+    @model_validator(mode="after")
+    def _engine_rules(self):
+        if (not self.chunked_prefill and self.max_num_batched_tokens is not None
+                and self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len):
+            raise ValueError("spec.engine.maxNumBatchedTokens must be >= spec.engine.maxModelLen when chunkedPrefill is false")
+        if self.max_num_batched_tokens is not None and self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError("spec.engine.maxNumSeqs must be <= spec.engine.maxNumBatchedTokens (each sequence needs a token of the step budget)")
+        return self
+
+
+class ScalingPolicy(WireModel):
+    """At most `value` pods (type Pods) or percent of current replicas (type Percent) per period."""
+
+    type: Literal["Pods", "Percent"]
+    value: int = Field(ge=1)
+    period_seconds: int = Field(ge=1, le=1800)
+
+
+class _ScalingRules(WireModel):
+    select_policy: Literal["Max", "Min", "Disabled"] = Field("Max", description="Which policy wins when several apply.")
+
+
+class ScaleUpRules(_ScalingRules):
+    stabilization_window_seconds: int = Field(0, ge=0, le=3600)
+    policies: list[ScalingPolicy] = Field(
+        default_factory=lambda: [ScalingPolicy(type="Pods", value=4, period_seconds=15),
+                                 ScalingPolicy(type="Percent", value=100, period_seconds=15)])
+
+
+class ScaleDownRules(_ScalingRules):
+    stabilization_window_seconds: int = Field(300, ge=0, le=3600)
+    policies: list[ScalingPolicy] = Field(
+        default_factory=lambda: [ScalingPolicy(type="Percent", value=100, period_seconds=15)])
+
+
+class KvRetune(WireModel):
+    """Lower max_num_seqs on a replica whose KV cache stays nearly full; raise it back when it recovers."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel("self.recoveryThreshold < self.threshold",
+            "spec.autoscaling.kvRetune.recoveryThreshold must be below spec.autoscaling.kvRetune.threshold",
+            ".recoveryThreshold"),
+    ]})
+
+    enabled: bool = True
+    threshold: float = Field(0.95, gt=0, le=1, description="KV usage fraction that counts as pressure.")
+    consecutive_samples: int = Field(3, ge=1, le=100, description="Samples above threshold before lowering.")
+    step_factor: float = Field(0.75, gt=0, lt=1, description="Multiply max_num_seqs by this when lowering.")
+    floor: int = Field(1, ge=1, description="Never lower max_num_seqs below this.")
+    recovery_threshold: float = Field(0.80, ge=0, lt=1, description="KV usage below which max_num_seqs may rise again.")
+    recovery_window_seconds: int = Field(300, ge=0, description="Quiet time (below recovery, no preemptions) before raising.")
+    recovery_step: int = Field(4, ge=1, description="Add this much to max_num_seqs per recovery step, up to the spec value.")
+
+    @model_validator(mode="after")
+    def _thresholds(self):
+        if self.recovery_threshold >= self.threshold:
+            raise ValueError("spec.autoscaling.kvRetune.recoveryThreshold must be below spec.autoscaling.kvRetune.threshold")
+        return self
+
+
+class AutoscalingSpec(WireModel):
+    """Builtin: the operator scales on waiting requests and preemptions. External: an HPA or KEDA
+    drives spec.replicas through the scale subresource and the operator never writes it. Off: fixed."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel("self.minReplicas <= self.maxReplicas",
+            "spec.autoscaling.minReplicas must be <= spec.autoscaling.maxReplicas", ".minReplicas"),
+    ]})
+
+    mode: Literal["Builtin", "External", "Off"] = "Builtin"
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(4, ge=1)
+    target_waiting_per_replica: float = Field(10, gt=0, description="Waiting requests per replica the scaler aims for.")
+    preemptions_per_minute_threshold: float = Field(1, ge=0, description="Preemption rate per replica above which a replica is added.")
+    tolerance: float = Field(0.1, ge=0, lt=1, description="No change while desired/current is within this of 1.")
+    scale_up: ScaleUpRules = Field(default_factory=ScaleUpRules)
+    scale_down: ScaleDownRules = Field(default_factory=ScaleDownRules)
+    cold_start_seconds: int = Field(600, ge=0, description="Pods not ready within this stop counting as coming capacity.")
+    warmup_seconds: int = Field(30, ge=0, description="Ignore a pod's samples for this long after it becomes ready.")
+    kv_retune: KvRetune = Field(default_factory=KvRetune)
+    metrics_source: Literal["scrape", "prometheus"] = "scrape"
+    interval_seconds: int = Field(15, ge=1, le=3600, description="How often the scaler decides.")
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("spec.autoscaling.minReplicas must be <= spec.autoscaling.maxReplicas")
+        return self
+
+
+class Toleration(WireModel):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class SchedulingSpec(WireModel):
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    affinity: FreeForm | None = None
+    priority_class_name: str | None = None
+
+
+class InferenceServiceSpec(WireModel):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel("!has(self.autoscaling) || !has(self.autoscaling.kvRetune) || !has(self.engine) "
+            "|| self.autoscaling.kvRetune.floor <= self.engine.maxNumSeqs",
+            "spec.autoscaling.kvRetune.floor must be <= spec.engine.maxNumSeqs", ".autoscaling.kvRetune.floor"),
+    ]})
+
+    model: ModelSpec
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    replicas: int = Field(1, ge=0, description="Engine pods wanted; the scale subresource's target.")
+    autoscaling: AutoscalingSpec | None = Field(None, description="Absent: no autoscaling (mode Off).")
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    pod_template_patch: FreeForm | None = Field(
+        None, description="Merged into the generated pod template last (maps by key, lists of named items by name).")
+
+    @model_validator(mode="after")
+    def _floor(self):
+        if self.autoscaling is not None and self.autoscaling.kv_retune.floor > self.engine.max_num_seqs:
+            raise ValueError("spec.autoscaling.kvRetune.floor must be <= spec.engine.maxNumSeqs")
+        return self
+
+    @property
+    def autoscaling_mode(self) -> str:
+        return "Off" if self.autoscaling is None else self.autoscaling.mode
+
+
+# -------------------------------------------------------------------------------------- status
+
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "InvalidSpec", "MetricsAvailable", "ScalingLimited")
+
+
+class Condition(WireModel):
+    type: Literal["Ready", "Progressing", "Degraded", "InvalidSpec", "MetricsAvailable", "ScalingLimited"]
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(min_length=1, description="CamelCase, machine-readable.")
+    message: str = ""
+    last_transition_time: datetime
+    observed_generation: int | None = None
+
+
+class ScalingRecord(WireModel):
+    """One decision that changed something: replicas, or one pod's max_num_seqs."""
+
+    time: datetime
+    action: Literal["ScaleUp", "ScaleDown", "RetuneDown", "RetuneUp"]
+    reason: str
+    message: str = ""
+    from_replicas: int | None = None
+    to_replicas: int | None = None
+    pod: str | None = None
+    from_max_num_seqs: int | None = None
+    to_max_num_seqs: int | None = None
+
+
+class PodSummary(WireModel):
+    """The autoscaler's last reading of one engine pod."""
+
+    name: str
+    ready: bool = False
+    waiting_requests: int | None = None
+    running_seqs: int | None = None
+    kv_cache_usage: float | None = None
+    preemptions_per_minute: float | None = None
+    max_num_seqs: int | None = None
+
+
+class InferenceServiceStatus(WireModel):
+    model_config = ConfigDict(extra="ignore")
+
+    observed_generation: int | None = None
+    replicas: int = 0
+    ready_replicas: int = 0
+    desired_replicas: int | None = None
+    effective_max_num_seqs: int | None = None
+    selector: str | None = Field(None, description="Label selector of the engine pods (scale subresource).")
+    conditions: list[Condition] = Field(default_factory=list, json_schema_extra={
+        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
+    last_scale_time: datetime | None = None
+    scaling_history: list[ScalingRecord] = Field(
+        default_factory=list, max_length=SCALING_HISTORY_LIMIT, description="The last decisions, newest last.")
+    waiting_requests: int | None = Field(None, description="Sum of waiting requests over readable pods.")
+    kv_cache_usage: float | None = Field(None, description="Highest KV cache usage fraction over readable pods.")
+    pods: list[PodSummary] = Field(default_factory=list)
+
+
+class InferenceService(WireModel):
+    """The whole object, for tests and examples (the operator reads spec and status separately)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    api_version: Literal["iterserve.dev/v1alpha1"] = API_VERSION
+    kind: Literal["InferenceService"] = KIND
+    metadata: dict[str, Any]
+    spec: InferenceServiceSpec
+    status: InferenceServiceStatus | None = None

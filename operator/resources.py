@@ -1,0 +1,341 @@
+"""Pure builders: an InferenceService spec -> the Deployment, Service, ConfigMap and admin-token
+Secret the operator owns. No API calls here; handlers.py applies what these return.
+
+The engine reads its tunable max_num_seqs from the ConfigMap (through an env var expanded in its
+args), so the KV retune changes the ConfigMap, not the pod template, and pods are not rolled; a
+change of spec.engine.maxNumSeqs itself does roll them (the template carries that value).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from iterserve.operator.models import API_VERSION, KIND, InferenceServiceSpec
+
+ENGINE_PORT = 8000
+METRICS_SERVICE_PORT = 9090
+CONTAINER_NAME = "engine"
+ENGINE_UID = 10001
+GPU_RESOURCE = "nvidia.com/gpu"
+MANAGED_BY = "iterserve-operator"
+MAX_NUM_SEQS_KEY = "max_num_seqs"
+MAX_NUM_SEQS_ENV = "ITERSERVE_MAX_NUM_SEQS"
+ADMIN_TOKEN_ENV = "ITERSERVE_ADMIN_TOKEN"
+ADMIN_TOKEN_KEY = "token"
+SPEC_MAX_NUM_SEQS_ANNOTATION = "iterserve.dev/spec-max-num-seqs"
+# Seconds between the end of the preStop drain and SIGKILL, for the engine's own SIGTERM handling.
+SHUTDOWN_MARGIN_SECONDS = 10
+# Flags built from typed spec fields; extraArgs may not repeat them (validation.py).
+MANAGED_FLAGS = (
+    "--host", "--port", "--model", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
+    "--block-size", "--chunked-prefill", "--no-chunked-prefill", "--preemption-mode", "--kv-cache-memory",
+)
+RESERVED_ENV = (MAX_NUM_SEQS_ENV, ADMIN_TOKEN_ENV)
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The InferenceService that owns the objects."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    @classmethod
+    def from_body(cls, body) -> Owner:
+        meta = body["metadata"]
+        return cls(meta["name"], meta["namespace"], meta["uid"])
+
+
+def deployment_name(name: str) -> str:
+    return name
+
+
+def service_name(name: str) -> str:
+    return name
+
+
+def configmap_name(name: str) -> str:
+    return f"{name}-engine"
+
+
+def secret_name(name: str) -> str:
+    return f"{name}-admin"
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "iterserve-engine", "app.kubernetes.io/instance": name}
+
+
+def selector_string(name: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
+
+
+def common_labels(name: str) -> dict[str, str]:
+    return {
+        **selector_labels(name),
+        "app.kubernetes.io/component": "engine",
+        "app.kubernetes.io/part-of": "iterserve",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+    }
+
+
+def owner_reference(owner: Owner) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": owner.name, "uid": owner.uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def _metadata(owner: Owner, name: str) -> dict[str, Any]:
+    return {"name": name, "namespace": owner.namespace, "labels": common_labels(owner.name),
+            "ownerReferences": [owner_reference(owner)]}
+
+
+def effective_max_num_seqs(spec: InferenceServiceSpec, tuned: int | None) -> int:
+    """The value new pods start with: the KV retune's, never above the spec's nor below 1."""
+    if tuned is None:
+        return spec.engine.max_num_seqs
+    return max(1, min(tuned, spec.engine.max_num_seqs))
+
+
+def engine_args(spec: InferenceServiceSpec) -> list[str]:
+    engine = spec.engine
+    args = ["--host", "0.0.0.0", "--port", str(ENGINE_PORT), "--model", spec.model.engine_path,
+            "--max-num-seqs", f"$({MAX_NUM_SEQS_ENV})", "--block-size", str(engine.block_size),
+            "--preemption-mode", engine.preemption_mode]
+    if engine.max_num_batched_tokens is not None:
+        args += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
+    if engine.max_model_len is not None:
+        args += ["--max-model-len", str(engine.max_model_len)]
+    if engine.kv_cache_memory is not None:
+        args += ["--kv-cache-memory", engine.kv_cache_memory]
+    if not engine.chunked_prefill:
+        args.append("--no-chunked-prefill")
+    return args + list(engine.extra_args)
+
+
+def gpu_count(spec: InferenceServiceSpec) -> int:
+    res = spec.engine.resources
+    return int(str(res.limits.get(GPU_RESOURCE, res.requests.get(GPU_RESOURCE, 0))))
+
+
+def container_resources(spec: InferenceServiceSpec) -> dict[str, Any]:
+    requests = {k: str(v) for k, v in spec.engine.resources.requests.items()}
+    limits = {k: str(v) for k, v in spec.engine.resources.limits.items()}
+    if gpu_count(spec):  # extended resources must be limits, and requests must equal them
+        limits[GPU_RESOURCE] = requests[GPU_RESOURCE] = str(gpu_count(spec))
+    out = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _env(spec: InferenceServiceSpec, name: str) -> list[dict[str, Any]]:
+    env = [
+        {"name": MAX_NUM_SEQS_ENV,
+         "valueFrom": {"configMapKeyRef": {"name": configmap_name(name), "key": MAX_NUM_SEQS_KEY}}},
+        {"name": ADMIN_TOKEN_ENV,
+         "valueFrom": {"secretKeyRef": {"name": secret_name(name), "key": ADMIN_TOKEN_KEY}}},
+        {"name": "HOME", "value": "/tmp"},
+    ]
+    return env + [var.to_wire() for var in spec.engine.env]
+
+
+def _probe(path: str, period: int, failures: int, timeout: int = 3) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
+            "failureThreshold": failures, "timeoutSeconds": timeout}
+
+
+def engine_container(spec: InferenceServiceSpec, name: str) -> dict[str, Any]:
+    engine = spec.engine
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}]
+    if spec.model.has_volume:
+        mounts.append({"name": "model", "mountPath": spec.model.mount_path, "readOnly": True})
+    if gpu_count(spec):
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    startup_period = 10
+    container = {
+        "name": CONTAINER_NAME,
+        "image": engine.image,
+        "imagePullPolicy": engine.image_pull_policy,
+        "command": ["iterserve", "serve"],
+        "args": engine_args(spec),
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "env": _env(spec, name),
+        "startupProbe": _probe("/health", startup_period, -(-engine.startup_seconds // startup_period)),
+        "livenessProbe": _probe("/health", 10, 3),
+        "readinessProbe": _probe("/ready", 5, 2),
+        # The drain is an exec hook because httpGet hooks cannot POST or send the admin token.
+        "lifecycle": {"preStop": {"exec": {"command": [
+            "iterserve", "drain", "--port", str(ENGINE_PORT), "--timeout", str(engine.drain_seconds)]}}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": mounts,
+    }
+    resources = container_resources(spec)
+    if resources:
+        container["resources"] = resources
+    return container
+
+
+def _volumes(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
+    if spec.model.persistent_volume_claim is not None:
+        volumes.append({"name": "model", "persistentVolumeClaim": {
+            "claimName": spec.model.persistent_volume_claim.claim_name, "readOnly": True}})
+    elif spec.model.volume is not None:
+        volumes.append({"name": "model", **spec.model.volume})
+    if gpu_count(spec):
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    return volumes
+
+
+def _tolerations(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    tolerations = [t.to_wire() for t in spec.scheduling.tolerations]
+    if gpu_count(spec) and not any(t.get("key") == GPU_RESOURCE for t in tolerations):
+        tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    return tolerations
+
+
+def pod_template(spec: InferenceServiceSpec, name: str) -> dict[str, Any]:
+    pod_spec: dict[str, Any] = {
+        "containers": [engine_container(spec, name)],
+        "volumes": _volumes(spec),
+        "terminationGracePeriodSeconds": spec.engine.drain_seconds + SHUTDOWN_MARGIN_SECONDS,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True, "runAsUser": ENGINE_UID, "runAsGroup": ENGINE_UID, "fsGroup": ENGINE_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    scheduling = spec.scheduling
+    if scheduling.node_selector:
+        pod_spec["nodeSelector"] = dict(scheduling.node_selector)
+    tolerations = _tolerations(spec)
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
+    if scheduling.affinity:
+        pod_spec["affinity"] = scheduling.affinity
+    if scheduling.priority_class_name:
+        pod_spec["priorityClassName"] = scheduling.priority_class_name
+    template = {
+        "metadata": {
+            "labels": common_labels(name),
+            "annotations": {
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(ENGINE_PORT),
+                "prometheus.io/path": "/metrics",
+                SPEC_MAX_NUM_SEQS_ANNOTATION: str(spec.engine.max_num_seqs),
+            },
+        },
+        "spec": pod_spec,
+    }
+    if spec.pod_template_patch:
+        template = merge_patch(template, spec.pod_template_patch)
+        template["metadata"]["labels"].update(selector_labels(name))  # the selector must keep matching
+    return template
+
+
+def build_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(owner, deployment_name(owner.name)),
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": selector_labels(owner.name)},
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": spec.engine.startup_seconds + 120,
+            "template": pod_template(spec, owner.name),
+        },
+    }
+
+
+def build_service(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(owner, service_name(owner.name)),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(owner.name),
+            "ports": [
+                {"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"},
+                # The engine serves /metrics on its HTTP port; a named port lets monitors select it.
+                {"name": "metrics", "port": METRICS_SERVICE_PORT, "targetPort": "http", "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def engine_config(spec: InferenceServiceSpec, max_num_seqs: int) -> dict[str, Any]:
+    engine = spec.engine
+    return {
+        "model": spec.model.engine_path,
+        "max_num_seqs": max_num_seqs,
+        "spec_max_num_seqs": engine.max_num_seqs,
+        "max_num_batched_tokens": engine.max_num_batched_tokens,
+        "max_model_len": engine.max_model_len,
+        "block_size": engine.block_size,
+        "chunked_prefill": engine.chunked_prefill,
+        "preemption_mode": engine.preemption_mode,
+        "kv_cache_memory": engine.kv_cache_memory,
+        "extra_args": list(engine.extra_args),
+    }
+
+
+def build_configmap(owner: Owner, spec: InferenceServiceSpec, max_num_seqs: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(owner, configmap_name(owner.name)),
+        "data": {
+            MAX_NUM_SEQS_KEY: str(max_num_seqs),
+            "engine.yaml": yaml.safe_dump(engine_config(spec, max_num_seqs), sort_keys=False),
+        },
+    }
+
+
+def build_admin_secret(owner: Owner, token: str | None = None) -> dict[str, Any]:
+    """Created once and never rewritten: engines and the autoscaler share this token."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": _metadata(owner, secret_name(owner.name)),
+        "stringData": {ADMIN_TOKEN_KEY: token or secrets.token_urlsafe(32)},
+    }
+
+
+def merge_patch(base: Any, patch: Any) -> Any:
+    """JSON merge patch, except that lists of named items (containers, volumes, env) merge by name."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = dict(base)
+        for key, value in patch.items():
+            if value is None:
+                out.pop(key, None)
+            else:
+                out[key] = merge_patch(base.get(key), value)
+        return out
+    if _named_list(base) and _named_list(patch):
+        out = list(base)
+        index = {item["name"]: i for i, item in enumerate(out)}
+        for item in patch:
+            if item["name"] in index:
+                out[index[item["name"]]] = merge_patch(out[index[item["name"]]], item)
+            else:
+                out.append(item)
+        return out
+    return patch
+
+
+def _named_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(i, dict) and "name" in i for i in value)

@@ -1,0 +1,135 @@
+"""Pure status computation: conditions with stable transition times, the status the reconcile
+writes from the Deployment it owns, and the bounded scaling history the autoscaler appends to.
+
+Everything works on the wire form (camelCase dicts), the shape that is patched onto
+the status subresource; the clock is a parameter.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from iterserve.operator.models import SCALING_HISTORY_LIMIT, InferenceServiceSpec
+from iterserve.operator.resources import selector_string
+
+TRUE, FALSE, UNKNOWN = "True", "False", "Unknown"
+
+
+def timestamp(now: datetime) -> str:
+    return now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def find_condition(conditions: list[dict] | None, type_: str) -> dict | None:
+    return next((c for c in conditions or [] if c.get("type") == type_), None)
+
+
+def set_condition(conditions: list[dict] | None, type_: str, status: str, reason: str, message: str,
+                  now: datetime, generation: int | None = None) -> list[dict]:
+    """A new list with the condition set; lastTransitionTime moves only when status changes."""
+    old = find_condition(conditions, type_)
+    changed = old is None or old.get("status") != status
+    new = {
+        "type": type_, "status": status, "reason": reason, "message": message,
+        "lastTransitionTime": timestamp(now) if changed else old["lastTransitionTime"],
+    }
+    if generation is not None:
+        new["observedGeneration"] = generation
+    others = [c for c in conditions or [] if c.get("type") != type_]
+    return _ordered(others + [new])
+
+
+_ORDER = ("Ready", "Progressing", "Degraded", "InvalidSpec", "MetricsAvailable", "ScalingLimited")
+
+
+def _ordered(conditions: list[dict]) -> list[dict]:
+    return sorted(conditions, key=lambda c: _ORDER.index(c["type"]) if c["type"] in _ORDER else len(_ORDER))
+
+
+def ensure_condition(conditions: list[dict] | None, type_: str, reason: str, message: str,
+                     now: datetime) -> list[dict]:
+    """Adds the condition as Unknown only if absent (the autoscaler owns its later values)."""
+    if find_condition(conditions, type_) is not None:
+        return list(conditions or [])
+    return set_condition(conditions, type_, UNKNOWN, reason, message, now)
+
+
+def _deployment_condition(deployment: dict, type_: str) -> dict | None:
+    return find_condition((deployment.get("status") or {}).get("conditions"), type_)
+
+
+def reconciled_status(previous: dict | None, spec: InferenceServiceSpec, name: str, generation: int,
+                      deployment: dict, max_num_seqs: int, now: datetime) -> dict[str, Any]:
+    """The fields the reconcile owns, computed from the Deployment it just applied."""
+    previous = previous or {}
+    dep_status = deployment.get("status") or {}
+    desired = spec.replicas
+    replicas = dep_status.get("replicas", 0)
+    ready = dep_status.get("readyReplicas", 0)
+    updated = dep_status.get("updatedReplicas", 0)
+    rolled_out = (dep_status.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 0)
+                  and updated == desired and replicas == desired)
+
+    conditions = previous.get("conditions") or []
+    conditions = set_condition(conditions, "InvalidSpec", FALSE, "Valid", "The spec is valid.", now, generation)
+    if desired == 0:
+        conditions = set_condition(conditions, "Ready", FALSE, "ScaledToZero", "spec.replicas is 0.", now, generation)
+    elif ready >= desired and rolled_out:
+        conditions = set_condition(conditions, "Ready", TRUE, "AllReplicasReady",
+                                   f"{ready}/{desired} engine pods ready.", now, generation)
+    else:
+        conditions = set_condition(conditions, "Ready", FALSE, "ReplicasNotReady",
+                                   f"{ready}/{desired} engine pods ready.", now, generation)
+    if rolled_out:
+        conditions = set_condition(conditions, "Progressing", FALSE, "RolloutComplete",
+                                   "The engine Deployment is rolled out.", now, generation)
+    else:
+        conditions = set_condition(conditions, "Progressing", TRUE, "RollingOut",
+                                   f"{updated} of {desired} engine pods updated, {replicas} exist.", now, generation)
+    stuck = _deployment_condition(deployment, "Progressing")
+    failure = _deployment_condition(deployment, "ReplicaFailure")
+    if stuck is not None and stuck.get("reason") == "ProgressDeadlineExceeded":
+        conditions = set_condition(conditions, "Degraded", TRUE, "ProgressDeadlineExceeded",
+                                   stuck.get("message", ""), now, generation)
+    elif failure is not None and failure.get("status") == TRUE:
+        conditions = set_condition(conditions, "Degraded", TRUE, failure.get("reason") or "ReplicaFailure",
+                                   failure.get("message", ""), now, generation)
+    else:
+        conditions = set_condition(conditions, "Degraded", FALSE, "AsExpected", "", now, generation)
+    conditions = ensure_condition(conditions, "MetricsAvailable", "NotCollected",
+                                  "The autoscaler has not read engine metrics yet.", now)
+    conditions = ensure_condition(conditions, "ScalingLimited", "NotEvaluated",
+                                  "The autoscaler has not decided yet.", now)
+    return {
+        "observedGeneration": generation,
+        "replicas": replicas,
+        "readyReplicas": ready,
+        "desiredReplicas": previous.get("desiredReplicas") if spec.autoscaling_mode == "Builtin"
+        and previous.get("desiredReplicas") is not None else desired,
+        "effectiveMaxNumSeqs": max_num_seqs,
+        "selector": selector_string(name),
+        "conditions": conditions,
+    }
+
+
+def invalid_status(previous: dict | None, generation: int, field: str, message: str, now: datetime) -> dict[str, Any]:
+    conditions = set_condition((previous or {}).get("conditions"), "InvalidSpec", TRUE, "InvalidField",
+                               f"{field}: {message}", now, generation)
+    conditions = set_condition(conditions, "Degraded", TRUE, "InvalidSpec",
+                               f"Not applied: {field}: {message}", now, generation)
+    return {"observedGeneration": generation, "conditions": conditions}
+
+
+def changed_fields(previous: dict | None, new: dict[str, Any]) -> dict[str, Any]:
+    """The part of `new` that differs from `previous` (empty: nothing to write)."""
+    previous = previous or {}
+    return {k: v for k, v in new.items() if previous.get(k) != v}
+
+
+def append_history(history: list[dict] | None, record: dict, limit: int = SCALING_HISTORY_LIMIT) -> list[dict]:
+    """The autoscaler's scalingHistory: newest last, at most `limit` entries."""
+    return (list(history or []) + [record])[-limit:]

@@ -1,0 +1,64 @@
+"""Reading a spec from the API server into the models, with errors that name the field.
+
+The CRD's schema catches most mistakes at `kubectl apply`; what still gets through (objects
+stored before a rule existed, rules a schema cannot say) ends here as a SpecError, which the
+operator reports as the InvalidSpec condition instead of crashing or creating half the objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from iterserve.operator.models import InferenceServiceSpec
+from iterserve.operator.resources import MANAGED_FLAGS, RESERVED_ENV
+
+
+class SpecError(ValueError):
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def _field_path(loc: tuple) -> str:
+    path = "spec"
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return path
+
+
+def _from_validation_error(exc: ValidationError) -> SpecError:
+    error = exc.errors()[0]
+    message = error["msg"].removeprefix("Value error, ")
+    if message.startswith("spec."):  # a cross-field rule: it names its fields itself
+        field, _, rest = message.partition(" ")
+        return SpecError(field.rstrip(":"), rest)
+    return SpecError(_field_path(error["loc"]), message)
+
+
+def parse_spec(raw: dict[str, Any] | None) -> InferenceServiceSpec:
+    try:
+        spec = InferenceServiceSpec.model_validate(dict(raw or {}))
+    except ValidationError as exc:
+        raise _from_validation_error(exc) from None
+    check_semantics(spec)
+    return spec
+
+
+def check_semantics(spec: InferenceServiceSpec) -> None:
+    for i, arg in enumerate(spec.engine.extra_args):
+        flag = arg.split("=", 1)[0]
+        if flag in MANAGED_FLAGS:
+            raise SpecError(f"spec.engine.extraArgs[{i}]",
+                            f"{flag} is set by the operator from the spec; use the matching spec.engine field instead")
+    for i, var in enumerate(spec.engine.env):
+        if var.name in RESERVED_ENV:
+            raise SpecError(f"spec.engine.env[{i}].name", f"{var.name} is reserved for the operator")
+        if var.value is not None and var.value_from is not None:
+            raise SpecError(f"spec.engine.env[{i}]", "set value or valueFrom, not both")
+    patch = spec.pod_template_patch or {}
+    unknown = sorted(set(patch) - {"metadata", "spec"})
+    if unknown:
+        raise SpecError("spec.podTemplatePatch", f"only metadata and spec may be patched, not {', '.join(unknown)}")

@@ -1,0 +1,91 @@
+"""Condition transitions and the status the reconcile writes from its Deployment."""
+
+from datetime import UTC, datetime, timedelta
+
+from iterserve.operator import status as s
+from iterserve.operator.validation import parse_spec
+
+T0 = datetime(2025, 1, 1, tzinfo=UTC)
+T1 = T0 + timedelta(minutes=5)
+SPEC = parse_spec({"model": {"uri": "m"}, "replicas": 2})
+
+
+def deployment(replicas=2, ready=2, updated=2, generation=1, observed=1, conditions=()):
+    return {"metadata": {"generation": generation},
+            "status": {"replicas": replicas, "readyReplicas": ready, "updatedReplicas": updated,
+                       "observedGeneration": observed, "conditions": list(conditions)}}
+
+
+def conditions_of(status):
+    return {c["type"]: c for c in status["conditions"]}
+
+
+def test_transition_time_moves_only_when_status_changes():
+    first = s.set_condition([], "Ready", s.FALSE, "ReplicasNotReady", "0/2", T0)
+    same = s.set_condition(first, "Ready", s.FALSE, "ReplicasNotReady", "1/2", T1)
+    assert same[0]["lastTransitionTime"] == "2025-01-01T00:00:00Z" and same[0]["message"] == "1/2"
+    flipped = s.set_condition(same, "Ready", s.TRUE, "AllReplicasReady", "2/2", T1)
+    assert flipped[0]["lastTransitionTime"] == "2025-01-01T00:05:00Z"
+    assert len(flipped) == 1
+
+
+def test_ready_stable_service():
+    status = s.reconciled_status(None, SPEC, "llm", 3, deployment(), 64, T0)
+    c = conditions_of(status)
+    assert c["Ready"]["status"] == "True" and c["Progressing"]["status"] == "False"
+    assert c["Degraded"]["status"] == "False" and c["InvalidSpec"]["status"] == "False"
+    assert c["MetricsAvailable"]["status"] == "Unknown" and c["ScalingLimited"]["status"] == "Unknown"
+    assert [x["type"] for x in status["conditions"]] == list(s._ORDER)
+    assert status["observedGeneration"] == 3 and status["replicas"] == 2 and status["readyReplicas"] == 2
+    assert status["selector"] == "app.kubernetes.io/name=iterserve-engine,app.kubernetes.io/instance=llm"
+    assert status["effectiveMaxNumSeqs"] == 64 and status["desiredReplicas"] == 2
+
+
+def test_rolling_out_is_progressing_and_not_ready():
+    status = s.reconciled_status(None, SPEC, "llm", 1, deployment(ready=1, updated=1, generation=2, observed=1), 64, T0)
+    c = conditions_of(status)
+    assert c["Ready"]["status"] == "False" and "1/2" in c["Ready"]["message"]
+    assert c["Progressing"]["status"] == "True" and c["Progressing"]["reason"] == "RollingOut"
+
+
+def test_deadline_exceeded_is_degraded():
+    stuck = {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+             "message": "ReplicaSet llm-abc has timed out progressing."}
+    c = conditions_of(s.reconciled_status(None, SPEC, "llm", 1, deployment(ready=0, conditions=[stuck]), 64, T0))
+    assert c["Degraded"]["status"] == "True" and c["Degraded"]["reason"] == "ProgressDeadlineExceeded"
+
+
+def test_scaled_to_zero():
+    spec = parse_spec({"model": {"uri": "m"}, "replicas": 0})
+    c = conditions_of(s.reconciled_status(None, spec, "llm", 1, deployment(0, 0, 0), 64, T0))
+    assert c["Ready"]["reason"] == "ScaledToZero"
+
+
+def test_autoscaler_conditions_are_left_alone():
+    previous = {"conditions": [{"type": "MetricsAvailable", "status": "False", "reason": "NoPodReadable",
+                                "message": "0 of 2 pods", "lastTransitionTime": "2024-12-31T00:00:00Z"}]}
+    c = conditions_of(s.reconciled_status(previous, SPEC, "llm", 1, deployment(), 64, T0))
+    assert c["MetricsAvailable"]["reason"] == "NoPodReadable"
+
+
+def test_invalid_then_fixed():
+    bad = s.invalid_status(None, 4, "spec.engine.extraArgs[0]", "--port is set by the operator", T0)
+    c = conditions_of(bad)
+    assert c["InvalidSpec"]["status"] == "True" and "spec.engine.extraArgs[0]" in c["InvalidSpec"]["message"]
+    assert c["Degraded"]["status"] == "True"
+    fixed = conditions_of(s.reconciled_status(bad, SPEC, "llm", 5, deployment(), 64, T1))
+    assert fixed["InvalidSpec"]["status"] == "False" and fixed["InvalidSpec"]["lastTransitionTime"] == "2025-01-01T00:05:00Z"
+    assert fixed["Degraded"]["status"] == "False"
+
+
+def test_second_reconcile_writes_nothing():
+    first = s.reconciled_status(None, SPEC, "llm", 1, deployment(), 64, T0)
+    again = s.reconciled_status(first, SPEC, "llm", 1, deployment(), 64, T1)
+    assert s.changed_fields(first, again) == {}
+
+
+def test_history_is_bounded_newest_last():
+    history = []
+    for i in range(25):
+        history = s.append_history(history, {"time": "t", "action": "ScaleUp", "reason": str(i)})
+    assert len(history) == 10 and history[-1]["reason"] == "24" and history[0]["reason"] == "15"
