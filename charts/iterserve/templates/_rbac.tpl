@@ -1,0 +1,49 @@
+{{/*
+The operator's API calls, as RBAC rules: exactly the calls listed in operator/rbac.py
+(tests/unit/test_chart_rbac.py fails when the two differ). No wildcards.
+*/}}
+
+{{/* Rules on namespaced resources: in the ClusterRole (cluster mode) or a Role per watched namespace. */}}
+{{- define "iterserve.namespacedRules" -}}
+- apiGroups: [iterserve.dev]
+  resources: [inferenceservices]
+  verbs: [get, list, watch, patch]
+- apiGroups: [iterserve.dev]
+  resources: [inferenceservices/status]
+  verbs: [get, patch]
+- apiGroups: [iterserve.dev]
+  resources: [inferenceservices/scale]
+  verbs: [get, patch]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [services, configmaps]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get, create, patch]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch]
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [get, list, watch]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- if and .Values.operator.peering.enabled (eq .Values.operator.watch.mode "namespaced") }}
+- apiGroups: [kopf.dev]
+  resources: [kopfpeerings]
+  verbs: [get, list, watch, patch]
+{{- end }}
+{{- end }}
+
+{{/* Rules on cluster-scoped resources; only cluster mode needs any. */}}
+{{- define "iterserve.clusterScopedRules" -}}
+{{- if .Values.operator.peering.enabled }}
+- apiGroups: [kopf.dev]
+  resources: [clusterkopfpeerings]
+  verbs: [get, list, watch, patch]
+{{- end }}
+{{- end }}
