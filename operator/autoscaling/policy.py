@@ -1,0 +1,533 @@
+"""The autoscaler's decision function: spec + state + samples + clock -> decision with reasons.
+
+Pure: no I/O, no clock of its own, no Kubernetes. The operator's timer and the simulator call
+`decide()` unchanged. Replicas follow HPA's formula on an average-value target (total waiting /
+target per replica), with HPA's tolerance, stabilization windows and rate policies, plus the
+guards that other LLM control planes lack: capacity that is still loading counts, warm-up
+samples are ignored, an unreadable pod never blocks the others, missing is never zero, and
+preemptions both add replicas and block scale-down. Per pod, a KV retune lowers max_num_seqs
+multiplicatively under KV pressure and raises it additively once the pod has been quiet.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+# ----------------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class RatePolicy:
+    """At most `value` pods (kind "Pods") or percent of replicas ("Percent") per period."""
+
+    kind: str
+    value: int
+    period_seconds: float
+
+
+@dataclass(frozen=True)
+class DirectionRules:
+    stabilization_window_seconds: float
+    policies: tuple[RatePolicy, ...]
+    select_policy: str = "Max"  # Max | Min | Disabled
+
+
+def _default_scale_up() -> DirectionRules:
+    return DirectionRules(0, (RatePolicy("Pods", 4, 15), RatePolicy("Percent", 100, 15)))
+
+
+def _default_scale_down() -> DirectionRules:
+    return DirectionRules(300, (RatePolicy("Percent", 100, 15),))
+
+
+@dataclass(frozen=True)
+class KvRetuneSettings:
+    enabled: bool = True
+    threshold: float = 0.95
+    consecutive_samples: int = 3
+    step_factor: float = 0.75
+    floor: int = 1
+    recovery_threshold: float = 0.80
+    recovery_window_seconds: float = 300
+    recovery_step: int = 4
+
+
+@dataclass(frozen=True)
+class Settings:
+    mode: str = "Builtin"  # Builtin | External | Off
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_waiting_per_replica: float = 10
+    preemptions_per_minute_threshold: float = 1
+    tolerance: float = 0.1
+    scale_up: DirectionRules = field(default_factory=_default_scale_up)
+    scale_down: DirectionRules = field(default_factory=_default_scale_down)
+    cold_start_seconds: float = 600
+    warmup_seconds: float = 30
+    preemption_window_seconds: float = 60
+    stale_sample_seconds: float = 60
+    spec_max_num_seqs: int = 64
+    kv_retune: KvRetuneSettings = field(default_factory=KvRetuneSettings)
+
+    @property
+    def memory_seconds(self) -> float:
+        """How far back samples, recommendations and scale events still matter."""
+        periods = [p.period_seconds for r in (self.scale_up, self.scale_down) for p in r.policies]
+        return max([self.scale_up.stabilization_window_seconds,
+                    self.scale_down.stabilization_window_seconds, self.preemption_window_seconds,
+                    self.kv_retune.recovery_window_seconds, *periods]) + 60
+
+
+# -------------------------------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class PodSample:
+    """One reading of one pod's engine metrics. `error` set means the reading failed."""
+
+    pod: str
+    at: float
+    waiting: float | None = None
+    running: float | None = None
+    kv_usage: float | None = None
+    preemptions_total: float | None = None
+    max_num_seqs: float | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(frozen=True)
+class PodState:
+    name: str
+    created_at: float
+    ready_at: float | None = None  # None: not ready
+    max_num_seqs: int | None = None  # effective value the operator last set; None: spec value
+    max_num_seqs_changed_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    at: float
+    replicas: int
+
+
+@dataclass(frozen=True)
+class ScaleEvent:
+    at: float
+    from_replicas: int
+    to_replicas: int
+
+
+@dataclass(frozen=True)
+class State:
+    replicas: int  # spec.replicas: what was last asked for
+    pods: tuple[PodState, ...] = ()
+    recommendations: tuple[Recommendation, ...] = ()  # earlier raw proposals, for stabilization
+    scale_events: tuple[ScaleEvent, ...] = ()  # earlier replica changes, for rate policies
+    last_scale_up_at: float | None = None
+
+
+# ------------------------------------------------------------------------------------- outputs
+
+
+@dataclass(frozen=True)
+class SeqsChange:
+    pod: str
+    from_max_num_seqs: int
+    to_max_num_seqs: int
+    reason: str  # kv_pressure | kv_recovered | spec_lowered
+    message: str
+
+
+@dataclass(frozen=True)
+class MetricsStatus:
+    available: bool
+    reason: str  # CamelCase, as a condition reason
+    message: str
+
+
+@dataclass(frozen=True)
+class PodSignal:
+    """What the policy made of one ready pod this tick."""
+
+    pod: str
+    state: str  # measured | warming | unreadable | stale
+    waiting: float | None = None
+    running: float | None = None
+    kv_usage: float | None = None
+    preemptions_per_minute: float | None = None
+    max_num_seqs: int | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    current_replicas: int
+    desired_replicas: int
+    direction: str  # up | down | none
+    reason: str  # snake_case code, the label of iterserve_autoscaler_decisions_total
+    message: str  # the numbers behind it
+    recommendation: Recommendation | None  # the raw proposal, to remember for stabilization
+    seqs_changes: tuple[SeqsChange, ...]
+    metrics: MetricsStatus
+    scaling_limited: bool = False
+    limited_message: str = ""
+    pods: tuple[PodSignal, ...] = ()
+    total_waiting: float | None = None
+    total_running: float | None = None
+    preemptions_per_minute_per_replica: float | None = None
+
+    @property
+    def replicas_changed(self) -> bool:
+        return self.desired_replicas != self.current_replicas
+
+
+# ------------------------------------------------------------------------------------- signals
+
+
+def preemption_rate_per_minute(samples: Sequence[PodSample], now: float, window: float) -> float | None:
+    """Counter rate over the window, as Prometheus' rate() would give it; None when unknown.
+
+    Uses the last sample before the window as the base, and treats a drop as a counter reset.
+    """
+    points = [(s.at, s.preemptions_total) for s in samples if s.ok and s.preemptions_total is not None]
+    if not points:
+        return None
+    start = now - window
+    base_index = 0
+    for index, (at, _) in enumerate(points):
+        if at <= start:
+            base_index = index
+    points = points[base_index:]
+    if len(points) < 2 or points[-1][0] <= points[0][0]:
+        return None
+    increase = 0.0
+    for (_, before), (_, after) in zip(points, points[1:], strict=False):
+        increase += after - before if after >= before else after
+    return increase * 60.0 / (points[-1][0] - points[0][0])
+
+
+def _usable(samples: Sequence[PodSample], pod: PodState, settings: Settings) -> list[PodSample]:
+    """Samples taken after the pod's warm-up ended."""
+    if pod.ready_at is None:
+        return []
+    warm_from = pod.ready_at + settings.warmup_seconds
+    return [s for s in samples if s.at >= warm_from]
+
+
+_REQUIRED = ("waiting", "running", "kv_usage", "preemptions_total")
+
+
+def _missing_field(sample: PodSample) -> str | None:
+    for name in _REQUIRED:
+        value = getattr(sample, name)
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return name
+    return None
+
+
+def _pod_signal(pod: PodState, samples: Sequence[PodSample], settings: Settings, now: float) -> PodSignal:
+    if now - pod.ready_at < settings.warmup_seconds:
+        return PodSignal(pod.name, "warming")
+    if not samples or samples[-1].at < now - settings.stale_sample_seconds:
+        return PodSignal(pod.name, "stale", error="no recent sample")
+    latest = samples[-1]
+    if not latest.ok:
+        return PodSignal(pod.name, "unreadable", error=latest.error)
+    missing = _missing_field(latest)
+    if missing is not None:
+        return PodSignal(pod.name, "unreadable", error=f"{missing} missing or NaN")
+    usable = _usable(samples, pod, settings)
+    return PodSignal(
+        pod.name, "measured", waiting=latest.waiting, running=latest.running,
+        kv_usage=latest.kv_usage,
+        preemptions_per_minute=preemption_rate_per_minute(usable, now, settings.preemption_window_seconds),
+        max_num_seqs=_effective_seqs(pod, latest, settings),
+    )
+
+
+def _effective_seqs(pod: PodState, latest: PodSample | None, settings: Settings) -> int:
+    if latest is not None and latest.ok and latest.max_num_seqs is not None and not math.isnan(latest.max_num_seqs):
+        return int(latest.max_num_seqs)
+    return pod.max_num_seqs if pod.max_num_seqs is not None else settings.spec_max_num_seqs
+
+
+def _preempted_within(samples: Sequence[PodSample], now: float, window: float) -> bool:
+    rate = preemption_rate_per_minute(samples, now, window)
+    return rate is not None and rate > 0
+
+
+# --------------------------------------------------------------------------------- the decision
+
+
+def decide(settings: Settings, state: State, history: Mapping[str, Sequence[PodSample]], now: float) -> Decision:
+    """The whole decision for one InferenceService at time `now`.
+
+    `history` maps a pod name to its recent samples, oldest first, this tick's last.
+    """
+    if settings.mode == "Off":
+        return Decision(state.replicas, state.replicas, "none", "autoscaling_off",
+                        "autoscaling is Off", None, (), MetricsStatus(False, "AutoscalingOff", "autoscaling is Off"))
+
+    ready = [p for p in state.pods if p.ready_at is not None]
+    signals = tuple(_pod_signal(p, history.get(p.name, ()), settings, now) for p in ready)
+    measured = [s for s in signals if s.state == "measured"]
+    metrics = _metrics_status(signals, state)
+    seqs_changes = _kv_retune(settings, ready, history, now) if measured else ()
+
+    replicas = _replica_decision(settings, state, history, signals, measured, metrics, now)
+    return replace(replicas, seqs_changes=seqs_changes, metrics=metrics, pods=signals)
+
+
+def _metrics_status(signals: Sequence[PodSignal], state: State) -> MetricsStatus:
+    measured = [s for s in signals if s.state == "measured"]
+    failed = [s for s in signals if s.state in ("unreadable", "stale")]
+    errors = "; ".join(f"{s.pod}: {s.error}" for s in failed)
+    if measured:
+        if failed:
+            return MetricsStatus(True, "PartialMetrics",
+                                 f"{len(measured)} of {len(signals)} ready pods read; left out {errors}")
+        return MetricsStatus(True, "MetricsRead", f"{len(measured)} ready pods read")
+    if failed:
+        return MetricsStatus(False, "NoPodReadable", f"no ready pod could be read: {errors}")
+    if signals:
+        return MetricsStatus(False, "WarmingUp", f"all {len(signals)} ready pods are still warming up")
+    return MetricsStatus(False, "NoReadyPods", f"none of {len(state.pods)} pods is ready")
+
+
+def _hold(state: State, settings: Settings, reason: str, message: str, **extra) -> Decision:
+    desired = _clamp(state.replicas, settings)
+    if desired != state.replicas:
+        direction = "up" if desired > state.replicas else "down"
+        reason = "below_min_replicas" if direction == "up" else "above_max_replicas"
+        message = f"{message}; replicas {state.replicas} outside [{settings.min_replicas}, {settings.max_replicas}]"
+        return Decision(state.replicas, desired, direction, reason, message, None, (),
+                        MetricsStatus(False, "", ""), True, message, **extra)
+    return Decision(state.replicas, desired, "none", reason, message, None, (), MetricsStatus(False, "", ""), **extra)
+
+
+def _clamp(replicas: int, settings: Settings) -> int:
+    return max(settings.min_replicas, min(settings.max_replicas, replicas))
+
+
+def _replica_decision(settings, state, history, signals, measured, metrics, now) -> Decision:
+    current = state.replicas
+    if settings.mode == "External":
+        return Decision(current, current, "none", "external_mode",
+                        "mode External: an external autoscaler owns spec.replicas", None, (), metrics)
+    if not measured:
+        return _hold(state, settings, "metrics_unavailable", f"holding at {current}: {metrics.message}")
+
+    target = settings.target_waiting_per_replica
+    total_waiting = sum(s.waiting for s in measured)
+    total_running = sum(s.running for s in measured)
+    rates = [s.preemptions_per_minute or 0.0 for s in measured]
+    rate_per_replica = sum(rates) / len(measured)
+    notes = [f"waiting {total_waiting:g} on {len(measured)} read pods (target {target:g}/replica)",
+             f"preemptions {rate_per_replica:.2f}/min/replica (threshold {settings.preemptions_per_minute_threshold:g})"]
+
+    raw = total_waiting / target
+    if current > 0 and abs(raw / current - 1.0) <= settings.tolerance:
+        proposal, reason = current, "within_tolerance"
+    else:
+        proposal = math.ceil(raw)
+        reason = "waiting_above_target" if proposal > current else "waiting_below_target"
+
+    if rate_per_replica > settings.preemptions_per_minute_threshold and proposal <= current:
+        proposal, reason = current + 1, "preemptions"
+    if proposal < current:
+        proposal, reason = _scale_down_floor(settings, state, history, signals, measured, proposal,
+                                             reason, notes, now)
+
+    recommendation = Recommendation(now, proposal)
+    desired, held_by = _stabilize(settings, state, proposal, now), None
+    if desired != proposal:
+        notes.append(f"proposal {proposal} stabilized to {desired}")
+        held_by = "stabilization_window"
+    if desired > current:
+        pending = _pending(settings, state, now)
+        if pending:
+            notes.append(f"{pending}; no further scale-up until they are ready or "
+                         f"{settings.cold_start_seconds:g} s pass")
+            desired, held_by = current, "pending_replicas"
+    limited = []
+    allowed = _rate_limit(settings, state, current, desired, now)
+    if allowed != desired:
+        limited.append(f"rate policy allows {allowed} (wanted {desired})")
+        desired, held_by = allowed, "rate_limited"
+    bounded = _clamp(desired, settings)
+    if bounded != desired:
+        limited.append(f"bounded to [{settings.min_replicas}, {settings.max_replicas}] (wanted {desired})")
+        desired, held_by = bounded, "at_replica_bounds"
+
+    if desired == current and proposal != current:
+        reason = held_by or "at_replica_bounds"
+    elif desired != current and (proposal == current or (desired > current) != (proposal > current)):
+        reason = "below_min_replicas" if desired > current else "above_max_replicas"
+
+    direction = "up" if desired > current else "down" if desired < current else "none"
+    message = f"replicas {current} -> {desired}: " + "; ".join(notes + limited)
+    return Decision(current, desired, direction, reason, message, recommendation, (), metrics,
+                    scaling_limited=bool(limited), limited_message="; ".join(limited), pods=signals,
+                    total_waiting=total_waiting, total_running=total_running,
+                    preemptions_per_minute_per_replica=rate_per_replica)
+
+
+def _scale_down_floor(settings, state, history, signals, measured, proposal, reason, notes, now):
+    """How far down the replicas may go: never below what the pods left unmeasured or the running
+    sequences need, and not at all while preemptions happen, a queue is above target, or a pod is
+    still loading or warming up (its numbers do not mean anything yet)."""
+    current, target = state.replicas, settings.target_waiting_per_replica
+    total_waiting = sum(s.waiting for s in measured)
+    total_running = sum(s.running for s in measured)
+    unmeasured = len(signals) - len(measured)
+    if total_waiting == 0 and total_running == 0 and not unmeasured:
+        reason = "zero_traffic"
+    if unmeasured:
+        # HPA's rule for pods without metrics: on the way down, assume each is exactly at target.
+        assumed = math.ceil((total_waiting + unmeasured * target) / target)
+        if assumed > proposal:
+            notes.append(f"{unmeasured} unmeasured ready pods assumed at target: {assumed}")
+            proposal = assumed
+            reason = "unmeasured_pods_assumed_at_target" if proposal >= current else reason
+    mean_seqs = sum(s.max_num_seqs for s in measured) / len(measured)
+    busy_floor = math.ceil(total_running / mean_seqs) + unmeasured
+    if busy_floor > proposal:
+        notes.append(f"{total_running:g} running sequences (max_num_seqs {mean_seqs:g}) need {busy_floor}")
+        proposal = busy_floor
+        reason = "running_sequences" if proposal >= current else reason
+    if proposal >= current:
+        return current, reason
+
+    preempting = [p.name for p in state.pods if p.ready_at is not None and _preempted_within(
+        _usable(history.get(p.name, ()), p, settings), now, settings.preemption_window_seconds)]
+    over_target = [s.pod for s in measured if s.waiting > target]
+    coming = [p.name for p in state.pods if p.ready_at is None and now - p.created_at < settings.cold_start_seconds]
+    coming += [s.pod for s in signals if s.state == "warming"]
+    if preempting:
+        notes.append(f"preemptions on {', '.join(preempting)}")
+        return current, "scale_down_blocked_preemptions"
+    if over_target:
+        notes.append(f"queue above target on {', '.join(over_target)}")
+        return current, "scale_down_blocked_queue"
+    if coming:
+        notes.append(f"pods loading or warming up: {', '.join(coming)}")
+        return current, "scale_down_blocked_warming"
+    return proposal, reason
+
+
+def _stabilize(settings: Settings, state: State, proposal: int, now: float) -> int:
+    """HPA's rule: scale up to the lowest, down to the highest proposal within each window."""
+    up_from = now - settings.scale_up.stabilization_window_seconds
+    down_from = now - settings.scale_down.stabilization_window_seconds
+    up_limit = min([proposal] + [r.replicas for r in state.recommendations if r.at > up_from])
+    down_limit = max([proposal] + [r.replicas for r in state.recommendations if r.at > down_from])
+    desired = state.replicas
+    if desired < up_limit:
+        desired = up_limit
+    if desired > down_limit:
+        desired = down_limit
+    return desired
+
+
+def _pending(settings: Settings, state: State, now: float) -> str:
+    """Capacity already on its way: pods not ready yet, or asked for but not created yet."""
+    loading = [p for p in state.pods if p.ready_at is None and now - p.created_at < settings.cold_start_seconds]
+    if loading:
+        return f"{len(loading)} pods still loading ({', '.join(p.name for p in loading)})"
+    uncreated = state.replicas - len(state.pods)
+    if (uncreated > 0 and state.last_scale_up_at is not None
+            and now - state.last_scale_up_at < settings.cold_start_seconds):
+        return f"{uncreated} pods asked for but not created yet"
+    return ""
+
+
+def _rate_limit(settings: Settings, state: State, current: int, desired: int, now: float) -> int:
+    """HPA behavior policies: how far replicas may move from where they stood at each period's start."""
+    if desired == current:
+        return desired
+    rules = settings.scale_up if desired > current else settings.scale_down
+    if rules.select_policy == "Disabled":
+        return current
+    if not rules.policies:
+        return desired
+    limits = []
+    for policy in rules.policies:
+        since = now - policy.period_seconds
+        added = sum(e.to_replicas - e.from_replicas for e in state.scale_events
+                    if e.at > since and e.to_replicas > e.from_replicas)
+        removed = sum(e.from_replicas - e.to_replicas for e in state.scale_events
+                      if e.at > since and e.to_replicas < e.from_replicas)
+        start = current - added + removed
+        if desired > current:
+            limits.append(start + policy.value if policy.kind == "Pods"
+                          else math.ceil(start * (1 + policy.value / 100)))
+        else:
+            limits.append(start - policy.value if policy.kind == "Pods"
+                          else math.floor(start * (1 - policy.value / 100)))
+    if desired > current:
+        limit = max(limits) if rules.select_policy == "Max" else min(limits)
+        return max(current, min(desired, limit))
+    limit = min(limits) if rules.select_policy == "Max" else max(limits)
+    return min(current, max(desired, limit))
+
+
+# ------------------------------------------------------------------------------------ KV retune
+
+
+def _kv_retune(settings: Settings, ready: Sequence[PodState], history, now: float) -> tuple[SeqsChange, ...]:
+    kv = settings.kv_retune
+    if not kv.enabled:
+        return ()
+    changes = []
+    for pod in ready:
+        samples = history.get(pod.name, ())
+        if (not samples or not samples[-1].ok or samples[-1].at < now - settings.stale_sample_seconds
+                or now - pod.ready_at < settings.warmup_seconds):
+            continue
+        change = _retune_pod(settings, pod, samples, now)
+        if change is not None:
+            changes.append(change)
+    return tuple(changes)
+
+
+def _retune_pod(settings: Settings, pod: PodState, samples: Sequence[PodSample], now: float) -> SeqsChange | None:
+    kv = settings.kv_retune
+    current = _effective_seqs(pod, samples[-1], settings)
+    spec = settings.spec_max_num_seqs
+    if current > spec:
+        return SeqsChange(pod.name, current, spec, "spec_lowered", f"spec maxNumSeqs is {spec}, pod runs {current}")
+    since = pod.ready_at + settings.warmup_seconds
+    if pod.max_num_seqs_changed_at is not None:
+        since = max(since, pod.max_num_seqs_changed_at)
+    observed = [s for s in samples if s.at >= since]
+
+    recent = observed[-kv.consecutive_samples:]
+    if (len(recent) == kv.consecutive_samples
+            and all(s.ok and s.kv_usage is not None and s.kv_usage > kv.threshold for s in recent)):
+        lowered = max(kv.floor, math.floor(current * kv.step_factor))
+        if lowered < current:
+            usage = ", ".join(f"{s.kv_usage:.3f}" for s in recent)
+            return SeqsChange(pod.name, current, lowered, "kv_pressure",
+                              f"KV usage {usage} above {kv.threshold:g} for {len(recent)} samples: "
+                              f"max_num_seqs {current} x {kv.step_factor:g} -> {lowered} (floor {kv.floor})")
+        return None
+
+    if current >= spec or since > now - kv.recovery_window_seconds:
+        return None
+    window = [s for s in observed if s.at >= now - kv.recovery_window_seconds]
+    quiet = window and all(s.ok and s.kv_usage is not None and s.kv_usage < kv.recovery_threshold for s in window)
+    if not quiet:
+        return None
+    rate = preemption_rate_per_minute(observed, now, kv.recovery_window_seconds)
+    if rate is not None and rate > 0:
+        return None
+    raised = min(spec, current + kv.recovery_step)
+    return SeqsChange(pod.name, current, raised, "kv_recovered",
+                      f"KV usage below {kv.recovery_threshold:g} with no preemptions for "
+                      f"{kv.recovery_window_seconds:g} s: max_num_seqs {current} + {kv.recovery_step} -> {raised}")
