@@ -4,6 +4,7 @@ naming the field at fault. Unexpected exceptions are logged here and answered wi
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 from fastapi import FastAPI, Request
@@ -62,16 +63,29 @@ def _describe_validation_error(exc: RequestValidationError) -> tuple[str, str | 
     if kind == "missing" and not loc:
         return "the request needs a JSON body", None
     # A union's alternatives add their type names to the path (prompt.str, prompt.list[int]...):
-    # the client wants the field, not the alternative.
-    field_path = [part for part in loc if not any(c in part for c in "[]") and part not in _TYPE_NAMES]
+    # the client wants the field, and what the field accepts.
+    field_path = list(itertools.takewhile(lambda part: not _is_type_segment(part), loc))
     param = ".".join(field_path) or None
+    if param is None:
+        return f"the request body must be a JSON object: {first.get('msg', '')}", None
     if kind == "extra_forbidden":
         return f"unknown field {param!r}: remove it (see the API reference for the accepted fields)", param
     if kind == "missing":
         return f"{param} is required", param
+    if len(field_path) < len(loc) and field_path[-1] in _UNION_HINTS:
+        return f"{param} must be {_UNION_HINTS[field_path[-1]]}", param
     return f"{param}: {first.get('msg', 'invalid value')}", param
 
 
+def _is_type_segment(part: str) -> bool:
+    return part in _TYPE_NAMES or any(c in part for c in "[]")
+
+
+_UNION_HINTS = {
+    "prompt": "a string, a list of token ids (integers >= 0), or a list holding exactly one of those",
+    "stop": "a string or a list of up to 16 strings",
+    "content": 'a string or a list of {"type": "text", "text": ...} parts',
+}
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "literal"}
 
 
