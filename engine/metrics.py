@@ -47,7 +47,15 @@ AUTOSCALER_DECISIONS_TOTAL = "iterserve_autoscaler_decisions_total"
 METRICS_SCRAPE_ERRORS_TOTAL = "iterserve_metrics_scrape_errors_total"
 EFFECTIVE_MAX_NUM_SEQS = "iterserve_effective_max_num_seqs"
 
+# The reconcile loop's own health (operator/metrics.py).
+OPERATOR_RECONCILES_TOTAL = "iterserve_operator_reconciles_total"
+OPERATOR_RECONCILE_SECONDS = "iterserve_operator_reconcile_duration_seconds"
+OPERATOR_OBJECT_WRITES_TOTAL = "iterserve_operator_object_writes_total"
+OPERATOR_CONFLICTS_TOTAL = "iterserve_operator_conflicts_total"
+
 OPERATOR_METRIC_NAMES = [
     AUTOSCALER_DESIRED_REPLICAS, AUTOSCALER_MAX_REPLICAS, AUTOSCALER_DECISIONS_TOTAL,
     METRICS_SCRAPE_ERRORS_TOTAL, EFFECTIVE_MAX_NUM_SEQS,
+    OPERATOR_RECONCILES_TOTAL, OPERATOR_RECONCILE_SECONDS, OPERATOR_OBJECT_WRITES_TOTAL,
+    OPERATOR_CONFLICTS_TOTAL,
 ]
