@@ -32,8 +32,15 @@ def _kernels():
 
 def interpreter_enabled() -> bool:
     """Whether the kernels were built for the Triton interpreter (TRITON_INTERPRET=1 at import)."""
-    kernel = _kernels()["activation"]._silu_and_mul_kernel
-    return type(kernel).__name__ == "InterpretedFunction"
+    import triton.language as tl
+
+    ours = type(_kernels()["activation"]._silu_and_mul_kernel).__name__ == "InterpretedFunction"
+    library = type(tl.zeros).__name__ == "InterpretedFunction"
+    if ours and not library:
+        # The interpreter cannot call triton.language's own helpers compiled for the GPU.
+        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set, so the interpreter "
+                           "cannot run; set TRITON_INTERPRET=1 in the environment before starting Python")
+    return ours
 
 
 class TritonBackend(AttentionBackend):
@@ -44,6 +51,7 @@ class TritonBackend(AttentionBackend):
         self.decode_splits = decode_splits
         self._checked_meta: weakref.ref | None = None
         self._checked_shape: tuple | None = None
+        self._checked_positions: weakref.ref | None = None
 
     @property
     def kernels(self) -> dict:
@@ -124,6 +132,7 @@ class TritonBackend(AttentionBackend):
                 raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
         if query.shape[2] % 2:
             raise ValueError(f"rotary needs an even head_dim; got {query.shape[2]}")
+        self._check_positions(positions, cos_sin.shape[0])
         return self.kernels["rotary"].rotary(_last_dim_contiguous(query), _last_dim_contiguous(key),
                                              positions.contiguous(), cos_sin.contiguous())
 
@@ -134,6 +143,18 @@ class TritonBackend(AttentionBackend):
         return self.kernels["activation"].silu_and_mul(gate_up.contiguous())
 
     # -- checks --------------------------------------------------------------------------------
+
+    def _check_positions(self, positions: torch.Tensor, max_position: int) -> None:
+        """Once per positions tensor (every layer of a step passes the same one)."""
+        if self._checked_positions is not None and self._checked_positions() is positions:
+            return
+        if positions.numel():
+            low, high = torch.aminmax(positions)
+            low, high = int(low), int(high)
+            if low < 0 or high >= max_position:
+                raise ValueError(f"positions range over [{low}, {high}] but cos_sin covers positions "
+                                 f"0..{max_position - 1}; build it for max_model_len positions")
+        self._checked_positions = weakref.ref(positions)
 
     def _check_meta(self, meta: AttentionMetadata, num_tokens: int, k_cache: torch.Tensor,
                     device: torch.device) -> None:
@@ -183,17 +204,17 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, ref: torch.Tensor
 def _check_meta_values(meta: AttentionMetadata, num_tokens: int, num_blocks: int, block_size: int,
                        device: torch.device) -> None:
     num_seqs = meta.num_seqs
+    if len(meta.query_lens_list) != num_seqs:
+        raise ValueError(f"metadata.query_lens_list has {len(meta.query_lens_list)} entries for {num_seqs} sequences")
+    if sum(meta.query_lens_list) != num_tokens:
+        raise ValueError(f"metadata.query_lens_list sums to {sum(meta.query_lens_list)} but the input has "
+                         f"{num_tokens} tokens")
     expected = {"query_start_loc": ((num_seqs + 1,), torch.int32), "seq_lens": ((num_seqs,), torch.int32),
                 "slot_mapping": ((num_tokens,), torch.int64)}
     for field, (shape, dtype) in expected.items():
         t = getattr(meta, field)
         if tuple(t.shape) != shape or t.dtype != dtype:
             raise ValueError(f"metadata.{field} is {t.dtype} {tuple(t.shape)}; expected {dtype} {shape}")
-    if len(meta.query_lens_list) != num_seqs:
-        raise ValueError(f"metadata.query_lens_list has {len(meta.query_lens_list)} entries for {num_seqs} sequences")
-    if sum(meta.query_lens_list) != num_tokens:
-        raise ValueError(f"metadata.query_lens_list sums to {sum(meta.query_lens_list)} but the step has "
-                         f"{num_tokens} tokens")
     for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list, strict=True)):
         if q_len < 1 or q_len > s_len:
             raise ValueError(f"sequence {i}: query length {q_len} must be between 1 and its seq_len {s_len}")

@@ -20,7 +20,7 @@ def _silu_and_mul_kernel(
     src = gate_up_ptr + r.to(tl.int64)[:, None] * stride_in + c[None, :]
     gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(src + width, mask=mask, other=0.0).to(tl.float32)
-    out = gate * tl.sigmoid(gate) * up
+    out = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_out + c[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -46,7 +46,7 @@ def _paged_decode_kernel(
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_row
     if q_len == 1:
         seq_len = tl.load(seq_lens_ptr + seq)
-        per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        per_split = ((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
         start = split * per_split
         end = tl.minimum(start + per_split, seq_len)
 
