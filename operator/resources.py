@@ -27,12 +27,17 @@ MAX_NUM_SEQS_ENV = "ITERSERVE_MAX_NUM_SEQS"
 ADMIN_TOKEN_ENV = "ITERSERVE_ADMIN_TOKEN"
 ADMIN_TOKEN_KEY = "token"
 SPEC_MAX_NUM_SEQS_ANNOTATION = "iterserve.dev/spec-max-num-seqs"
-# Seconds between the end of the preStop drain and SIGKILL, for the engine's own SIGTERM handling.
+# Termination: the preStop hook sleeps while the pod leaves the Service's endpoints (so no new
+# request reaches a pod that would refuse it), then SIGTERM makes the engine drain: it refuses new
+# requests with 503 and gives in-flight ones --drain-timeout seconds. The grace period covers the
+# sleep, the drain and uvicorn's own shutdown.
+PRESTOP_SLEEP_SECONDS = 5
 SHUTDOWN_MARGIN_SECONDS = 10
 # Flags built from typed spec fields; extraArgs may not repeat them (validation.py).
 MANAGED_FLAGS = (
     "--host", "--port", "--model", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
     "--block-size", "--chunked-prefill", "--no-chunked-prefill", "--preemption-mode", "--kv-cache-memory",
+    "--drain-timeout",
 )
 RESERVED_ENV = (MAX_NUM_SEQS_ENV, ADMIN_TOKEN_ENV)
 
@@ -105,7 +110,7 @@ def engine_args(spec: InferenceServiceSpec) -> list[str]:
     engine = spec.engine
     args = ["--host", "0.0.0.0", "--port", str(ENGINE_PORT), "--model", spec.model.engine_path,
             "--max-num-seqs", f"$({MAX_NUM_SEQS_ENV})", "--block-size", str(engine.block_size),
-            "--preemption-mode", engine.preemption_mode]
+            "--preemption-mode", engine.preemption_mode, "--drain-timeout", str(engine.drain_seconds)]
     if engine.max_num_batched_tokens is not None:
         args += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
     if engine.max_model_len is not None:
@@ -170,9 +175,7 @@ def engine_container(spec: InferenceServiceSpec, name: str) -> dict[str, Any]:
         "startupProbe": _probe("/health", startup_period, -(-engine.startup_seconds // startup_period)),
         "livenessProbe": _probe("/health", 10, 3),
         "readinessProbe": _probe("/ready", 5, 2),
-        # The drain is an exec hook because httpGet hooks cannot POST or send the admin token.
-        "lifecycle": {"preStop": {"exec": {"command": [
-            "iterserve", "drain", "--port", str(ENGINE_PORT), "--timeout", str(engine.drain_seconds)]}}},
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
         "securityContext": {
             "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
             "capabilities": {"drop": ["ALL"]},
@@ -183,6 +186,10 @@ def engine_container(spec: InferenceServiceSpec, name: str) -> dict[str, Any]:
     if resources:
         container["resources"] = resources
     return container
+
+
+def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
+    return PRESTOP_SLEEP_SECONDS + spec.engine.drain_seconds + SHUTDOWN_MARGIN_SECONDS
 
 
 def _volumes(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
@@ -208,7 +215,7 @@ def pod_template(spec: InferenceServiceSpec, name: str) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
         "containers": [engine_container(spec, name)],
         "volumes": _volumes(spec),
-        "terminationGracePeriodSeconds": spec.engine.drain_seconds + SHUTDOWN_MARGIN_SECONDS,
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "securityContext": {

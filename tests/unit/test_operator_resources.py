@@ -75,8 +75,10 @@ def test_probes_drain_and_grace_period_match():
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 900
-    assert c["lifecycle"]["preStop"]["exec"]["command"] == ["iterserve", "drain", "--port", "8000", "--timeout", "45"]
-    assert pod["terminationGracePeriodSeconds"] > 45
+    # preStop waits for endpoint removal; SIGTERM then makes the engine drain for --drain-timeout
+    sleep = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert flag(c["args"], "--drain-timeout") == "45"
+    assert pod["terminationGracePeriodSeconds"] >= sleep + 45 + 5
 
 
 def test_restricted_security_context():

@@ -1,0 +1,73 @@
+"""`iterserve operator run`: the kopf operator, cluster-wide or for a list of namespaces, with
+kopf's liveness endpoint and its own Prometheus metrics."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    commands = parser.add_subparsers(dest="operator_command", metavar="COMMAND", required=True)
+    run = commands.add_parser("run", help="reconcile InferenceServices into engine Deployments")
+    scope = run.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", action="append", default=[], metavar="NS",
+                       help="watch this namespace (repeat for several); default: all namespaces")
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch all namespaces (the default)")
+    run.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then $KUBECONFIG, then ~/.kube/config)")
+    run.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", metavar="URL",
+                     help="kopf liveness endpoint (default http://0.0.0.0:8080/healthz; 'none' disables)")
+    run.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0 disables)")
+    run.add_argument("--metrics-host", default="0.0.0.0", help="address for /metrics (default 0.0.0.0)")
+    run.add_argument("--resync-seconds", type=float, default=15.0,
+                     help="reconcile every InferenceService this often even without events (default 15)")
+    run.add_argument("--peering", metavar="NAME",
+                     help="kopf peering object for several operator replicas (default: standalone)")
+    run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _api_client(kubeconfig: str | None):
+    from kubernetes import client, config
+
+    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config()
+        return client.ApiClient()
+    return config.new_client_from_config(config_file=kubeconfig)
+
+
+def run(args: argparse.Namespace) -> int:
+    import kopf
+    from prometheus_client import start_http_server
+
+    from iterserve.operator.handlers import configure_settings, register
+    from iterserve.operator.kube import Kube
+    from iterserve.operator.reconcile import Reconciler
+
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.kubeconfig:
+        os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it too
+    if args.resync_seconds <= 0:
+        print("iterserve operator run: --resync-seconds must be positive")
+        return 2
+    reconciler = Reconciler(Kube(_api_client(args.kubeconfig)))
+    registry = kopf.OperatorRegistry()
+    register(registry, reconciler, resync_seconds=args.resync_seconds)
+    settings = kopf.OperatorSettings()
+    configure_settings(settings)
+    if args.metrics_port:
+        start_http_server(args.metrics_port, addr=args.metrics_host)
+    namespaces = args.namespace
+    logging.getLogger(__name__).info(
+        "iterserve operator: watching %s", ", ".join(namespaces) if namespaces else "all namespaces")
+    kopf.run(
+        registry=registry,
+        settings=settings,
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        standalone=args.peering is None,
+        peering_name=args.peering,
+        liveness_endpoint=None if args.liveness == "none" else args.liveness,
+    )
+    return 0

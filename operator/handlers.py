@@ -1,0 +1,114 @@
+"""kopf wiring: which events lead to a reconcile. All real work is in reconcile.py.
+
+- InferenceService created, updated, or found at operator start (resume) -> reconcile it.
+- An owned Deployment, Service or ConfigMap changed or deleted -> reconcile its owner (drift is
+  repaired, a deleted object recreated, status follows the Deployment).
+- A timer per InferenceService (every `resync_seconds`) -> reconcile, then the tick hooks: the
+  seam where the autoscaler plugs in its decision loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+
+from iterserve.operator.kube import Kube
+from iterserve.operator.models import GROUP, KIND, PLURAL, VERSION, InferenceServiceSpec
+from iterserve.operator.reconcile import Outcome, Reconciler
+from iterserve.operator.resources import MANAGED_BY
+
+FINALIZER = f"{GROUP}/finalizer"
+OWNED = (("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "configmaps"))
+RETRY_DELAY_SECONDS = 2.0
+
+
+@dataclass
+class TickContext:
+    """What a tick hook gets: the freshly reconciled object and the means to act on it."""
+
+    namespace: str
+    name: str
+    body: dict
+    spec: InferenceServiceSpec
+    reconciler: Reconciler  # write_status() (with 409 retries) and Events
+    kube: Kube
+    logger: logging.Logger | logging.LoggerAdapter
+
+
+TickHook = Callable[[TickContext], None]
+
+
+def configure_settings(settings: kopf.OperatorSettings) -> None:
+    """kopf keeps its bookkeeping in annotations under iterserve.dev (status is the CRD's own,
+    structural and pruned), and posts only warnings as Events: the reconcile posts its own."""
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration")
+    settings.posting.level = logging.WARNING
+    settings.posting.reporting_component = f"{GROUP}/operator"
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+
+
+def _owner_name(body: Any) -> str | None:
+    for ref in body.get("metadata", {}).get("ownerReferences") or []:
+        if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(f"{GROUP}/") and ref.get("controller"):
+            return ref.get("name")
+    return None
+
+
+def _retryable(exc: ApiException) -> bool:
+    return exc.status in (409, 429) or exc.status >= 500 or exc.status == 0
+
+
+def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, resync_seconds: float = 15.0,
+             tick_hooks: Sequence[TickHook] = ()) -> None:
+    def run_reconcile(namespace: str, name: str, logger) -> Outcome:
+        try:
+            outcome = reconciler.reconcile(namespace, name)
+        except ApiException as exc:
+            if _retryable(exc):
+                raise kopf.TemporaryError(f"API error {exc.status} {exc.reason}; retrying",
+                                          delay=RETRY_DELAY_SECONDS) from exc
+            raise
+        for change in outcome.changes:
+            logger.info(change)
+        return outcome
+
+    @kopf.on.startup(registry=registry)
+    def startup(settings: kopf.OperatorSettings, **_):
+        configure_settings(settings)
+
+    @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
+    @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
+    @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry)
+    def inference_service_changed(namespace, name, logger, **_):
+        run_reconcile(namespace, name, logger)
+
+    def owned_object_event(type, body, namespace, logger, **_):
+        owner = _owner_name(body)
+        if owner is None or type is None:  # type None: the initial listing; resume covers it
+            return
+        try:
+            run_reconcile(namespace, owner, logger)
+        except Exception as exc:  # watch-event handlers are not retried: the timer will be
+            logger.warning("reconcile of %s/%s after a %s event failed: %s", namespace, owner, type, exc)
+
+    for group, version, plural in OWNED:
+        kopf.on.event(group, version, plural, labels={"app.kubernetes.io/managed-by": MANAGED_BY},
+                      id=f"owned-{plural}", registry=registry)(owned_object_event)
+
+    @kopf.timer(GROUP, VERSION, PLURAL, interval=resync_seconds, initial_delay=resync_seconds, registry=registry)
+    def resync(namespace, name, logger, **_):
+        outcome = run_reconcile(namespace, name, logger)
+        if outcome.result not in ("applied", "unchanged") or not tick_hooks:
+            return
+        context = TickContext(namespace, name, outcome.body, outcome.spec, reconciler, reconciler.kube, logger)
+        for hook in tick_hooks:
+            hook(context)

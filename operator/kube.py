@@ -1,0 +1,109 @@
+"""Every Kubernetes API call the operator's reconcile makes, in one place, on plain dicts.
+
+Each method names the RBAC rule it needs (operator/rbac.py lists them all for the Helm chart).
+Owned objects are written with server-side apply under one field manager: applying an unchanged
+manifest is a no-op on the server, and fields someone edited by hand are taken back.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from iterserve.operator.models import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from iterserve.operator.status import timestamp, utcnow
+
+FIELD_MANAGER = "iterserve-operator"
+APPLY = "application/apply-patch+yaml"
+MERGE = "application/merge-patch+json"
+
+
+def _json(response) -> dict[str, Any]:
+    return json.loads(response.data)
+
+
+def not_found(exc: Exception) -> bool:
+    return isinstance(exc, ApiException) and exc.status == 404
+
+
+def conflict(exc: Exception) -> bool:
+    return isinstance(exc, ApiException) and exc.status == 409
+
+
+class Kube:
+    def __init__(self, api_client: client.ApiClient):
+        self.core = client.CoreV1Api(api_client)
+        self.apps = client.AppsV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
+
+    # iterserve.dev inferenceservices: get; inferenceservices/status: patch
+    def get_inference_service(self, namespace: str, name: str) -> dict | None:
+        try:
+            return _json(self.custom.get_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, name, _preload_content=False))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def patch_status(self, namespace: str, name: str, status: dict, resource_version: str) -> dict:
+        """Merge-patches status, failing with 409 if the object changed since resource_version."""
+        body = {"metadata": {"resourceVersion": resource_version}, "status": status}
+        return _json(self.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, namespace, PLURAL, name, body, _content_type=MERGE, _preload_content=False))
+
+    # apps deployments, core services and configmaps: get, patch (server-side apply)
+    def _methods(self, kind: str):
+        return {
+            "Deployment": (self.apps.read_namespaced_deployment, self.apps.patch_namespaced_deployment),
+            "Service": (self.core.read_namespaced_service, self.core.patch_namespaced_service),
+            "ConfigMap": (self.core.read_namespaced_config_map, self.core.patch_namespaced_config_map),
+            "Secret": (self.core.read_namespaced_secret, None),
+        }[kind]
+
+    def get(self, kind: str, namespace: str, name: str) -> dict | None:
+        read, _ = self._methods(kind)
+        try:
+            return _json(read(name, namespace, _preload_content=False))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def apply(self, manifest: dict) -> dict:
+        _, patch = self._methods(manifest["kind"])
+        meta = manifest["metadata"]
+        return _json(patch(meta["name"], meta["namespace"], manifest, field_manager=FIELD_MANAGER, force=True,
+                           _content_type=APPLY, _preload_content=False))
+
+    # core secrets: get, create
+    def create_secret(self, manifest: dict) -> dict:
+        return _json(self.core.create_namespaced_secret(
+            manifest["metadata"]["namespace"], manifest, field_manager=FIELD_MANAGER, _preload_content=False))
+
+    # core events: create
+    def post_event(self, owner: dict, type_: str, reason: str, message: str) -> None:
+        meta = owner["metadata"]
+        now = timestamp(utcnow())
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}", "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"],
+                               "namespace": meta["namespace"], "uid": meta["uid"],
+                               "resourceVersion": meta.get("resourceVersion")},
+            "type": type_,
+            "reason": reason,
+            "message": message[:1024],
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+            "source": {"component": FIELD_MANAGER},
+            "reportingComponent": f"{GROUP}/operator",
+            "reportingInstance": FIELD_MANAGER,
+        }
+        self.core.create_namespaced_event(meta["namespace"], event, _preload_content=False)

@@ -1,0 +1,57 @@
+"""Every Kubernetes API permission the operator's code uses, with the call that needs it.
+
+The Helm chart's Role/ClusterRole must grant exactly these (its RBAC test compares), and the
+integration tests run the operator as a ServiceAccount bound to nothing more than these rules.
+When code starts making a new API call, add its rule here in the same commit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Rule:
+    api_group: str
+    resource: str
+    verbs: tuple[str, ...]
+    why: str
+
+
+# On namespaced resources: a ClusterRole (cluster-wide mode) or a Role in each watched namespace.
+RULES: tuple[Rule, ...] = (
+    Rule("iterserve.dev", "inferenceservices", ("get", "list", "watch", "patch"),
+         "kopf watches them and patches its annotations and finalizer; the reconcile reads them fresh"),
+    Rule("iterserve.dev", "inferenceservices/status", ("patch",),
+         "the reconcile writes status (conditions, replicas, selector)"),
+    Rule("iterserve.dev", "inferenceservices/finalizers", ("update",),
+         "owner references with blockOwnerDeletion, where OwnerReferencesPermissionEnforcement is on"),
+    Rule("apps", "deployments", ("get", "list", "watch", "create", "patch"),
+         "engine Deployments: server-side apply (patch, or create when missing); drift watch"),
+    Rule("", "services", ("get", "list", "watch", "create", "patch"),
+         "engine Services: server-side apply; a deleted one is noticed and recreated"),
+    Rule("", "configmaps", ("get", "list", "watch", "create", "patch"),
+         "engine configuration (effective max_num_seqs): server-side apply; drift watch"),
+    Rule("", "secrets", ("get", "create"),
+         "the engine admin token, created once, never listed or watched"),
+    Rule("", "events", ("create",),
+         "an Event on the InferenceService for every change"),
+)
+
+# Only with kopf peering on (`iterserve operator run --peering NAME`, several operator replicas).
+PEERING_RULES: tuple[Rule, ...] = (
+    Rule("kopf.dev", "kopfpeerings", ("get", "list", "watch", "patch"), "kopf peering, namespaced mode"),
+)
+CLUSTER_PEERING_RULES: tuple[Rule, ...] = (
+    Rule("kopf.dev", "clusterkopfpeerings", ("get", "list", "watch", "patch"), "kopf peering, cluster-wide mode"),
+)
+
+
+def policy_rules(rules: tuple[Rule, ...] = RULES) -> list[dict]:
+    """As the `rules:` of a Role or ClusterRole."""
+    return [{"apiGroups": [r.api_group], "resources": [r.resource], "verbs": list(r.verbs)} for r in rules]
+
+
+def permissions(rules: tuple[Rule, ...] = RULES) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) triples, for comparing with a rendered role."""
+    return {(r.api_group, r.resource, verb) for r in rules for verb in r.verbs}

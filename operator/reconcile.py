@@ -1,0 +1,232 @@
+"""One level-triggered reconcile of one InferenceService: read it fresh, build the owned objects,
+write only what differs, write status, and say what changed in Events.
+
+Idempotent by construction: nothing is written when the live objects already match, so running it
+again on an unchanged resource makes no API writes and no Events. Safe to call from any trigger
+(create/update/resume, a timer, an owned object's event) and from several threads: calls for
+the same object are serialized.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from iterserve.operator import metrics
+from iterserve.operator.kube import Kube, conflict
+from iterserve.operator.models import InferenceServiceSpec
+from iterserve.operator.resources import (
+    Owner,
+    build_admin_secret,
+    build_configmap,
+    build_deployment,
+    build_service,
+    effective_max_num_seqs,
+    secret_name,
+)
+from iterserve.operator.status import (
+    changed_fields,
+    find_condition,
+    invalid_status,
+    reconciled_status,
+    utcnow,
+)
+from iterserve.operator.validation import SpecError, parse_spec
+
+logger = logging.getLogger(__name__)
+STATUS_WRITE_ATTEMPTS = 5
+
+
+@dataclass
+class Outcome:
+    result: str  # "applied", "unchanged", "invalid", "gone"
+    changes: list[str] = field(default_factory=list)
+    body: dict | None = None
+    spec: InferenceServiceSpec | None = None
+
+
+def first_difference(desired: Any, actual: Any, path: str = "") -> str | None:
+    """Where `actual` fails to contain `desired` (extra fields in `actual`, such as the API
+    server's defaults, are fine), or None when it contains all of it."""
+    if isinstance(desired, dict):
+        if not isinstance(actual, dict):
+            return path or "."
+        for key, value in desired.items():
+            found = first_difference(value, actual.get(key), f"{path}.{key}")
+            if found:
+                return found
+        return None
+    if isinstance(desired, list):
+        if not isinstance(actual, list):
+            return path
+        if all(isinstance(i, dict) and "name" in i for i in desired):
+            by_name = {i.get("name"): i for i in actual if isinstance(i, dict)}
+            for item in desired:
+                found = first_difference(item, by_name.get(item["name"]), f"{path}[{item['name']}]")
+                if found:
+                    return found
+            return None
+        if len(desired) != len(actual):
+            return path
+        for i, (want, have) in enumerate(zip(desired, actual, strict=True)):
+            found = first_difference(want, have, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    if desired == actual or (actual is not None and str(desired) == str(actual)):
+        return None
+    return path
+
+
+class Reconciler:
+    def __init__(self, kube: Kube, clock: Callable[[], datetime] = utcnow):
+        self.kube = kube
+        self.clock = clock
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+
+    def lock(self, namespace: str, name: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault((namespace, name), threading.Lock())
+
+    def reconcile(self, namespace: str, name: str) -> Outcome:
+        started = time.monotonic()
+        try:
+            with self.lock(namespace, name):
+                outcome = self._reconcile(namespace, name)
+        except Exception:
+            metrics.RECONCILES.labels(result="error").inc()
+            raise
+        finally:
+            metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+        metrics.RECONCILES.labels(result=outcome.result).inc()
+        return outcome
+
+    def _reconcile(self, namespace: str, name: str) -> Outcome:
+        body = self.kube.get_inference_service(namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return Outcome("gone")
+        generation = body["metadata"].get("generation")
+        try:
+            spec = parse_spec(body.get("spec"))
+        except SpecError as error:
+            return self._report_invalid(body, generation, error)
+
+        owner = Owner.from_body(body)
+        previous = body.get("status") or {}
+        tuned = previous.get("effectiveMaxNumSeqs") if _retunes(spec) else None
+        max_num_seqs = effective_max_num_seqs(spec, tuned)
+        changes = []
+        if self._ensure_secret(body, owner):
+            changes.append(f"created Secret {secret_name(owner.name)}")
+        deployment = None
+        for manifest in (build_configmap(owner, spec, max_num_seqs), build_service(owner, spec),
+                         build_deployment(owner, spec)):
+            live, change = self._converge(body, manifest)
+            if change:
+                changes.append(change)
+            if manifest["kind"] == "Deployment":
+                deployment = live
+
+        now = self.clock()
+        body, _ = self.write_status(
+            body, lambda prev: reconciled_status(prev, spec, name, generation, deployment, max_num_seqs, now))
+        if body is not None:
+            self._announce_transitions(body, previous)
+        return Outcome("applied" if changes else "unchanged", changes, body, spec)
+
+    def _ensure_secret(self, owner_body: dict, owner: Owner) -> bool:
+        """The admin token is generated once; an existing Secret is never rewritten."""
+        if self.kube.get("Secret", owner.namespace, secret_name(owner.name)) is not None:
+            return False
+        try:
+            self.kube.create_secret(build_admin_secret(owner))
+        except Exception as exc:
+            if conflict(exc):  # another reconcile created it first
+                return False
+            raise
+        metrics.OBJECT_WRITES.labels(kind="Secret", action="created").inc()
+        self._event(owner_body, "Normal", "Created", f"Created Secret {secret_name(owner.name)} (engine admin token)")
+        return True
+
+    def _converge(self, owner_body: dict, manifest: dict) -> tuple[dict, str | None]:
+        kind, meta = manifest["kind"], manifest["metadata"]
+        live = self.kube.get(kind, meta["namespace"], meta["name"])
+        difference = None if live is None else first_difference(manifest, live)
+        if live is not None and difference is None:
+            return live, None
+        applied = self.kube.apply(manifest)
+        if live is None:
+            change = f"created {kind} {meta['name']}"
+            metrics.OBJECT_WRITES.labels(kind=kind, action="created").inc()
+            self._event(owner_body, "Normal", "Created", f"Created {kind} {meta['name']}")
+        elif applied["metadata"]["resourceVersion"] != live["metadata"]["resourceVersion"]:
+            change = f"updated {kind} {meta['name']} ({difference.lstrip('.')})"
+            metrics.OBJECT_WRITES.labels(kind=kind, action="updated").inc()
+            self._event(owner_body, "Normal", "Updated", f"Updated {kind} {meta['name']}: {difference.lstrip('.')} differed")
+        else:
+            change = None  # the server already had it (e.g. a quantity written another way)
+        return applied, change
+
+    def write_status(self, body: dict, compute: Callable[[dict], dict]) -> tuple[dict | None, bool]:
+        """Patches the status fields `compute(previous_status)` changes, against the resourceVersion
+        it read; on 409 re-reads the object and recomputes. Returns the object and whether it wrote."""
+        meta = body["metadata"]
+        for _ in range(STATUS_WRITE_ATTEMPTS):
+            delta = changed_fields(body.get("status"), compute(body.get("status") or {}))
+            if not delta:
+                return body, False
+            try:
+                return self.kube.patch_status(meta["namespace"], meta["name"], delta,
+                                              body["metadata"]["resourceVersion"]), True
+            except Exception as exc:
+                if not conflict(exc):
+                    raise
+                metrics.CONFLICTS.inc()
+                body = self.kube.get_inference_service(meta["namespace"], meta["name"])
+                if body is None:
+                    return None, False
+        raise RuntimeError(f"status of {meta['namespace']}/{meta['name']}: still conflicting after "
+                           f"{STATUS_WRITE_ATTEMPTS} attempts")
+
+    def _report_invalid(self, body: dict, generation: int | None, error: SpecError) -> Outcome:
+        """No owned object is touched: a half-applied spec would be worse than the last good one."""
+        now = self.clock()
+        previous = find_condition((body.get("status") or {}).get("conditions"), "InvalidSpec")
+        body, _ = self.write_status(body, lambda prev: invalid_status(prev, generation, error.field, error.message, now))
+        if body is not None:
+            current = find_condition(body["status"]["conditions"], "InvalidSpec")
+            if previous is None or (previous["status"], previous["message"]) != (current["status"], current["message"]):
+                self._event(body, "Warning", "InvalidSpec", str(error))
+        logger.warning("%s/%s: invalid spec: %s", body and body["metadata"]["namespace"],
+                       body and body["metadata"]["name"], error)
+        return Outcome("invalid", [str(error)], body)
+
+    def _announce_transitions(self, body: dict, previous_status: dict) -> None:
+        conditions = (body.get("status") or {}).get("conditions") or []
+        before = {c["type"]: c["status"] for c in previous_status.get("conditions") or []}
+        for condition in conditions:
+            if before.get(condition["type"]) == condition["status"]:
+                continue
+            kind = condition["type"]
+            if kind == "Ready" and condition["status"] == "True":
+                self._event(body, "Normal", "Ready", condition["message"])
+            elif kind == "Degraded" and condition["status"] == "True":
+                self._event(body, "Warning", condition["reason"], condition["message"] or "Degraded")
+            elif kind == "InvalidSpec" and condition["status"] == "False" and before.get(kind) == "True":
+                self._event(body, "Normal", "SpecValid", "The spec is valid again and has been applied.")
+
+    def _event(self, owner_body: dict, type_: str, reason: str, message: str) -> None:
+        try:
+            self.kube.post_event(owner_body, type_, reason, message)
+        except Exception as exc:  # an Event is a courtesy; never fail the reconcile for it
+            logger.warning("could not post Event %s: %s", reason, exc)
+
+
+def _retunes(spec: InferenceServiceSpec) -> bool:
+    return spec.autoscaling_mode == "Builtin" and spec.autoscaling is not None and spec.autoscaling.kv_retune.enabled
