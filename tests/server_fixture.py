@@ -14,8 +14,6 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -23,15 +21,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def iterserve_command() -> list[str]:
+    script = Path(sys.executable).parent / "iterserve"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "iterserve.cli"]
+
+
 class ServerProcess:
     def __init__(self, args: list[str], env: dict[str, str] | None = None, log_path: Path | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        command = [sys.executable, "-m", "iterserve.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                   *args]
+        command = [*iterserve_command(), "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
         self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, **(env or {})},
+        # Not run from the repository root: its folder operator/ must not shadow the stdlib module.
+        self.proc = subprocess.Popen(command, cwd=log_path.parent if log_path else "/", env={**os.environ, **(env or {})},
                                      stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
