@@ -79,6 +79,7 @@ def test_chart_operator_deployment_is_restricted_and_probed():
     assert f"--liveness=http://0.0.0.0:{health_port}/healthz" in container["args"]
     assert container["args"][:2] == ["operator", "run"]
     assert "--namespace=team-a" in container["args"] and "--namespace=team-b" in container["args"]
+    assert "--peering=llm-operator" in container["args"] and "--verbose" in container["args"]
     assert container["resources"]["requests"]["cpu"]
     assert {"name": "ITERSERVE_EXTRA", "value": "1"} in container["env"]
 
@@ -87,7 +88,7 @@ def test_chart_cluster_mode_watches_all_namespaces():
     [deployment] = of_kind(render(), "Deployment")
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--all-namespaces" in args
-    assert not any(arg.startswith("--namespace=") for arg in args)
+    assert not any(arg.startswith(("--namespace=", "--peering", "--verbose")) for arg in args)
 
 
 def test_chart_sample_is_a_valid_inference_service():
@@ -117,3 +118,24 @@ def test_chart_namespaced_mode_needs_namespaces():
     result = helm("template", "iterserve", str(CHART), "--set", "operator.watch.mode=namespaced", check=False)
     assert result.returncode != 0
     assert "namespaces" in result.output, result.output
+
+
+def test_chart_several_operator_replicas_need_peering():
+    result = helm("template", "iterserve", str(CHART), "--set", "operator.replicas=2", check=False)
+    assert result.returncode != 0
+    assert "operator.peering.enabled" in result.output, result.output
+
+
+def test_chart_operator_args_parse_with_the_real_cli():
+    """Every flag the chart passes is one `iterserve operator run` accepts."""
+    from iterserve.cli import build_parser
+    from iterserve.operator import cli as operator_cli
+
+    for values in (DEFAULT, NAMESPACED):
+        [deployment] = of_kind(render(values), "Deployment")
+        [container] = deployment["spec"]["template"]["spec"]["containers"]
+        parser, subparsers = build_parser()
+        operator_cli.configure(subparsers.add_parser("operator"))
+        args = parser.parse_args(container["args"])
+        assert args.operator_command == "run"
+        assert args.metrics_port == 9090
