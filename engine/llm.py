@@ -1,0 +1,101 @@
+"""Offline generation in the spirit of vLLM's LLM class:
+
+    llm = LLM()  # the embedded SmolLM2-135M
+    outputs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+    print(outputs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from iterserve.engine.config import DEFAULT_MODEL, ConfigError, EngineConfig
+from iterserve.engine.llm_engine import LLMEngine
+from iterserve.engine.outputs import RequestOutput
+from iterserve.engine.sampling_params import SamplingParams
+
+PromptInput = str | list[int] | dict
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_options):
+        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(engine_options) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine option {unknown[0]!r}; known options: {', '.join(sorted(known))}")
+        self.config = EngineConfig(model=model or DEFAULT_MODEL, **engine_options)
+        self.engine = LLMEngine.from_config(self.config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in input order. A prompt is a string, a list of token ids,
+        or {"prompt_token_ids": [...]}; sampling_params is one for all or one per prompt."""
+        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params; "
+                                 "pass one SamplingParams or one per prompt")
+        request_ids = []
+        try:
+            for prompt, param in zip(prompts, params, strict=True):
+                request_ids.append(self._add(prompt, param))
+        except Exception:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            self.engine.step()  # applies the aborts, so nothing stays queued
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or many."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _add(self, prompt: PromptInput, params: SamplingParams) -> str:
+        request_id = f"llm-{next(self._ids)}"
+        if isinstance(prompt, str):
+            return self.engine.add_request(prompt, params, request_id=request_id)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return self.engine.add_request(prompt.get("prompt"), params, list(prompt["prompt_token_ids"]),
+                                               request_id=request_id)
+            return self.engine.add_request(prompt.get("prompt"), params, request_id=request_id)
+        return self.engine.add_request(None, params, list(prompt), request_id=request_id)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while pending:
+                for output in self.engine.step():
+                    if output.finished and output.request_id in pending:
+                        pending.discard(output.request_id)
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[request_id] for request_id in request_ids]

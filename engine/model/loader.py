@@ -1,0 +1,274 @@
+"""Load a Llama-architecture model's config and weights from a GGUF file or a HuggingFace directory.
+
+Either way the result uses HuggingFace tensor names and layouts (model.layers.N.self_attn.q_proj
+.weight as [out, in], rotate-half rotary), so the decoder has one weight format to understand.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+
+class ModelLoadError(RuntimeError):
+    """The model named by --model is missing, unreadable or not something this engine can run."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    name: str = ""
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    path: Path
+    format: str  # "gguf" or "hf"
+    gguf_reader: object | None = None  # kept so the tokenizer can read the same file's metadata
+
+
+def load_model(path: Path, show_progress: bool = True) -> LoadedModel:
+    path = Path(path)
+    if path.is_dir():
+        return load_hf_dir(path, show_progress)
+    if path.is_file():
+        return load_gguf(path, show_progress)
+    raise ModelLoadError(f"model path {path} does not exist")
+
+
+# -- GGUF -------------------------------------------------------------------------------------------
+
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def gguf_metadata(reader) -> dict:
+    """Scalar and string metadata as Python values (token arrays are left out: read them on demand)."""
+    values = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                                                         "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+            continue
+        values[key] = field.contents()
+    return values
+
+
+def open_gguf(path: Path):
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(path)
+    except Exception as exc:  # the reader raises ValueError, struct.error, OSError...
+        raise ModelLoadError(f"cannot read {path} as a GGUF file: {exc}") from exc
+
+
+def load_gguf(path: Path, show_progress: bool = True) -> LoadedModel:
+    reader = open_gguf(path)
+    meta = gguf_metadata(reader)
+    config = _gguf_config(meta, path)
+    weights: dict[str, torch.Tensor] = {}
+    tensors = tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not show_progress,
+                   leave=False)
+    for tensor in tensors:
+        name = _hf_name(tensor.name)
+        if name is None:
+            continue  # e.g. rope_freqs, which only rope-scaled models carry
+        array = _dequantize(tensor, path)
+        if name.endswith("q_proj.weight"):
+            array = unpermute_rows(array, config.num_heads)
+        elif name.endswith("k_proj.weight"):
+            array = unpermute_rows(array, config.num_kv_heads)
+        if not array.flags.writeable:  # F32/F16 tensors come back as views of the memory-mapped file
+            array = array.copy()
+        weights[name] = torch.from_numpy(np.ascontiguousarray(array))
+    _check_complete(weights, config, path)
+    return LoadedModel(config, weights, path, "gguf", reader)
+
+
+def _gguf_config(meta: dict, path: Path) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"{path}: architecture {arch!r} is not supported; this engine runs llama models")
+
+    def get(key: str, default=None):
+        value = meta.get(f"llama.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata llama.{key} is missing")
+        return value
+
+    scaling = meta.get("llama.rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        raise ModelLoadError(f"{path}: rope scaling {scaling!r} is not supported")
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    vocab = meta.get("llama.vocab_size")
+    if vocab is None:
+        vocab = len(meta.get("tokenizer.ggml.tokens", ())) or None
+    return ModelConfig(
+        vocab_size=int(vocab) if vocab else 0,  # filled from token_embd when the file does not say
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(meta.get("llama.rope.dimension_count") or hidden // heads),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(get("context_length")),
+        tie_word_embeddings=False,  # decided once the tensors are read
+        name=str(meta.get("general.name", path.stem)),
+    )
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def _dequantize(tensor, path: Path) -> np.ndarray:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
+    qtype = GGMLQuantizationType(tensor.tensor_type)
+    try:
+        array = dequantize(tensor.data, qtype)
+    except NotImplementedError as exc:
+        raise ModelLoadError(f"{path}: tensor {tensor.name} has type {qtype.name}, which cannot be "
+                             "dequantized; convert the model to F16, Q8_0, Q4_0/1 or a K-quant") from exc
+    return np.asarray(array, dtype=np.float32).reshape(shape)
+
+
+def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's convert permute(), which interleaves each head's two rotary halves.
+
+    convert: w.reshape(heads, 2, dim // heads // 2, in).swapaxes(1, 2); this is its inverse, back
+    to the rotate-half layout HuggingFace checkpoints use.
+    """
+    rows = weight.shape[0]
+    return (weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def permute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's convert permute() (HF -> GGUF layout); used to write test files."""
+    rows = weight.shape[0]
+    return (weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+# -- HuggingFace directory -------------------------------------------------------------------------
+
+
+def load_hf_dir(path: Path, show_progress: bool = True) -> LoadedModel:
+    from safetensors import safe_open
+
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{path} is a directory without config.json; give a HuggingFace model "
+                             "directory (config.json + *.safetensors) or a .gguf file")
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {config_file}: {exc}") from exc
+    config = _hf_config(raw, path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors weight files")
+    weights: dict[str, torch.Tensor] = {}
+    for file in tqdm(files, desc=f"loading {path.name}", unit="file", disable=not show_progress, leave=False):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    if name.startswith(("model.", "lm_head.")) and "rotary_emb" not in name:
+                        weights[name] = handle.get_tensor(name)
+        except Exception as exc:  # safetensors raises its own SafetensorError
+            raise ModelLoadError(f"cannot read weights from {file}: {exc}") from exc
+    _check_complete(weights, config, path)
+    return LoadedModel(config, weights, path, "hf")
+
+
+def _hf_config(raw: dict, path: Path) -> ModelConfig:
+    arch = raw.get("model_type")
+    if arch not in ("llama", "mistral"):
+        raise ModelLoadError(f"{path}: model_type {arch!r} is not supported; this engine runs llama models")
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ModelLoadError(f"{path}: rope scaling {rope_type!r} is not supported")
+    try:
+        hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+        return ModelConfig(
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            name=path.name,
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"{path / 'config.json'} lacks {exc.args[0]!r}") from exc
+
+
+# -- both ------------------------------------------------------------------------------------------
+
+
+def _check_complete(weights: dict[str, torch.Tensor], config: ModelConfig, path: Path) -> None:
+    embed = weights.get("model.embed_tokens.weight")
+    if embed is None:
+        raise ModelLoadError(f"{path}: the token embedding tensor is missing")
+    if not config.vocab_size:
+        config.vocab_size = embed.shape[0]
+    if "lm_head.weight" not in weights:
+        config.tie_word_embeddings = True
+    per_layer = [_GGUF_LAYER_NAMES[k] + ".weight" for k in _GGUF_LAYER_NAMES]
+    missing = [f"model.layers.{i}.{name}" for i in range(config.num_layers) for name in per_layer
+               if f"model.layers.{i}.{name}" not in weights]
+    if "model.norm.weight" not in weights:
+        missing.append("model.norm.weight")
+    if missing:
+        raise ModelLoadError(f"{path}: {len(missing)} weight tensors missing, e.g. {missing[0]}")

@@ -1,0 +1,128 @@
+"""The real executor: owns the model, the paged KV pools and the sampler, and runs one scheduled
+step (block swaps, a flat batch through the model, sampling) at a time."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from iterserve.engine.attention.backend import AttentionMetadata, get_backend
+from iterserve.engine.config import ConfigError, EngineConfig, parse_size
+from iterserve.engine.model.llama import LlamaModel
+from iterserve.engine.model.loader import load_model
+from iterserve.engine.model.registry import resolve_model_path
+from iterserve.engine.model.tokenizer import Tokenizer
+from iterserve.engine.sampler import Sampler
+from iterserve.engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def pick_device(option: str) -> torch.device:
+    if option == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if option == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda, but no CUDA device is visible; use --device cpu or auto")
+    return torch.device(option)
+
+
+def pick_dtype(option: str, device: torch.device) -> torch.dtype:
+    if option == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[option]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, show_progress: bool = True):
+        path, self.model_name = resolve_model_path(config.model)
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        loaded = load_model(path, show_progress)
+        self.tokenizer = Tokenizer.from_path(path, loaded.gguf_reader)
+        model_config = loaded.config
+        config.resolve(model_config.max_position_embeddings)
+        self.config = config
+        self.block_size = config.block_size
+        backend = get_backend(config.attention_backend, self.device)
+        self.model = LlamaModel.from_weights(model_config, loaded.weights, backend, self.device, self.dtype,
+                                             max_positions=config.max_model_len)
+        del loaded
+
+        kv_shape = (config.block_size, model_config.num_kv_heads, model_config.head_dim)
+        bytes_per_block = 2 * model_config.num_layers * kv_shape[0] * kv_shape[1] * kv_shape[2] * self.dtype.itemsize
+        self.num_kv_blocks = config.num_kv_blocks or (
+            parse_size(config.kv_cache_memory, "--kv-cache-memory") // bytes_per_block)
+        self.num_cpu_blocks = config.num_cpu_blocks
+        if self.num_cpu_blocks is None:
+            self.num_cpu_blocks = parse_size(config.swap_space, "--swap-space") // bytes_per_block
+        config.check_kv_capacity(self.num_kv_blocks, self.num_cpu_blocks)
+        # Zeros, not empty: padded decode attention multiplies unused slots by 0, and 0 * NaN is NaN.
+        self.kv_caches = [
+            (torch.zeros((self.num_kv_blocks, *kv_shape), dtype=self.dtype, device=self.device),
+             torch.zeros((self.num_kv_blocks, *kv_shape), dtype=self.dtype, device=self.device))
+            for _ in range(model_config.num_layers)
+        ]
+        pin = self.device.type == "cuda"
+        self.cpu_caches = [
+            (torch.zeros((self.num_cpu_blocks, *kv_shape), dtype=self.dtype, pin_memory=pin),
+             torch.zeros((self.num_cpu_blocks, *kv_shape), dtype=self.dtype, pin_memory=pin))
+            for _ in range(model_config.num_layers)
+        ]
+        self.sampler = Sampler(self.device, config.seed)
+        logger.info(
+            "model %s (%s): %d layers, %s on %s, %s attention; KV pool %d blocks x %d = %d tokens "
+            "(%.0f MiB), swap pool %d blocks",
+            self.model_name, path, model_config.num_layers, str(self.dtype).removeprefix("torch."),
+            self.device, backend.name, self.num_kv_blocks, config.block_size,
+            self.num_kv_blocks * config.block_size, self.num_kv_blocks * bytes_per_block / 2**20,
+            self.num_cpu_blocks,
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> list[int | None]:
+        if out.swap_out:
+            self._copy_blocks(out.swap_out, self.kv_caches, self.cpu_caches)
+        if out.swap_in:
+            self._copy_blocks(out.swap_in, self.cpu_caches, self.kv_caches)
+        chunks = out.chunks
+        if not chunks:
+            return []
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sample_seqs = []
+        for chunk in chunks:
+            seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
+            input_ids += seq.token_slice(start, end)
+            positions += range(start, end)
+            query_lens.append(chunk.num_tokens)
+            seq_lens.append(end)
+            block_tables.append(seq.block_table)
+            if chunk.sample:
+                sample_rows.append(len(input_ids) - 1)
+                sample_seqs.append(seq)
+        device = self.device
+        meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, device)
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=device),
+                            torch.tensor(positions, dtype=torch.long, device=device), self.kv_caches, meta)
+        if not sample_seqs:
+            return [None] * len(chunks)
+        rows = hidden[torch.tensor(sample_rows, device=device)] if len(sample_rows) < len(input_ids) else hidden
+        tokens = iter(self.sampler.sample(self.model.compute_logits(rows), sample_seqs))
+        return [next(tokens) if chunk.sample else None for chunk in chunks]
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]], source: list, target: list) -> None:
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=source[0][0].device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=target[0][0].device)
+        for (src_k, src_v), (dst_k, dst_v) in zip(source, target, strict=True):
+            dst_k[dst] = src_k[src].to(dst_k.device)
+            dst_v[dst] = src_v[src].to(dst_v.device)
+
+    def release(self, request_ids: list[str]) -> None:
+        self.sampler.release(request_ids)

@@ -1,0 +1,69 @@
+"""Turn one step's logits into tokens, per request: greedy, temperature, top-k, top-p, seed.
+
+Greedy rows are one argmax over the batch; the rest share one temperature/top-k/top-p pass and
+then draw one token each from their own generator. A request with a seed owns a generator seeded
+from it (so its tokens do not depend on what else is in the batch); the rest share the engine's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from iterserve.engine.sequence import Sequence
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0):
+        self.device = device
+        self._shared = torch.Generator(device=device)
+        self._shared.manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """logits: float32 [N, vocab], one row per sequence in seqs."""
+        random_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+        tokens = logits.argmax(dim=-1)
+        if not random_rows:
+            return tokens.tolist()
+        params = [seqs[i].params for i in random_rows]
+        rows = logits[random_rows] if len(random_rows) < len(seqs) else logits
+        rows = rows / torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
+        if any(p.top_k != -1 or p.top_p < 1.0 for p in params):
+            rows = apply_top_k_top_p(rows, [p.top_k for p in params], [p.top_p for p in params])
+        probs = rows.softmax(dim=-1)
+        drawn = torch.cat([
+            torch.multinomial(probs[j], 1, generator=self._generator(seqs[i]))
+            for j, i in enumerate(random_rows)
+        ])
+        tokens[random_rows] = drawn
+        return tokens.tolist()
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        if seq.params.seed is None:
+            return self._shared
+        generator = self._generators.get(seq.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seq.params.seed)
+            self._generators[seq.request_id] = generator
+        return generator
+
+    def release(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._generators.pop(request_id, None)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Set to -inf every logit outside each row's top-k and outside its top-p nucleus
+    (the smallest set of most likely tokens whose probability reaches top_p; never empty)."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1)  # ascending: the kept tokens are at the end
+    k = torch.tensor([vocab if n == -1 else min(n, vocab) for n in top_k], device=logits.device)
+    kth_largest = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_largest, float("-inf"))
+    p = torch.tensor(top_p, device=logits.device, dtype=logits.dtype).unsqueeze(1)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    outside = cumulative <= 1 - p
+    outside[:, -1] = False
+    sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
