@@ -117,7 +117,7 @@ class LocalCluster:
         return self
 
     def stop(self, grace: float = 10) -> None:
-        for name, proc in reversed(list(self.processes.items())):
+        for proc in reversed(list(self.processes.values())):
             if proc.poll() is None:
                 proc.terminate()
         deadline = time.monotonic() + grace
