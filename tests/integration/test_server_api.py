@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import time
 
 import httpx
@@ -143,3 +144,17 @@ def test_loadgen_reports_latency_and_throughput(server, tmp_path):
     assert 30 <= report["total_output_tokens"] <= 30 * 24
     assert report["ttft_s"]["p50"] > 0 and report["itl_s"]["p99"] >= report["itl_s"]["p50"] > 0
     assert report["output_throughput_tokens_per_s"] > 0
+
+
+def test_loadgen_command_prints_a_table_and_writes_json(server, tmp_path):
+    from tests.server_fixture import iterserve_command
+
+    out = tmp_path / "report.json"
+    result = subprocess.run(
+        [*iterserve_command(), "loadgen", "--url", server.url, "--requests", "12", "--rate", "100",
+         "--output-dist", "exponential", "--max-tokens", "16", "--concurrency", "4", "--json", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "TTFT" in result.stdout and "p99" in result.stdout and "12/12 requests completed" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["completed"] == 12 and report["config"]["concurrency"] == 4

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+import subprocess
 import threading
 import time
 
@@ -137,3 +138,17 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path):
             pass
     finally:
         server.stop()
+
+
+def test_bad_options_exit_2_and_a_model_that_fails_to_load_exits_1(tmp_path):
+    from tests.server_fixture import iterserve_command
+
+    contradictory = subprocess.run(
+        [*iterserve_command(), "serve", "--fake-model", "--no-chunked-prefill", "--max-num-batched-tokens", "100"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert contradictory.returncode == 2
+    assert "--max-num-batched-tokens" in contradictory.stderr and "--max-model-len" in contradictory.stderr
+    server = ServerProcess(["--model", str(tmp_path / "missing.gguf")], log_path=tmp_path / "log")
+    assert server.proc.wait(60) == 1
+    assert "missing.gguf" in server.log() and "Traceback" not in server.log()
+    server.stop()
