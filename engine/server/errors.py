@@ -74,7 +74,7 @@ def _describe_validation_error(exc: RequestValidationError) -> tuple[str, str | 
         return f"{param} is required", param
     if len(field_path) < len(loc) and field_path[-1] in _UNION_HINTS:
         return f"{param} must be {_UNION_HINTS[field_path[-1]]}", param
-    return f"{param}: {first.get('msg', 'invalid value')}", param
+    return f"{param}: {first.get('msg', 'invalid value').removeprefix('Value error, ')}", param
 
 
 def _is_type_segment(part: str) -> bool:

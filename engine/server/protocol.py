@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Request(BaseModel):
@@ -31,18 +31,32 @@ class _SamplingFields(_Request):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=1, description="Only 1 is supported.")
+    n: int = Field(1, description="Only 1 is supported.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: StopStrings = None
     seed: int | None = None
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="Not supported: only 0.")
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="Not supported: only 0.")
+    presence_penalty: float = Field(0.0, description="Not supported: only 0.")
+    frequency_penalty: float = Field(0.0, description="Not supported: only 0.")
     user: str | None = None
     # vLLM's extensions, which load generators and benchmarks rely on.
     top_k: int = Field(-1, ge=-1)
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("only n=1 is supported; send several requests for several choices")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float) -> float:
+        if value != 0:
+            raise ValueError("penalties are not supported; send 0 or leave the field out")
+        return value
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]

@@ -69,6 +69,8 @@ def test_streaming_completion_is_sse_ending_with_done(server):
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": "x", "model": "gpt-4"}, "model"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
     ({"prompt": "x" * 600}, "prompt"),
     ({"prompt": "x" * 500, "max_tokens": 100}, "max_tokens"),
     ({"prompt": ""}, "prompt"),
