@@ -154,6 +154,12 @@ class AsyncEngine:
             self._wake.notify()
 
     # -- the engine thread -----------------------------------------------------------------------
+    def _observe(self, outputs: list[RequestOutput]) -> None:
+        try:
+            self.on_step(outputs)
+        except Exception:  # noqa: BLE001 - a metrics bug must not stop serving
+            logger.exception("recording step metrics failed")
+
     def _run(self) -> None:
         engine = self.engine
         try:
@@ -165,7 +171,7 @@ class AsyncEngine:
                         return
                 outputs = engine.step()
                 if self.on_step is not None:
-                    self.on_step(outputs)
+                    self._observe(outputs)
                 if outputs:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
         except BaseException as error:  # noqa: BLE001 - the thread must report, not vanish

@@ -202,6 +202,8 @@ def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
             return
         except EngineFailed as error:
             yield f"data: {json.dumps(error_body(str(error), 'server_error'))}\n\n"
+        finally:
+            await events.aclose()  # at once, not at garbage collection: it aborts an unfinished request
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream",
