@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import time
 
@@ -160,3 +161,13 @@ def test_loadgen_command_prints_a_table_and_writes_json(server, tmp_path):
     assert "TTFT" in result.stdout and "p99" in result.stdout and "12/12 requests completed" in result.stdout
     report = json.loads(out.read_text())
     assert report["completed"] == 12 and report["config"]["concurrency"] == 4
+
+
+def test_an_idle_server_does_not_spin(server):
+    def cpu_seconds() -> float:
+        fields = open(f"/proc/{server.proc.pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+    before = cpu_seconds()
+    time.sleep(1.0)
+    assert cpu_seconds() - before < 0.2  # the engine thread sleeps on its condition
