@@ -177,6 +177,7 @@ class Decision:
     metrics: MetricsStatus
     scaling_limited: bool = False
     limited_message: str = ""
+    limited_reason: str = ""  # HPA's ScalingLimited reasons: TooManyReplicas, TooFewReplicas, ScaleUpLimit, ScaleDownLimit
     pods: tuple[PodSignal, ...] = ()
     total_waiting: float | None = None
     total_running: float | None = None
@@ -307,7 +308,8 @@ def _hold(state: State, settings: Settings, reason: str, message: str, **extra) 
         reason = "below_min_replicas" if direction == "up" else "above_max_replicas"
         message = f"{message}; replicas {state.replicas} outside [{settings.min_replicas}, {settings.max_replicas}]"
         return Decision(state.replicas, desired, direction, reason, message, None, (),
-                        MetricsStatus(False, "", ""), True, message, **extra)
+                        MetricsStatus(False, "", ""), True, message,
+                        "TooFewReplicas" if direction == "up" else "TooManyReplicas", **extra)
     return Decision(state.replicas, desired, "none", reason, message, None, (), MetricsStatus(False, "", ""), **extra)
 
 
@@ -338,7 +340,8 @@ def _replica_decision(settings, state, history, signals, measured, metrics, now)
         proposal = math.ceil(raw)
         reason = "waiting_above_target" if proposal > current else "waiting_below_target"
 
-    if rate_per_replica > settings.preemptions_per_minute_threshold and proposal <= current:
+    busy = total_waiting + total_running > 0
+    if busy and rate_per_replica > settings.preemptions_per_minute_threshold and proposal <= current:
         proposal, reason = current + 1, "preemptions"
     if proposal < current:
         proposal, reason = _scale_down_floor(settings, state, history, signals, measured, proposal,
@@ -355,14 +358,16 @@ def _replica_decision(settings, state, history, signals, measured, metrics, now)
             notes.append(f"{pending}; no further scale-up until they are ready or "
                          f"{settings.cold_start_seconds:g} s pass")
             desired, held_by = current, "pending_replicas"
-    limited = []
+    limited, limited_reason = [], ""
     allowed = _rate_limit(settings, state, current, desired, now)
     if allowed != desired:
         limited.append(f"rate policy allows {allowed} (wanted {desired})")
+        limited_reason = "ScaleUpLimit" if desired > current else "ScaleDownLimit"
         desired, held_by = allowed, "rate_limited"
     bounded = _clamp(desired, settings)
     if bounded != desired:
         limited.append(f"bounded to [{settings.min_replicas}, {settings.max_replicas}] (wanted {desired})")
+        limited_reason = "TooManyReplicas" if desired > bounded else "TooFewReplicas"
         desired, held_by = bounded, "at_replica_bounds"
 
     if desired == current and proposal != current:
@@ -373,7 +378,8 @@ def _replica_decision(settings, state, history, signals, measured, metrics, now)
     direction = "up" if desired > current else "down" if desired < current else "none"
     message = f"replicas {current} -> {desired}: " + "; ".join(notes + limited)
     return Decision(current, desired, direction, reason, message, recommendation, (), metrics,
-                    scaling_limited=bool(limited), limited_message="; ".join(limited), pods=signals,
+                    scaling_limited=bool(limited), limited_message="; ".join(limited),
+                    limited_reason=limited_reason, pods=signals,
                     total_waiting=total_waiting, total_running=total_running,
                     preemptions_per_minute_per_replica=rate_per_replica)
 
@@ -496,6 +502,45 @@ def _kv_retune(settings: Settings, ready: Sequence[PodState], history, now: floa
     return tuple(changes)
 
 
+def _at_cap(samples: Sequence[PodSample], cap: int) -> list[PodSample]:
+    """The latest run of readable samples taken while the engine ran under `cap`. Lowering the
+    cap never evicts running sequences, so until they drain below it the pool may still thrash:
+    that is no evidence against the new value."""
+    run: list[PodSample] = []
+    for sample in reversed(samples):
+        if (not sample.ok or (sample.max_num_seqs is not None and sample.max_num_seqs != cap)
+                or (sample.running is not None and sample.running > cap)):
+            break
+        run.append(sample)
+    return run[::-1]
+
+
+def _pressure_run(observed: Sequence[PodSample], count: int, threshold: float) -> str | None:
+    """Describes KV pressure when each of the last `count` samples shows it, else None.
+
+    A sample shows pressure when KV usage is above the threshold, or when the preemption counter
+    rose since the sample before: with recompute preemption usage drops each time a sequence is
+    evicted, so a thrashing pool can read below the threshold at any given instant."""
+    if len(observed) < count:
+        return None
+    parts = []
+    for index in range(len(observed) - count, len(observed)):
+        sample = observed[index]
+        if not sample.ok or sample.kv_usage is None:
+            return None
+        before = observed[index - 1] if index > 0 else None
+        preempted = (before is not None and before.ok and before.preemptions_total is not None
+                     and sample.preemptions_total is not None
+                     and sample.preemptions_total > before.preemptions_total)
+        if sample.kv_usage > threshold:
+            parts.append(f"{sample.kv_usage:.3f}")
+        elif preempted:
+            parts.append(f"{sample.kv_usage:.3f} (+{sample.preemptions_total - before.preemptions_total:g} preemptions)")
+        else:
+            return None
+    return f"KV usage {', '.join(parts)} above {threshold:g} or preempting"
+
+
 def _retune_pod(settings: Settings, pod: PodState, samples: Sequence[PodSample], now: float) -> SeqsChange | None:
     kv = settings.kv_retune
     current = _effective_seqs(pod, samples[-1], settings)
@@ -507,14 +552,12 @@ def _retune_pod(settings: Settings, pod: PodState, samples: Sequence[PodSample],
         since = max(since, pod.max_num_seqs_changed_at)
     observed = [s for s in samples if s.at >= since]
 
-    recent = observed[-kv.consecutive_samples:]
-    if (len(recent) == kv.consecutive_samples
-            and all(s.ok and s.kv_usage is not None and s.kv_usage > kv.threshold for s in recent)):
+    pressure = _pressure_run(_at_cap(observed, current), kv.consecutive_samples, kv.threshold)
+    if pressure is not None:
         lowered = max(kv.floor, math.floor(current * kv.step_factor))
         if lowered < current:
-            usage = ", ".join(f"{s.kv_usage:.3f}" for s in recent)
             return SeqsChange(pod.name, current, lowered, "kv_pressure",
-                              f"KV usage {usage} above {kv.threshold:g} for {len(recent)} samples: "
+                              f"{pressure} for {kv.consecutive_samples} samples: "
                               f"max_num_seqs {current} x {kv.step_factor:g} -> {lowered} (floor {kv.floor})")
         return None
 

@@ -123,6 +123,9 @@ CASES = [
      FAST, State(2, (ready("a"), ready("b"))),
      history(steady("a", preemptions_per_minute=4, waiting=5, running=16),
              steady("b", preemptions_per_minute=2, waiting=5, running=16)), 3, "preemptions"),
+    ("past preemptions add no replica once traffic is zero",
+     FAST, State(2, (ready("a"), ready("b"))),
+     history(steady("a", preemptions_per_minute=4), steady("b")), 2, "scale_down_blocked_preemptions"),
     ("preemptions block scale-down",
      FAST, State(3, (ready("a"), ready("b"), ready("c"))),
      history(steady("a", preemptions_per_minute=0.5), steady("b"), steady("c")), 3,
@@ -265,13 +268,23 @@ def test_kv_pressure_for_n_samples_lowers_max_num_seqs_multiplicatively():
     decision = decide(FAST, State(1, (ready("a"),)), history(samples), NOW)
     (change,) = decision.seqs_changes
     assert (change.pod, change.from_max_num_seqs, change.to_max_num_seqs, change.reason) == ("a", 16, 12, "kv_pressure")
-    assert "0.970, 0.990, 0.960" in change.message
+    assert "KV usage 0.970, 0.990, 0.960 above 0.95" in change.message
 
 
-@pytest.mark.parametrize("usages", [[0.97, 0.99], [0.97, 0.90, 0.99], [0.95, 0.95, 0.95]],
-                         ids=["too few samples", "not consecutive", "at, not above, the threshold"])
-def test_no_retune_without_sustained_pressure(usages):
-    samples = kv_series("a", usages, NOW - 15 * (len(usages) - 1))
+def test_preemptions_in_each_interval_count_as_pressure_even_when_usage_reads_lower():
+    """Recompute preemption frees blocks each time it evicts, so a thrashing pool may read 0.8."""
+    samples = kv_series("a", [0.97, 0.81, 0.99, 0.66], NOW - 45, preemptions=[10, 14, 14, 19])
+    (change,) = decide(FAST, State(1, (ready("a"),)), history(samples), NOW).seqs_changes
+    assert change.to_max_num_seqs == 12 and "+4 preemptions" in change.message and "+5 preemptions" in change.message
+
+
+@pytest.mark.parametrize("usages,preemptions", [
+    ([0.97, 0.99], None), ([0.97, 0.90, 0.99], None), ([0.95, 0.95, 0.95], None),
+    ([0.97, 0.80, 0.99], [3, 3, 3]), ([0.5, 0.5, 0.5], [0, 1, 1]),
+], ids=["too few samples", "not consecutive", "at, not above, the threshold",
+        "usage dips with no preemption", "one preemption, not sustained"])
+def test_no_retune_without_sustained_pressure(usages, preemptions):
+    samples = kv_series("a", usages, NOW - 15 * (len(usages) - 1), preemptions=preemptions)
     assert decide(FAST, State(1, (ready("a"),)), history(samples), NOW).seqs_changes == ()
 
 
@@ -291,6 +304,19 @@ def test_retune_respects_the_floor_and_waits_for_new_samples_after_a_change():
     assert decide(settings, State(1, (just_changed,)), history(samples), NOW).seqs_changes == ()
     at_floor = kv_series("a", [0.99] * 6, NOW - 75, seqs=10)
     assert decide(settings, State(1, (pod,)), history(at_floor), NOW).seqs_changes == ()
+
+
+def test_samples_before_the_engine_drained_to_the_new_cap_are_no_evidence():
+    """After 16 -> 12, the 16 running sequences keep thrashing until they drain below 12."""
+    pod = replace(ready("a"), max_num_seqs=12, max_num_seqs_changed_at=NOW - 50)
+    draining = [sample("a", NOW - 45, running=16, kv=0.99, preemptions=10, seqs=12),
+                sample("a", NOW - 30, running=14, kv=0.99, preemptions=15, seqs=12),
+                sample("a", NOW - 15, running=12, kv=0.99, preemptions=18, seqs=12),
+                sample("a", NOW, running=12, kv=0.99, preemptions=18, seqs=12)]
+    assert decide(FAST, State(1, (pod,)), history(draining), NOW).seqs_changes == ()
+    still = draining + [sample("a", NOW + 15, running=12, kv=0.99, preemptions=18, seqs=12)]
+    (change,) = decide(FAST, State(1, (pod,)), history(still), NOW + 15).seqs_changes
+    assert (change.from_max_num_seqs, change.to_max_num_seqs) == (12, 9)
 
 
 def test_warm_up_samples_do_not_trigger_a_retune():

@@ -1,0 +1,177 @@
+"""One autoscaler tick for one InferenceService: find its engine pods, read their metrics, decide,
+act, record. Plugged into the operator as a tick hook of its per-InferenceService timer
+(operator/handlers.py), which has just reconciled the object.
+
+Memory (recent samples, proposals, scale events, per-pod max_num_seqs) lives in this process,
+one entry per InferenceService; see memory.py for why losing it on restart is safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from iterserve.operator.autoscaling import memory as mem
+from iterserve.operator.autoscaling.actuator import (
+    EngineAdmin,
+    Event,
+    OperatorMetrics,
+    Record,
+    apply_seqs_changes,
+    config_max_num_seqs,
+    events_for,
+    seqs_by_pod,
+    status_patch,
+)
+from iterserve.operator.autoscaling.metrics_source import (
+    PodEndpoint,
+    PrometheusSource,
+    ScrapeSource,
+)
+from iterserve.operator.autoscaling.policy import Decision, PodSample, decide
+from iterserve.operator.autoscaling.settings import settings_from_spec
+
+logger = logging.getLogger("iterserve.autoscaler")
+
+
+def _epoch(stamp: str | None) -> float | None:
+    if not stamp:
+        return None
+    return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+
+
+def engine_pods(pods: Sequence[dict], port: int) -> tuple[list[mem.PodInfo], dict[str, str]]:
+    """Live engine pods (not terminating, not finished) and the base URL of each one with an IP."""
+    infos, urls = [], {}
+    for pod in pods:
+        meta, status = pod["metadata"], pod.get("status") or {}
+        if meta.get("deletionTimestamp") or status.get("phase") in ("Succeeded", "Failed"):
+            continue
+        ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
+        ready_at = _epoch(ready.get("lastTransitionTime")) if ready and ready.get("status") == "True" else None
+        infos.append(mem.PodInfo(meta["name"], _epoch(meta.get("creationTimestamp")) or 0.0, ready_at))
+        if status.get("podIP"):
+            urls[meta["name"]] = f"http://{status['podIP']}:{port}"
+    return infos, urls
+
+
+@dataclass
+class TickResult:
+    decision: Decision
+    record: Record
+    status: dict
+    events: list[Event]
+    samples: list[PodSample]
+
+
+class Autoscaler:
+    """Keeps one Memory per InferenceService and runs ticks. Thread-safe per object."""
+
+    def __init__(self, metrics: OperatorMetrics | None = None, prometheus_url: str | None = None,
+                 clock: Callable[[], float] = time.time, scrape_timeout: float = 2.0):
+        self.metrics = metrics
+        self.prometheus_url = prometheus_url
+        self.clock = clock
+        self.scrape_timeout = scrape_timeout
+        self._memories: dict[tuple[str, str], mem.Memory] = {}
+        self._last_tick: dict[tuple[str, str], float] = {}
+        self._guard = threading.Lock()
+
+    def source_for(self, spec, namespace: str):
+        if spec.autoscaling is not None and spec.autoscaling.metrics_source == "prometheus":
+            if not self.prometheus_url:
+                return _Unconfigured("metricsSource is prometheus but the operator has no Prometheus URL "
+                                     "(start it with --prometheus-url)", self.clock)
+            return PrometheusSource(self.prometheus_url, selector=f'namespace="{namespace}"',
+                                    timeout=self.scrape_timeout, clock=self.clock)
+        return ScrapeSource(timeout=self.scrape_timeout, clock=self.clock)
+
+    def due(self, namespace: str, name: str, interval: float) -> bool:
+        """Ticks at most every `interval` seconds (the timer may fire more often)."""
+        last = self._last_tick.get((namespace, name))
+        return last is None or self.clock() - last >= interval - 0.5
+
+    def forget(self, namespace: str, name: str) -> None:
+        with self._guard:
+            self._memories.pop((namespace, name), None)
+            self._last_tick.pop((namespace, name), None)
+        if self.metrics:
+            self.metrics.forget(namespace, name)
+
+    async def tick(self, *, namespace: str, name: str, spec, status: dict | None, replicas: int,
+                   pods: Sequence[dict], port: int, admin_token: str | None,
+                   patch_replicas: Callable[[int], None],
+                   write_config_max_num_seqs: Callable[[int], None]) -> TickResult:
+        """Reads, decides and acts. `patch_replicas` and `write_config_max_num_seqs` do the
+        Kubernetes writes (blocking; run in a thread); status and Events are returned."""
+        settings = settings_from_spec(spec)
+        key = (namespace, name)
+        now = self.clock()
+        self._last_tick[key] = now
+        memory = self._memories.get(key) or mem.fresh_memory(replicas, now)
+        infos, urls = engine_pods(pods, port)
+        readable = [PodEndpoint(p.name, urls[p.name]) for p in infos if p.ready_at is not None and p.name in urls]
+        samples = await self.source_for(spec, namespace).read(readable) if readable else []
+        now = self.clock()
+        memory = mem.record_samples(memory, samples, [p.name for p in infos], settings, now)
+        decision = decide(settings, mem.state_for(memory, replicas, infos), memory.history, now)
+
+        record = Record()
+        if settings.mode == "Builtin" and decision.replicas_changed:
+            try:
+                await asyncio.to_thread(patch_replicas, decision.desired_replicas)
+                record.replicas_applied = True
+            except Exception as error:  # reported as a Warning Event; the next tick retries
+                record.replicas_error = f"{type(error).__name__}: {error}"
+        if decision.seqs_changes:
+            record.seqs = await apply_seqs_changes(EngineAdmin(admin_token), decision.seqs_changes, urls)
+        memory = mem.record_decision(memory, decision, settings, now, record.replicas_applied, record.seqs.applied)
+        self._memories[key] = memory
+
+        previous_effective = (status or {}).get("effectiveMaxNumSeqs")
+        if decision.metrics.available or record.seqs.applied:
+            effective = config_max_num_seqs(decision, record.seqs.applied, settings.spec_max_num_seqs)
+        else:  # nothing read: keep what new pods start with
+            effective = previous_effective or settings.spec_max_num_seqs
+        if effective != previous_effective and settings.mode != "Off":
+            try:
+                await asyncio.to_thread(write_config_max_num_seqs, effective)
+            except Exception as error:
+                logger.warning("%s/%s: could not write max_num_seqs %d to the ConfigMap: %s",
+                               namespace, name, effective, error)
+
+        errors = sum(1 for s in samples if not s.ok)
+        if self.metrics:
+            self.metrics.record(namespace, name, settings, decision, errors,
+                                seqs_by_pod(decision, record.seqs.applied))
+        patch = status_patch(status, settings, decision, record, effective, datetime.fromtimestamp(now, UTC))
+        events = events_for(decision, record)
+        if decision.replicas_changed or record.seqs.applied or record.seqs.failed:
+            logger.info("%s/%s: %s", namespace, name, decision.message)
+        return TickResult(decision, record, patch, events, samples)
+
+
+class _Unconfigured:
+    """A source that cannot work, saying why for every pod (so the status shows it)."""
+
+    def __init__(self, reason: str, clock: Callable[[], float]):
+        self.reason = reason
+        self.clock = clock
+
+    async def read(self, pods: Sequence[PodEndpoint]) -> list[PodSample]:
+        return [PodSample(p.name, self.clock(), error=self.reason) for p in pods]
+
+
+def admin_token_from_secret(secret: dict | None, key: str) -> str | None:
+    if not secret:
+        return None
+    if (secret.get("stringData") or {}).get(key):
+        return secret["stringData"][key]
+    raw = (secret.get("data") or {}).get(key)
+    return base64.b64decode(raw).decode() if raw else None
