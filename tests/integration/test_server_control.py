@@ -40,6 +40,7 @@ def _stream_in_background(url: str, body: dict, results: list, count: int = 1) -
     return threads
 
 
+@pytest.mark.slow
 def test_disconnect_mid_stream_or_while_waiting_frees_the_kv_blocks(tmp_path):
     with running_server(["--fake-model"], log_path=tmp_path / "log") as server:
         with httpx.stream("POST", f"{server.url}/v1/completions", json=LONG, timeout=30) as response:
@@ -58,6 +59,7 @@ def test_disconnect_mid_stream_or_while_waiting_frees_the_kv_blocks(tmp_path):
         assert server.metrics()[names.KV_CACHE_USAGE] == 0 and server.metrics()[names.RUNNING_SEQS] == 0
 
 
+@pytest.mark.slow
 def test_patch_max_num_seqs_changes_admission_on_the_live_server(tmp_path):
     with running_server(["--fake-model", "--max-num-seqs", "2"], log_path=tmp_path / "log") as server:
         results: list = []
@@ -101,6 +103,7 @@ def test_admin_is_refused_without_a_token_when_listening_beyond_loopback():
     assert response.status_code == 403 and "ITERSERVE_ADMIN_TOKEN" in response.json()["error"]["message"]
 
 
+@pytest.mark.slow
 def test_overload_answers_429_with_retry_after(tmp_path):
     args = ["--fake-model", "--max-num-seqs", "1", "--max-waiting-requests", "2"]
     with running_server(args, log_path=tmp_path / "log") as server:
@@ -115,6 +118,7 @@ def test_overload_answers_429_with_retry_after(tmp_path):
         assert server.metrics()[names.KV_CACHE_USAGE] == 0
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path):
     server = ServerProcess(["--fake-model", "--drain-timeout", "20"], log_path=tmp_path / "log")
     try:
@@ -140,6 +144,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path):
         server.stop()
 
 
+@pytest.mark.slow
 def test_bad_options_exit_2_and_a_model_that_fails_to_load_exits_1(tmp_path):
     from tests.server_fixture import iterserve_command
 
