@@ -36,6 +36,8 @@ RULES: tuple[Rule, ...] = (
          "the engine admin token, created once, never listed or watched"),
     Rule("", "events", ("create",),
          "an Event on the InferenceService for every change"),
+    Rule("", "pods", ("list",),
+         "the autoscaler finds the engine pods, their readiness and addresses, to read their metrics"),
 )
 
 # Only with kopf peering on (`iterserve operator run --peering NAME`, several operator replicas).

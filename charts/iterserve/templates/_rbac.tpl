@@ -26,6 +26,9 @@ The operator's API calls, as RBAC rules: exactly the calls listed in operator/rb
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list]
 {{- if and .Values.operator.peering.enabled (eq .Values.operator.watch.mode "namespaced") }}
 - apiGroups: [kopf.dev]
   resources: [kopfpeerings]
