@@ -86,7 +86,9 @@ def test_chart_operator_deployment_is_restricted_and_probed():
 
 def test_chart_cluster_mode_watches_all_namespaces():
     [deployment] = of_kind(render(), "Deployment")
-    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "ghcr.io/iterserve/engine:0.1.0"  # the chart's appVersion
+    args = container["args"]
     assert "--all-namespaces" in args
     assert not any(arg.startswith(("--namespace=", "--peering", "--verbose")) for arg in args)
 
