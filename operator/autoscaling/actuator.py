@@ -232,9 +232,10 @@ def status_patch(previous: dict | None, settings: Settings, decision: Decision, 
         conditions = status_rules.set_condition(conditions, "ScalingLimited", "False", "DesiredWithinRange",
                                                 f"desired {decision.desired_replicas} within "
                                                 f"[{settings.min_replicas}, {settings.max_replicas}]", now)
-    patch: dict = {"conditions": conditions, "effectiveMaxNumSeqs": effective_max_num_seqs}
-    if settings.mode == "Builtin":
+    patch: dict = {"conditions": conditions}
+    if settings.mode == "Builtin":  # in External mode the reconcile keeps both at the spec's values
         patch["desiredReplicas"] = decision.desired_replicas
+        patch["effectiveMaxNumSeqs"] = effective_max_num_seqs
     history = previous.get("scalingHistory") or []
     for entry in _history_records(decision, record, now):
         history = status_rules.append_history(history, entry)

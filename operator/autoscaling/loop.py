@@ -139,7 +139,7 @@ class Autoscaler:
             effective = config_max_num_seqs(decision, record.seqs.applied, settings.spec_max_num_seqs)
         else:  # nothing read: keep what new pods start with
             effective = previous_effective or settings.spec_max_num_seqs
-        if effective != previous_effective and settings.mode != "Off":
+        if effective != previous_effective and settings.mode == "Builtin":
             try:
                 await asyncio.to_thread(write_config_max_num_seqs, effective)
             except Exception as error:

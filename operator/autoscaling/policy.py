@@ -279,7 +279,10 @@ def decide(settings: Settings, state: State, history: Mapping[str, Sequence[PodS
     signals = tuple(_pod_signal(p, history.get(p.name, ()), settings, now) for p in ready)
     measured = [s for s in signals if s.state == "measured"]
     metrics = _metrics_status(signals, state)
-    seqs_changes = _kv_retune(settings, ready, history, now) if measured else ()
+    # External mode only reports: the engines' config, like replicas, is left to whoever owns it
+    # (the reconcile, too, keeps the spec value in the ConfigMap outside Builtin mode).
+    retunes = measured and settings.mode == "Builtin"
+    seqs_changes = _kv_retune(settings, ready, history, now) if retunes else ()
 
     replicas = _replica_decision(settings, state, history, signals, measured, metrics, now)
     return replace(replicas, seqs_changes=seqs_changes, metrics=metrics, pods=signals)

@@ -351,10 +351,12 @@ def test_no_recovery_unless_quiet_for_the_whole_window(what):
     assert decide(settings, State(1, (pod,)), history(samples), NOW).seqs_changes == ()
 
 
-def test_retune_still_runs_in_external_mode_and_is_off_when_disabled():
+def test_no_retune_in_external_mode_or_when_disabled():
     samples = kv_series("a", [0.99, 0.99, 0.99], NOW - 30)
+    assert decide(FAST, State(1, (ready("a"),)), history(samples), NOW).seqs_changes
     external = decide(replace(FAST, mode="External"), State(1, (ready("a"),)), history(samples), NOW)
-    assert external.seqs_changes and external.desired_replicas == 1
+    assert external.seqs_changes == () and external.desired_replicas == 1
+    assert external.metrics.available
     disabled = replace(FAST, kv_retune=KvRetuneSettings(enabled=False))
     assert decide(disabled, State(1, (ready("a"),)), history(samples), NOW).seqs_changes == ()
 
