@@ -19,11 +19,14 @@ EXISTING_KUBECONFIG_ENV = "ITERSERVE_TEST_KUBECONFIG"
 
 
 def _report(config: pytest.Config, line: str) -> None:
+    """Writes past pytest's output capture, so the line shows even with -q."""
     reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(line)
-    else:
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None:
         print(line)
+        return
+    with capture.global_and_fixture_disabled():
+        reporter.write_line(line)
 
 
 def _memory(cluster: LocalCluster) -> str:

@@ -32,6 +32,7 @@ NODE_IP = "127.0.0.1"
 STATE_FILE = "cluster.json"
 # Folders a fresh start wipes; anything else the user keeps in the folder is left alone.
 GENERATED = ("etcd", "pki", "logs", "stages")
+SHUTDOWN_ORDER = (("kwok", "kube-scheduler", "kube-controller-manager"), ("kube-apiserver",), ("etcd",))
 
 
 class ClusterStartError(RuntimeError):
@@ -117,16 +118,20 @@ class LocalCluster:
         return self
 
     def stop(self, grace: float = 10) -> None:
-        for proc in reversed(list(self.processes.values())):
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + grace
-        for proc in self.processes.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        """Stops the API server's clients first and etcd last: an API server whose etcd is gone
+        keeps retrying instead of exiting."""
+        for stage in SHUTDOWN_ORDER:
+            procs = [self.processes[name] for name in stage if name in self.processes]
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()
+            deadline = time.monotonic() + grace
+            for proc in procs:
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
         self.processes.clear()
         (self.workdir / STATE_FILE).unlink(missing_ok=True)
 
@@ -343,13 +348,15 @@ def process_alive(pid: int) -> bool:
 def stop_in(workdir: Path, grace: float = 10) -> list[str]:
     """Stops a detached cluster started in `workdir`; returns the names it stopped."""
     pids = running_pids(workdir)
-    for pid in reversed(list(pids.values())):
-        os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for pid in pids.values():
-        while process_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if process_alive(pid):
-            os.kill(pid, signal.SIGKILL)
+    for stage in SHUTDOWN_ORDER:
+        stage_pids = [pids[name] for name in stage if name in pids]
+        for pid in stage_pids:
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for pid in stage_pids:
+            while process_alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if process_alive(pid):
+                os.kill(pid, signal.SIGKILL)
     (Path(workdir).resolve() / STATE_FILE).unlink(missing_ok=True)
     return list(pids)

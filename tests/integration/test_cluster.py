@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import subprocess
 import time
 import uuid
@@ -254,19 +255,38 @@ def test_service_account_kubeconfig_has_exactly_its_rbac(cluster, namespace):
     assert denied.returncode != 0 and "Forbidden" in denied.stderr
 
 
-@pytest.mark.skipif(not (REPO / "crds" / "inferenceservice.yaml").exists(),
-                    reason="crds/inferenceservice.yaml not written yet")
-def test_repository_crds_and_examples_apply(cluster, namespace):
+INFSVC_CRD = REPO / "crds" / "inferenceservice.yaml"
+
+
+@pytest.mark.skipif(not INFSVC_CRD.exists(), reason="crds/inferenceservice.yaml not written yet")
+def test_inferenceservice_crd_validates_prints_and_scales(cluster, namespace):
     cluster.kubectl("apply", "-f", str(REPO / "crds"))
-    for crd in yaml.safe_load_all((REPO / "crds" / "inferenceservice.yaml").read_text()):
-        if crd:
-            cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd['metadata']['name']}", "--timeout=30s")
-    samples = [p for p in sorted((REPO / "examples").glob("*.yaml"))
-               if any(d and d.get("kind") == "InferenceService" for d in yaml.safe_load_all(p.read_text()))]
-    for sample in samples:
-        cluster.kubectl("apply", "-n", namespace, "-f", str(sample))
-    if samples:
-        assert cluster.kubectl("get", "inferenceservices", "-n", namespace).stdout.strip()
+    crd = next(d for d in yaml.safe_load_all(INFSVC_CRD.read_text()) if d)
+    cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd['metadata']['name']}", "--timeout=30s")
+    wait_for(lambda: cluster.kubectl("get", "infsvc", "-A", check=False).returncode == 0, what="infsvc discovery")
+
+    samples = {}
+    for path in sorted((REPO / "examples").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") == "InferenceService":
+                cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(doc))
+                samples[doc["metadata"]["name"]] = doc
+    assert samples, "examples/ has no InferenceService sample"
+
+    columns = [c["name"].upper() for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]]
+    header = cluster.kubectl("get", "infsvc", "-n", namespace, "-o", "wide").stdout.splitlines()[0]
+    assert re.match(r"NAME\s+" + r"\s+".join(map(re.escape, columns)) + r"$", header), (columns, header)
+
+    name = next(iter(samples))
+    cluster.kubectl("scale", "infsvc", name, "-n", namespace, "--replicas=3")
+    assert get_json(cluster, "infsvc", name, "-n", namespace)["spec"]["replicas"] == 3
+
+    invalid = json.loads(json.dumps(samples[name]))
+    invalid["metadata"]["name"] = "invalid"
+    invalid["spec"]["autoscaling"] = {"minReplicas": 5, "maxReplicas": 2}
+    result = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(invalid), check=False)
+    assert result.returncode != 0
+    assert "spec.autoscaling.minReplicas" in result.stderr
 
 
 def test_helm_binary_works():
