@@ -1,12 +1,14 @@
 """`helm install` of charts/iterserve into the test control plane: the API server accepts every
-object (CRD, RBAC, Deployment, the sample InferenceService), and the operator's ServiceAccount
-can make exactly the calls in operator/rbac.py in the watched namespace and nowhere else."""
+object (CRD, RBAC, Deployment, the sample InferenceService), the operator's ServiceAccount can
+make exactly the calls in operator/rbac.py in the watched namespace and nowhere else, and the real
+operator running as that ServiceAccount serves the chart's sample."""
 
 from __future__ import annotations
 
 import pytest
 
 from iterserve.operator import rbac
+from tests.operator_fixture import OperatorProcess, wait_for
 from tests.unit.chart_tools import CHART, helm
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -64,3 +66,20 @@ def test_chart_service_account_has_exactly_the_operator_permissions(installed):
             assert not can(api, verb, group, resource, WATCHED), f"may {verb} {group}/{resource}"
         assert not can(api, "list", "", "nodes", None)
         assert not can(api, "create", "apiextensions.k8s.io", "customresourcedefinitions", None)
+
+
+def test_chart_operator_serves_the_sample_as_the_chart_service_account(installed, tmp_path):
+    kubeconfig = installed.service_account_kubeconfig("iterserve", NAMESPACE)
+    log = tmp_path / "operator.log"
+    operator = OperatorProcess(kubeconfig, WATCHED, log).start()
+    try:
+        def served():
+            found = installed.kubectl("-n", WATCHED, "get", "deployment,service,configmap,secret", "-o", "name").stdout
+            status = installed.kubectl("-n", WATCHED, "get", "infsvc", "smollm2", "-o",
+                                       "jsonpath={.status.observedGeneration}").stdout
+            return all(kind in found for kind in ("deployment.apps/smollm2", "service/smollm2")) and status
+        wait_for(served, 60, 0.5, f"the operator to serve the sample ({log})")
+    finally:
+        operator.stop()
+    forbidden = [line for line in log.read_text().splitlines() if "403" in line or "Forbidden" in line]
+    assert not forbidden, "the chart's RBAC denied the operator:\n" + "\n".join(forbidden)
