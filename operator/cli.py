@@ -24,6 +24,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                      help="reconcile every InferenceService this often even without events (default 15)")
     run.add_argument("--peering", metavar="NAME",
                      help="kopf peering object for several operator replicas (default: standalone)")
+    run.add_argument("--prometheus-url", default=os.environ.get("ITERSERVE_PROMETHEUS_URL"), metavar="URL",
+                     help="Prometheus HTTP API for InferenceServices with autoscaling.metricsSource: prometheus "
+                          "(default: $ITERSERVE_PROMETHEUS_URL)")
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -40,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
     import kopf
     from prometheus_client import start_http_server
 
+    from iterserve.operator.autoscaling.actuator import OperatorMetrics
+    from iterserve.operator.autoscaling.hook import AutoscalerHook
     from iterserve.operator.handlers import configure_settings, register
     from iterserve.operator.kube import Kube
     from iterserve.operator.reconcile import Reconciler
@@ -53,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     reconciler = Reconciler(Kube(_api_client(args.kubeconfig)))
     registry = kopf.OperatorRegistry()
-    register(registry, reconciler, resync_seconds=args.resync_seconds)
+    autoscaler = AutoscalerHook(prometheus_url=args.prometheus_url, metrics=OperatorMetrics())
+    register(registry, reconciler, resync_seconds=args.resync_seconds, tick_hooks=[autoscaler])
     settings = kopf.OperatorSettings()
     configure_settings(settings)
     if args.metrics_port:
