@@ -1,0 +1,35 @@
+"""`python -m iterserve.devcluster.podrunner --kubeconfig K --log-dir D`: run the local pod
+runtime in the foreground until Ctrl-C (e.g. beside `iterserve dev-cluster up`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from pathlib import Path
+
+from iterserve.devcluster.podrunner.runner import PodRunner
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m iterserve.devcluster.podrunner", description=__doc__)
+    parser.add_argument("--kubeconfig", required=True, help="admin kubeconfig of the cluster")
+    parser.add_argument("--log-dir", type=Path, required=True, help="one log file per pod container goes here")
+    parser.add_argument("--threads", type=int, default=1, help="OMP/MKL threads per engine (default 1)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kubernetes import config
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with PodRunner(config.new_client_from_config(config_file=args.kubeconfig), args.log_dir, threads=args.threads):
+        try:
+            stop.wait()
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,191 @@
+"""The local pod runtime: watches every pod, and runs as a real process each one that is bound
+to a node labelled `iterserve.dev/local-runtime: "true"` and asks for such a node in its
+nodeSelector (the same marker KWOK's pod stages test to leave these pods alone). Each pod gets
+a PodWorker thread; the runtime itself only routes watch events to them.
+
+Everything it dials is the API server and the pods' own 127.10.x.y addresses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from iterserve.devcluster.podrunner.worker import PodWorker, WorkerOptions
+
+logger = logging.getLogger("iterserve.podrunner")
+
+LOCAL_RUNTIME_LABEL = "iterserve.dev/local-runtime"
+NODE_CACHE_SECONDS = 5.0
+
+
+def wants_local_runtime(pod: dict) -> bool:
+    selector = (pod.get("spec") or {}).get("nodeSelector") or {}
+    return selector.get(LOCAL_RUNTIME_LABEL) == "true"
+
+
+class KubeApi:
+    """The few API calls the runtime makes, on dicts (admin kubeconfig)."""
+
+    def __init__(self, api_client):
+        from kubernetes import client
+
+        self.api_client = api_client
+        self.core = client.CoreV1Api(api_client)
+
+    def _json(self, response) -> dict:
+        return json.loads(response.data)
+
+    def patch_status(self, namespace: str, name: str, status: dict) -> None:
+        self.core.patch_namespaced_pod_status(name, namespace, {"status": status})
+
+    def delete_now(self, namespace: str, name: str, uid: str) -> None:
+        from kubernetes import client
+
+        self.core.delete_namespaced_pod(name, namespace, body=client.V1DeleteOptions(
+            grace_period_seconds=0, preconditions=client.V1Preconditions(uid=uid)))
+
+    def read(self, kind: str, namespace: str, name: str) -> dict | None:
+        from kubernetes.client.exceptions import ApiException
+
+        reader = {"ConfigMap": self.core.read_namespaced_config_map,
+                  "Secret": self.core.read_namespaced_secret}[kind]
+        try:
+            return self._json(reader(name, namespace, _preload_content=False))
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def node_labels(self, name: str) -> dict[str, str] | None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            return self._json(self.core.read_node(name, _preload_content=False))["metadata"].get("labels") or {}
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def list_pods(self) -> dict:
+        return self._json(self.core.list_pod_for_all_namespaces(_preload_content=False))
+
+
+class PodRunner:
+    """`start()` / `stop()`, or a context manager. Logs of each container go to log_dir."""
+
+    def __init__(self, api_client, log_dir: Path, work_dir: Path | None = None, threads: int = 1,
+                 backoff_initial: float = 1.0, label: str = LOCAL_RUNTIME_LABEL):
+        self.api = KubeApi(api_client)
+        self.label = label
+        self.options = WorkerOptions(Path(log_dir), Path(work_dir or tempfile.mkdtemp(prefix="podrunner-")),
+                                     threads=threads, backoff_initial=backoff_initial)
+        self.options.log_dir.mkdir(parents=True, exist_ok=True)
+        self.workers: dict[str, PodWorker] = {}  # by pod uid
+        self._nodes: dict[str, tuple[bool, float]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watch = None
+        self._thread = threading.Thread(target=self._watch_loop, name="podrunner watch", daemon=True)
+
+    def __enter__(self) -> PodRunner:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> PodRunner:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 15) -> None:
+        self._stop.set()
+        if self._watch is not None:
+            self._watch.stop()
+        with self._lock:
+            workers = list(self.workers.values())
+        for worker in workers:
+            worker.shutdown()
+        deadline = time.monotonic() + timeout
+        for worker in workers:
+            worker.thread.join(max(0.1, deadline - time.monotonic()))
+        self._thread.join(2)
+
+    def worker_for(self, namespace: str, name: str) -> PodWorker | None:
+        with self._lock:
+            return next((w for w in self.workers.values() if (w.namespace, w.name) == (namespace, name)), None)
+
+    # --- routing -------------------------------------------------------------------------------
+
+    def _is_local_node(self, name: str | None) -> bool:
+        if not name:
+            return False
+        cached = self._nodes.get(name)
+        if cached is not None and time.monotonic() - cached[1] < NODE_CACHE_SECONDS:
+            return cached[0]
+        labels = self.api.node_labels(name)
+        local = labels is not None and labels.get(self.label) == "true"
+        self._nodes[name] = (local, time.monotonic())
+        return local
+
+    def _route(self, kind: str, pod: dict) -> None:
+        uid = pod["metadata"]["uid"]
+        with self._lock:
+            worker = self.workers.get(uid)
+        if kind == "DELETED":
+            if worker is not None:
+                worker.gone()
+            return
+        if worker is not None:
+            worker.update(pod)
+            return
+        if not wants_local_runtime(pod) or not self._is_local_node(pod["spec"].get("nodeName")):
+            return
+        phase = (pod.get("status") or {}).get("phase")
+        if phase in ("Succeeded", "Failed"):
+            return
+        worker = PodWorker(pod, self.api, self.options, on_exit=self._forget)
+        with self._lock:
+            self.workers[uid] = worker
+        logger.info("%s/%s: taking the pod (node %s)", worker.namespace, worker.name, pod["spec"]["nodeName"])
+        worker.start()
+
+    def _forget(self, worker: PodWorker) -> None:
+        with self._lock:
+            if self.workers.get(worker.uid) is worker:
+                del self.workers[worker.uid]
+
+    def _watch_loop(self) -> None:
+        from kubernetes import watch
+
+        while not self._stop.is_set():
+            try:
+                listing = self.api.list_pods()
+                seen = set()
+                for pod in listing["items"]:
+                    seen.add(pod["metadata"]["uid"])
+                    self._route("MODIFIED", pod)
+                with self._lock:
+                    vanished = [w for uid, w in self.workers.items() if uid not in seen]
+                for worker in vanished:
+                    worker.gone()
+                version = listing["metadata"]["resourceVersion"]
+                self._watch = watch.Watch(return_type="object")  # plain dicts, as raw_object
+                for event in self._watch.stream(self.api.core.list_pod_for_all_namespaces, resource_version=version,
+                                                timeout_seconds=60, allow_watch_bookmarks=True):
+                    if self._stop.is_set():
+                        return
+                    kind, pod = event["type"], event["raw_object"]
+                    if kind == "ERROR":
+                        break  # e.g. 410 Gone: list again
+                    if kind != "BOOKMARK":
+                        self._route(kind, pod)
+            except Exception as error:  # noqa: BLE001 - the API server restarting, a timeout: list again
+                if self._stop.is_set():
+                    return
+                logger.warning("pod watch failed (%s); listing again", error)
+                self._stop.wait(1.0)
