@@ -25,7 +25,7 @@ from iterserve.operator.kube import Kube
 from iterserve.operator.models import GROUP, PLURAL, VERSION
 from iterserve.operator.reconcile import Reconciler
 from iterserve.operator.resources import ENGINE_PORT, secret_name, selector_string
-from tests.operator_fixture import install_crd, operator_namespace, wait_for
+from tests.operator_fixture import OperatorProcess, install_crd, operator_namespace, wait_for
 from tests.server_fixture import iterserve_command
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -72,21 +72,8 @@ def test_a_tick_scales_in_builtin_mode_and_writes_nothing_in_external_mode(k8s_c
 
     reconciler.reconcile(namespace, name)
     (pod,) = wait_for(lambda: _ready_pods(core, namespace, name), 60, what="the engine pod Ready with an IP")
-    secret = core.read_namespaced_secret(secret_name(name), namespace)
-    token = base64.b64decode(secret.data["token"]).decode()
-    engine_url = f"http://{pod.status.pod_ip}:{ENGINE_PORT}"
-    engine = subprocess.Popen(
-        [*iterserve_command(), "serve", "--fake-model", "--host", pod.status.pod_ip, "--port", str(ENGINE_PORT),
-         "--max-num-seqs", "4"], cwd=tmp_path, env={**os.environ, "ITERSERVE_ADMIN_TOKEN": token},
-        stdout=(tmp_path / "engine.log").open("wb"), stderr=subprocess.STDOUT)
-    load = None
+    engine, load = _busy_engine_behind(pod, core, namespace, name, tmp_path)
     try:
-        wait_for(lambda: _get_ok(f"{engine_url}/ready"), 60, what=f"the engine on {engine_url}")
-        load = subprocess.Popen(
-            [*iterserve_command(), "loadgen", "--url", engine_url, "--requests", "16", "--concurrency", "16",
-             "--max-tokens", "2000", "--output-dist", "fixed"],
-            cwd=tmp_path, stdout=(tmp_path / "loadgen.log").open("wb"), stderr=subprocess.STDOUT)
-        wait_for(lambda: _metric(engine_url, names.WAITING_REQUESTS) >= 10, 30, what="a queue on the engine")
 
         # External: an HPA or KEDA owns spec.replicas. The tick reads metrics and writes none of it.
         before = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
@@ -129,6 +116,73 @@ def test_a_tick_scales_in_builtin_mode_and_writes_nothing_in_external_mode(k8s_c
                 process.kill()
                 process.wait()
         admin_api.close()
+
+
+def _busy_engine_behind(pod, core, namespace: str, name: str, workdir):
+    """A real engine on the KWOK pod's address with the admin token from the operator's Secret,
+    and a load that keeps >= 10 requests waiting on it (max_num_seqs 4, 16 long requests)."""
+    secret = core.read_namespaced_secret(secret_name(name), namespace)
+    token = base64.b64decode(secret.data["token"]).decode()
+    engine_url = f"http://{pod.status.pod_ip}:{ENGINE_PORT}"
+    engine = subprocess.Popen(
+        [*iterserve_command(), "serve", "--fake-model", "--host", pod.status.pod_ip, "--port", str(ENGINE_PORT),
+         "--max-num-seqs", "4"], cwd=workdir, env={**os.environ, "ITERSERVE_ADMIN_TOKEN": token},
+        stdout=(workdir / "engine.log").open("wb"), stderr=subprocess.STDOUT)
+    load = None
+    try:
+        wait_for(lambda: _get_ok(f"{engine_url}/ready"), 60, what=f"the engine on {engine_url}")
+        load = subprocess.Popen(
+            [*iterserve_command(), "loadgen", "--url", engine_url, "--requests", "16", "--concurrency", "16",
+             "--max-tokens", "2000", "--output-dist", "fixed"],
+            cwd=workdir, stdout=(workdir / "loadgen.log").open("wb"), stderr=subprocess.STDOUT)
+        wait_for(lambda: _metric(engine_url, names.WAITING_REQUESTS) >= 10, 30, what="a queue on the engine")
+    except BaseException:
+        for process in (load, engine):
+            if process is not None:
+                process.kill()
+        raise
+    return engine, load
+
+
+def test_the_operators_timer_scales_a_busy_service(k8s_cluster, tmp_path):
+    """The same, end to end through `iterserve operator run`: its kopf timer runs the tick."""
+    install_crd(k8s_cluster)
+    pool = f"autoscaler-{uuid.uuid4().hex[:6]}"
+    k8s_cluster.add_gpu_node(f"{pool}-node", gpus=8, labels={"iterserve.dev/pool": pool})
+    namespace, kubeconfig = operator_namespace(k8s_cluster, prefix="as")
+    operator = OperatorProcess(kubeconfig, namespace, tmp_path / "operator.log", resync_seconds=1).start()
+    admin_api = k8s_cluster.api_client()
+    custom, core = client.CustomObjectsApi(admin_api), client.CoreV1Api(admin_api)
+    name = "timed"
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, _service(name, pool, "Builtin"))
+    engine = load = None
+    try:
+        (pod,) = wait_for(lambda: _ready_pods(core, namespace, name), 60,
+                          what=f"the engine pod Ready with an IP (operator log:\n{operator.log_tail()})")
+        engine, load = _busy_engine_behind(pod, core, namespace, name, tmp_path)
+
+        def scaled():
+            body = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+            return body if body["spec"]["replicas"] == 3 else None
+        body = wait_for(scaled, 30, what=f"spec.replicas 3 (operator log:\n{operator.log_tail()})")
+        wait_for(lambda: client.AppsV1Api(admin_api).read_namespaced_deployment(name, namespace).spec.replicas == 3,
+                 15, what="the Deployment at 3 replicas")
+        history = wait_for(lambda: custom.get_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name)["status"].get("scalingHistory"), 10, what="scalingHistory")
+        assert (history[0]["action"], history[0]["fromReplicas"], history[0]["toReplicas"]) == ("ScaleUp", 1, 3)
+        assert body["metadata"]["generation"] >= 2
+        text = operator.metrics()
+        assert f'{names.AUTOSCALER_DESIRED_REPLICAS}{{inferenceservice="{name}",namespace="{namespace}"}} 3.0' in text
+        assert f'{names.AUTOSCALER_DECISIONS_TOTAL}{{direction="up"' in text
+    finally:
+        for process in (load, engine):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+        operator.stop()
+        admin_api.close()
+    forbidden = [line for line in (tmp_path / "operator.log").read_text().splitlines() if "403" in line or "Forbidden" in line]
+    assert not forbidden, "\n".join(forbidden)
 
 
 def _get_ok(url: str) -> bool:
