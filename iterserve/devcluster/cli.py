@@ -4,9 +4,11 @@ running in the background until `down`."""
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
+from iterserve.devcluster import tools
 from iterserve.devcluster.cluster import ClusterStartError, LocalCluster, running_pids, stop_in
 from iterserve.devcluster.tools import MissingToolsError
 
@@ -46,7 +48,8 @@ def _up(args: argparse.Namespace) -> int:
     print(f"cluster up in {cluster.startup_seconds:.1f} s: {cluster.api_url}, "
           f"{args.gpu_nodes} KWOK GPU nodes with {args.gpus_per_node} x nvidia.com/gpu each")
     print(f"logs: {cluster.logs}")
-    print(f"\n  export KUBECONFIG={kubeconfig}\n  kubectl get nodes\n")
+    kubectl = shutil.which("kubectl") or tools.bin_dir() / "kubectl"
+    print(f"\n  export KUBECONFIG={kubeconfig}\n  {kubectl} get nodes\n")
     print(f"stop it with: iterserve dev-cluster down --dir {args.dir}")
     return 0
 
