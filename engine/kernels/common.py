@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
+
+# tl.max and tl.sum are @jit wrappers around tl.reduce; under the interpreter every nested jit
+# call re-patches triton.language (milliseconds each), while tl.reduce with these very combine
+# functions takes numpy's fast path. On the GPU both spellings compile to the same reduction.
+# The kernels only reduce fp32 values, for which the wrappers add nothing.
+from triton.language.standard import _elementwise_max as MAX_COMBINE
+from triton.language.standard import _sum_combine as SUM_COMBINE
+
+__all__ = ["MAX_COMBINE", "SUM_COMBINE", "dot_precision", "next_pow2", "rows_per_program"]
 
 
 def next_pow2(n: int) -> int:
@@ -22,4 +30,3 @@ def rows_per_program(width_pad: int, budget: int = 8192, most: int = 64) -> int:
     return max(1, min(most, budget // width_pad))
 
 
-TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}

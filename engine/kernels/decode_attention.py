@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from iterserve.engine.kernels.common import dot_precision, next_pow2
+from iterserve.engine.kernels.common import MAX_COMBINE, SUM_COMBINE, dot_precision, next_pow2
 
 # A split should have at least this many keys, so the merge costs little next to the reads.
 MIN_TOKENS_PER_SPLIT = 256
@@ -59,8 +59,8 @@ def _paged_decode_kernel(
                     mask=g_mask[:, None] & d_mask[None, :], other=0.0)
 
         m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-        acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)
+        l_i = tl.full([GROUP_PAD], 0.0, dtype=tl.float32)
+        acc = tl.full([GROUP_PAD, DIM_PAD], 0.0, dtype=tl.float32)
         table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
         for tile_start in range(start, end, BLOCK_N):
             n = tile_start + tl.arange(0, BLOCK_N)
@@ -72,10 +72,10 @@ def _paged_decode_kernel(
                         + d[None, :], mask=kv_mask, other=0.0)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
             scores = tl.where(n_mask[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_new = tl.maximum(m_i, tl.reduce(scores, 1, MAX_COMBINE))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            l_i = l_i * alpha + tl.reduce(p, 1, SUM_COMBINE)
             v = tl.load(v_cache_ptr + (page * stride_vb + slot * stride_vt + kv_head * stride_vh)[:, None]
                         + d[None, :], mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -113,9 +113,9 @@ def _merge_splits_kernel(
         d = tl.arange(0, DIM_PAD)
         base = seq.to(tl.int64) * stride_ps + head * stride_ph
         lse = tl.load(part_lse_ptr + seq.to(tl.int64) * stride_ls + head * stride_lh + s)
-        weights = tl.exp2(lse - tl.max(lse, 0))
+        weights = tl.exp2(lse - tl.reduce(lse, 0, MAX_COMBINE))
         parts = tl.load(part_out_ptr + base + s[:, None] * stride_pk + d[None, :])
-        out = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
+        out = tl.reduce(parts * weights[:, None], 0, SUM_COMBINE) / tl.reduce(weights, 0, SUM_COMBINE)
         tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + d,
                  out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 

@@ -3,9 +3,13 @@
 Sequence i brings a chunk of q_len new query tokens; its first seq_len - q_len tokens are already
 cached, and the chunk's own keys and values were written to the cache before this call, so every
 key is read from the paged pool. Query j of the chunk sits at position seq_len - q_len + j and
-attends to keys 0..that position (causal). Sequences are packed one after another with no padding:
-program (i, m, h) handles query rows m*BLOCK_M.. of sequence i for query head h and exits when the
-sequence has fewer rows (or fewer than MIN_QUERY_LEN tokens, which the decode kernel handles).
+attends to keys 0..that position (causal).
+
+Sequences are packed one after another with no padding. Program (i, m, g) handles KV head g of
+sequence i: the GROUP query heads sharing that KV head are folded into the tile's rows (row r is
+token r // GROUP, head g * GROUP + r % GROUP), so each K/V tile is loaded once for all of them.
+It takes rows m*BLOCK_M.. and exits when the sequence has fewer (or fewer than MIN_QUERY_LEN
+tokens, which the decode kernel handles).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from iterserve.engine.kernels.common import dot_precision, next_pow2
+from iterserve.engine.kernels.common import MAX_COMBINE, SUM_COMBINE, dot_precision, next_pow2
 
 
 @triton.jit
@@ -32,28 +36,28 @@ def _extend_attention_kernel(
 ):
     seq = tl.program_id(0)
     m_tile = tl.program_id(1)
-    head = tl.program_id(2)
+    kv_head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if (q_len >= MIN_QUERY_LEN) & (m_tile * BLOCK_M < q_len):
+    if (q_len >= MIN_QUERY_LEN) & (m_tile * BLOCK_M < q_len * GROUP):
         seq_len = tl.load(seq_lens_ptr + seq)
         context = seq_len - q_len
-        kv_head = head // GROUP
 
-        m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        r = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        token = r // GROUP
+        head = kv_head * GROUP + r % GROUP
         d = tl.arange(0, DIM_PAD)
-        m_mask = m < q_len
+        r_mask = token < q_len
         d_mask = d < HEAD_DIM
-        rows = (q_start + m).to(tl.int64)
-        q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :],
-                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-        q_pos = context + m
+        row_offsets = (q_start + token).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_ptr + row_offsets, mask=r_mask[:, None] & d_mask[None, :], other=0.0)
+        q_pos = context + token
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
+        l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+        acc = tl.full([BLOCK_M, DIM_PAD], 0.0, dtype=tl.float32)
         # Keys past this tile's last query position are masked for every row: skip them.
-        kv_end = tl.minimum(seq_len, context + (m_tile + 1) * BLOCK_M)
+        kv_end = tl.minimum(seq_len, context + ((m_tile + 1) * BLOCK_M - 1) // GROUP + 1)
         table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
         for tile_start in range(0, kv_end, BLOCK_N):
             n = tile_start + tl.arange(0, BLOCK_N)
@@ -67,18 +71,18 @@ def _extend_attention_kernel(
             visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
             scores = tl.where(visible, scores, float("-inf"))
             # Every row sees key 0 in the first tile, so m_new is finite from then on.
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_new = tl.maximum(m_i, tl.reduce(scores, 1, MAX_COMBINE))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            l_i = l_i * alpha + tl.reduce(p, 1, SUM_COMBINE)
             v = tl.load(v_cache_ptr + (page * stride_vb + slot * stride_vt + kv_head * stride_vh)[:, None]
                         + d[None, :], mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
         out = acc / l_i[:, None]
-        tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+        out_offsets = (q_start + token).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
 
 
 def extend_attention(
@@ -97,11 +101,11 @@ def extend_attention(
     if num_seqs == 0 or max_query_len < min_query_len:
         return
     _, page_size, num_kv_heads, head_dim = k_cache.shape
-    num_heads = query.shape[1]
+    group = query.shape[1] // num_kv_heads
     dim_pad = next_pow2(head_dim)
-    block_m = max(16, min(64, next_pow2(max_query_len)))
+    block_m = max(16, min(64, next_pow2(max_query_len * group)))
     block_n = 64 if dim_pad <= 64 else 32
-    grid = (num_seqs, triton.cdiv(max_query_len, block_m), num_heads)
+    grid = (num_seqs, triton.cdiv(max_query_len * group, block_m), num_kv_heads)
     _extend_attention_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
         scale * 1.4426950408889634,
@@ -110,7 +114,7 @@ def extend_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+        GROUP=group, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
         MIN_QUERY_LEN=min_query_len, DOT_PRECISION=dot_precision(query.dtype),
     )

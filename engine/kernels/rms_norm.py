@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from iterserve.engine.kernels.common import next_pow2, rows_per_program
+from iterserve.engine.kernels.common import SUM_COMBINE, next_pow2, rows_per_program
 
 
 @triton.jit
@@ -29,7 +29,7 @@ def _rms_norm_kernel(
         x = x + tl.load(residual_ptr + r64 * stride_r + c[None, :], mask=mask, other=0.0)
         tl.store(residual_out_ptr + r64 * stride_ro + c[None, :], x, mask=mask)
     xf = x.to(tl.float32)
-    variance = tl.sum(xf * xf, 1) / hidden
+    variance = tl.reduce(xf * xf, 1, SUM_COMBINE) / hidden
     normed = (xf * tl.rsqrt(variance + eps)[:, None]).to(x.dtype)
     w = tl.load(weight_ptr + c, mask=c < hidden, other=0.0)
     tl.store(out_ptr + r64 * stride_o + c[None, :], normed * w[None, :], mask=mask)

@@ -16,21 +16,6 @@ from iterserve.engine.kernels.common import next_pow2
 
 
 @triton.jit
-def _rotate_tile(x_ptr, out_ptr, t64, t_mask, cos, sin, num_heads, stride_xt, stride_xh,
-                 stride_ot, stride_oh, HALF: tl.constexpr, HEADS_PAD: tl.constexpr,
-                 HALF_PAD: tl.constexpr):
-    h = tl.arange(0, HEADS_PAD)[None, :, None]
-    i = tl.arange(0, HALF_PAD)[None, None, :]
-    mask = t_mask[:, None, None] & (h < num_heads) & (i < HALF)
-    src = x_ptr + t64[:, None, None] * stride_xt + h * stride_xh + i
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    dst = out_ptr + t64[:, None, None] * stride_ot + h * stride_oh + i
-    tl.store(dst, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cos_sin_ptr,
     num_tokens, num_q_heads, num_k_heads,
@@ -42,7 +27,6 @@ def _rotary_kernel(
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = t < num_tokens
-    t64 = t.to(tl.int64)
     pos = tl.load(positions_ptr + t, mask=t_mask, other=0).to(tl.int64)
     i = tl.arange(0, HALF_PAD)
     cs_mask = t_mask[:, None] & (i < HALF)[None, :]
@@ -50,11 +34,28 @@ def _rotary_kernel(
     sin = tl.load(cos_sin_ptr + pos[:, None] * stride_cs + HALF + i[None, :], mask=cs_mask, other=0.0)
     cos = cos.to(tl.float32)[:, None, :]
     sin = sin.to(tl.float32)[:, None, :]
-    _rotate_tile(q_ptr, q_out_ptr, t64, t_mask, cos, sin, num_q_heads, stride_qt, stride_qh,
-                 stride_qot, stride_qoh, HALF, Q_HEADS_PAD, HALF_PAD)
-    _rotate_tile(k_ptr, k_out_ptr, t64, t_mask, cos, sin, num_k_heads, stride_kt, stride_kh,
-                 stride_kot, stride_koh, HALF, K_HEADS_PAD, HALF_PAD)
+    rows = t.to(tl.int64)[:, None, None]
+    i3 = i[None, None, :]
+    half_mask = t_mask[:, None, None] & (i3 < HALF)
 
+    # Query heads, then key heads (written out twice: nested jit calls are slow in the interpreter).
+    h = tl.arange(0, Q_HEADS_PAD)[None, :, None]
+    mask = half_mask & (h < num_q_heads)
+    src = q_ptr + rows * stride_qt + h * stride_qh + i3
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    dst = q_out_ptr + rows * stride_qot + h * stride_qoh + i3
+    tl.store(dst, (x1 * cos - x2 * sin).to(q_out_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(q_out_ptr.dtype.element_ty), mask=mask)
+
+    h = tl.arange(0, K_HEADS_PAD)[None, :, None]
+    mask = half_mask & (h < num_k_heads)
+    src = k_ptr + rows * stride_kt + h * stride_kh + i3
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    dst = k_out_ptr + rows * stride_kot + h * stride_koh + i3
+    tl.store(dst, (x1 * cos - x2 * sin).to(k_out_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(k_out_ptr.dtype.element_ty), mask=mask)
 
 def rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
            cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
