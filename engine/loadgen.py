@@ -6,6 +6,10 @@ Python API (used by the benchmarks and the autoscaling tests):
 
     report = await run_load(LoadSpec(url="http://127.0.0.1:8000", rate=20, requests=200))
 
+With `endpoints` (a function returning base URLs, asked before each request) requests are spread
+round robin over whatever it returns at that moment, e.g. the ready pods of a Service read from
+the Kubernetes API where there is no kube-proxy; `on_result` sees each request as it ends.
+
 Prompts are token-id lists, so their length is exact whatever the tokenizer; `ignore_eos` makes
 each request generate exactly the output length drawn from --output-dist.
 """
@@ -21,7 +25,8 @@ import random
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
 
 import httpx
 
@@ -46,6 +51,8 @@ class LoadSpec:
     ignore_eos: bool = True
     timeout: float = 600.0
     api_key: str | None = None
+    endpoints: Callable[[], Sequence[str]] | None = None  # base URLs to spread over; None: url
+    on_result: Callable[[RequestResult], None] | None = None  # called as each request ends
 
     def validate(self) -> None:
         if self.requests is None and self.duration is None:
@@ -72,6 +79,7 @@ class RequestResult:
     token_times: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     output_tokens: int = 0
+    endpoint: str = ""  # the base URL it went to, when LoadSpec.endpoints chose it
 
 
 def output_lengths(spec: LoadSpec, rng: random.Random):
@@ -97,7 +105,7 @@ async def run_load(spec: LoadSpec) -> dict:
     limits = httpx.Limits(max_connections=spec.concurrency, max_keepalive_connections=spec.concurrency)
     async with httpx.AsyncClient(base_url=spec.url.rstrip("/"), headers=headers, limits=limits,
                                  timeout=httpx.Timeout(spec.timeout, connect=10.0)) as client:
-        model = spec.model or await _first_model(client)
+        model = spec.model or await _first_model(client, await _next_endpoint(spec, 0) if spec.endpoints else "")
         gate = asyncio.Semaphore(spec.concurrency) if spec.concurrency else None
         results: list[RequestResult] = []
         tasks = []
@@ -112,7 +120,9 @@ async def run_load(spec: LoadSpec) -> dict:
             prompt = [rng.randint(*PROMPT_TOKEN_RANGE) for _ in range(spec.prompt_len)]
             result = RequestResult()
             results.append(result)
-            tasks.append(asyncio.create_task(_one_request(client, model, prompt, next(lengths), spec, result, gate)))
+            base = await _next_endpoint(spec, i) if spec.endpoints else ""
+            tasks.append(asyncio.create_task(
+                _one_request(client, model, prompt, next(lengths), spec, result, gate, base)))
             if spec.rate != math.inf:
                 await asyncio.sleep(rng.expovariate(spec.rate))
         await asyncio.gather(*tasks)
@@ -120,21 +130,33 @@ async def run_load(spec: LoadSpec) -> dict:
     return summarize(results, elapsed, spec, model)
 
 
-async def _first_model(client: httpx.AsyncClient) -> str:
-    response = await client.get("/v1/models")
+async def _next_endpoint(spec: LoadSpec, index: int) -> str:
+    """The base URL for request `index`: round robin over the endpoints there are now (waits
+    while there are none)."""
+    deadline = time.perf_counter() + spec.timeout
+    while not (urls := list(spec.endpoints())):
+        if time.perf_counter() > deadline:
+            raise httpx.ConnectError(f"no endpoint to send to for {spec.timeout:.0f} s")
+        await asyncio.sleep(0.05)
+    return urls[index % len(urls)].rstrip("/")
+
+
+async def _first_model(client: httpx.AsyncClient, base: str = "") -> str:
+    response = await client.get(f"{base}/v1/models")
     response.raise_for_status()
     return response.json()["data"][0]["id"]
 
 
-async def _one_request(client, model, prompt, max_tokens, spec, result: RequestResult, gate) -> None:
+async def _one_request(client, model, prompt, max_tokens, spec, result: RequestResult, gate, base: str = "") -> None:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
     if spec.ignore_eos:
         body["ignore_eos"] = True
     result.start = time.perf_counter()
     result.prompt_tokens = len(prompt)
+    result.endpoint = base
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
+        async with client.stream("POST", f"{base}/v1/completions", json=body) as response:
             result.status = response.status_code
             if response.status_code != 200:
                 await response.aread()
@@ -167,6 +189,8 @@ async def _one_request(client, model, prompt, max_tokens, spec, result: RequestR
             result.output_tokens = len(result.token_times)
         if gate is not None:
             gate.release()
+        if spec.on_result is not None:
+            spec.on_result(result)
 
 
 def percentiles(values: list[float]) -> dict:
@@ -189,9 +213,10 @@ def summarize(results: list[RequestResult], elapsed: float, spec: LoadSpec, mode
     errors = Counter(str(r.status) for r in results if not r.ok)
     output_tokens = sum(r.output_tokens for r in done)
     itl = [b - a for r in done for a, b in itertools.pairwise(r.token_times)]
-    config = asdict(spec)
+    # Not asdict(): it would deep-copy the callables' objects.
+    config = {f.name: getattr(spec, f.name) for f in fields(spec)
+              if f.name not in ("api_key", "endpoints", "on_result")}
     config["rate"] = None if spec.rate == math.inf else spec.rate
-    config.pop("api_key")
     return {
         "model": model,
         "config": config,
