@@ -50,6 +50,7 @@ chart-test: install cluster-tools system-packages  ## helm lint/template, promto
 
 bench: install  ## run the benchmarks (full mode) and write JSON under bench/results/
 	$(PY) bench/throughput.py --json bench/results/throughput.json --plot bench/results/throughput.png
+	$(PY) bench/kernels.py --json bench/results/kernels.json  # says so and exits 0 without a GPU
 
 lint: install  ## ruff
 	$(VENV)/bin/ruff check .
