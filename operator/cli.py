@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
+import time
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +29,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--prometheus-url", default=os.environ.get("ITERSERVE_PROMETHEUS_URL"), metavar="URL",
                      help="Prometheus HTTP API for InferenceServices with autoscaling.metricsSource: prometheus "
                           "(default: $ITERSERVE_PROMETHEUS_URL)")
+    run.add_argument("--crd-wait-seconds", type=float, default=60,
+                     help="wait this long for the InferenceService CRD to be served (default 60)")
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -39,7 +43,21 @@ def _api_client(kubeconfig: str | None):
     return config.new_client_from_config(config_file=kubeconfig)
 
 
+def _wait_for_crd(kube, namespaces: list[str], seconds: float) -> bool:
+    """kopf resolves resources once at start (scanning is off), so the CRD must be served first."""
+    deadline = time.monotonic() + seconds
+    while not (kube.inference_services_discoverable()
+               and all(kube.inference_services_listable(ns) for ns in namespaces or [None])):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.kubeconfig:
+        # Before the kubernetes package is imported: it reads $KUBECONFIG once, at import.
+        os.environ["KUBECONFIG"] = args.kubeconfig
     import kopf
     from prometheus_client import start_http_server
 
@@ -47,16 +65,20 @@ def run(args: argparse.Namespace) -> int:
     from iterserve.operator.autoscaling.hook import AutoscalerHook
     from iterserve.operator.handlers import configure_settings, register
     from iterserve.operator.kube import Kube
+    from iterserve.operator.models import GROUP, PLURAL, VERSION
     from iterserve.operator.reconcile import Reconciler
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.kubeconfig:
-        os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it too
     if args.resync_seconds <= 0:
         print("iterserve operator run: --resync-seconds must be positive")
         return 2
-    reconciler = Reconciler(Kube(_api_client(args.kubeconfig)))
+    kube = Kube(_api_client(args.kubeconfig))
+    if not _wait_for_crd(kube, args.namespace, args.crd_wait_seconds):
+        print(f"iterserve operator run: the API server does not serve {PLURAL}.{GROUP}/{VERSION}; "
+              "install the CRD first: kubectl apply -f crds/inferenceservice.yaml", file=sys.stderr)
+        return 1
+    reconciler = Reconciler(kube)
     registry = kopf.OperatorRegistry()
     autoscaler = AutoscalerHook(prometheus_url=args.prometheus_url, metrics=OperatorMetrics())
     register(registry, reconciler, resync_seconds=args.resync_seconds, tick_hooks=[autoscaler])

@@ -46,6 +46,9 @@ TickHook = Callable[[TickContext], None]
 def configure_settings(settings: kopf.OperatorSettings) -> None:
     """kopf keeps its bookkeeping in annotations under iterserve.dev (status is the CRD's own,
     structural and pruned), and posts only warnings as Events: the reconcile posts its own."""
+    # No watching of CRDs and namespaces (that would need cluster-wide list/watch on both): the
+    # CRD must exist when the operator starts, and namespaces are named, not globbed.
+    settings.scanning.disabled = True
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -80,6 +83,11 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, resync_sec
         for change in outcome.changes:
             logger.info(change)
         return outcome
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs):
+        # In-cluster service account, else $KUBECONFIG, as the kubernetes client finds them.
+        return kopf.login_via_client(**kwargs)
 
     @kopf.on.startup(registry=registry)
     def startup(settings: kopf.OperatorSettings, **_):

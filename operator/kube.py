@@ -40,7 +40,34 @@ class Kube:
         self.apps = client.AppsV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
 
-    # iterserve.dev inferenceservices: get; inferenceservices/status: patch
+    # discovery (no RBAC rule: every authenticated user may read it)
+    def inference_services_discoverable(self) -> bool:
+        """Whether API discovery lists the CRD's resource yet (kopf resolves resources once, at start)."""
+        api = self.core.api_client
+        request = api.param_serialize("GET", f"/apis/{GROUP}/{VERSION}", auth_settings=["BearerToken"])
+        response = api.call_api(*request)
+        response.read()
+        if response.status == 404:
+            return False
+        if not 200 <= response.status < 300:
+            raise ApiException(status=response.status, reason=response.reason)
+        return any(r.get("name") == PLURAL for r in json.loads(response.data).get("resources", []))
+
+    def inference_services_listable(self, namespace: str | None) -> bool:
+        """Whether listing answers (a fresh CRD's storage answers 429 while it initializes)."""
+        try:
+            if namespace is None:
+                self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL, limit=1, _preload_content=False)
+            else:
+                self.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, limit=1,
+                                                          _preload_content=False)
+        except ApiException as exc:
+            if exc.status in (404, 429, 503):
+                return False
+            raise
+        return True
+
+    # iterserve.dev inferenceservices: get, list; inferenceservices/status: patch
     def get_inference_service(self, namespace: str, name: str) -> dict | None:
         try:
             return _json(self.custom.get_namespaced_custom_object(
