@@ -84,18 +84,18 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, resync_sec
             logger.info(change)
         return outcome
 
-    @kopf.on.login(registry=registry)
+    @kopf.on.login(id="login", registry=registry)
     def login(**kwargs):
         # In-cluster service account, else $KUBECONFIG, as the kubernetes client finds them.
         return kopf.login_via_client(**kwargs)
 
-    @kopf.on.startup(registry=registry)
+    @kopf.on.startup(id="settings", registry=registry)
     def startup(settings: kopf.OperatorSettings, **_):
         configure_settings(settings)
 
-    @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
-    @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
-    @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry)
+    @kopf.on.resume(GROUP, VERSION, PLURAL, id="reconcile", registry=registry)
+    @kopf.on.create(GROUP, VERSION, PLURAL, id="reconcile", registry=registry)
+    @kopf.on.update(GROUP, VERSION, PLURAL, id="reconcile", registry=registry)
     def inference_service_changed(namespace, name, logger, **_):
         run_reconcile(namespace, name, logger)
 
@@ -112,7 +112,8 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, resync_sec
         kopf.on.event(group, version, plural, labels={"app.kubernetes.io/managed-by": MANAGED_BY},
                       id=f"owned-{plural}", registry=registry)(owned_object_event)
 
-    @kopf.timer(GROUP, VERSION, PLURAL, interval=resync_seconds, initial_delay=resync_seconds, registry=registry)
+    @kopf.timer(GROUP, VERSION, PLURAL, id="resync", interval=resync_seconds, initial_delay=resync_seconds,
+                registry=registry)
     def resync(namespace, name, logger, **_):
         outcome = run_reconcile(namespace, name, logger)
         if outcome.result not in ("applied", "unchanged") or not tick_hooks:

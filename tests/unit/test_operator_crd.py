@@ -75,3 +75,12 @@ def test_optional_fields_become_plain_optional_properties():
                              "properties": {"n": {"type": "integer", "exclusiveMinimum": 0}}}})
     assert node == {"type": "object", "description": "d",
                     "properties": {"n": {"type": "integer", "minimum": 0, "exclusiveMinimum": True}}}
+
+
+def test_iterserve_crd_command_prints_the_checked_in_file(capsys, tmp_path):
+    from iterserve.cli import main
+
+    assert main(["crd"]) == 0
+    assert capsys.readouterr().out == CHECKED_IN.read_text()
+    assert main(["crd", "-o", str(tmp_path / "crd.yaml")]) == 0
+    assert (tmp_path / "crd.yaml").read_text() == CHECKED_IN.read_text()
