@@ -55,9 +55,11 @@ class ModelRunner:
         bytes_per_block = 2 * model_config.num_layers * kv_shape[0] * kv_shape[1] * kv_shape[2] * self.dtype.itemsize
         self.num_kv_blocks = config.num_kv_blocks or (
             parse_size(config.kv_cache_memory, "--kv-cache-memory") // bytes_per_block)
-        self.num_cpu_blocks = config.num_cpu_blocks
-        if self.num_cpu_blocks is None:
-            self.num_cpu_blocks = parse_size(config.swap_space, "--swap-space") // bytes_per_block
+        self.num_cpu_blocks = 0  # only swap preemption uses the CPU pool
+        if config.preemption_mode == "swap":
+            self.num_cpu_blocks = config.num_cpu_blocks
+            if self.num_cpu_blocks is None:
+                self.num_cpu_blocks = parse_size(config.swap_space, "--swap-space") // bytes_per_block
         config.check_kv_capacity(self.num_kv_blocks, self.num_cpu_blocks)
         # Zeros, not empty: padded decode attention multiplies unused slots by 0, and 0 * NaN is NaN.
         self.kv_caches = [

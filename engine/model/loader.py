@@ -76,15 +76,13 @@ _GGUF_GLOBAL_NAMES = {
 }
 
 
+_TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                     "tokenizer.ggml.scores")
+
+
 def gguf_metadata(reader) -> dict:
     """Scalar and string metadata as Python values (token arrays are left out: read them on demand)."""
-    values = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
-                                                         "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
-            continue
-        values[key] = field.contents()
-    return values
+    return {key: field.contents() for key, field in reader.fields.items() if key not in _TOKENIZER_ARRAYS}
 
 
 def open_gguf(path: Path):
