@@ -181,7 +181,8 @@ def test_the_operators_timer_scales_a_busy_service(k8s_cluster, tmp_path):
                 process.wait()
         operator.stop()
         admin_api.close()
-    forbidden = [line for line in (tmp_path / "operator.log").read_text().splitlines() if "403" in line or "Forbidden" in line]
+    forbidden = [line for line in (tmp_path / "operator.log").read_text().splitlines()
+                 if "Forbidden" in line or "(403)" in line]
     assert not forbidden, "\n".join(forbidden)
 
 
