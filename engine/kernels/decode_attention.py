@@ -11,6 +11,8 @@ kernel can be launched over a mixed prefill/decode batch.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -120,11 +122,16 @@ def _merge_splits_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Split long contexts only when the (sequence, KV head) grid alone would leave SMs idle."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _num_sms(device)
     programs = max(num_seqs * num_kv_heads, 1)
     if programs >= sms:
         return 1

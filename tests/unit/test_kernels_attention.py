@@ -118,6 +118,17 @@ def test_mixed_step_of_prefills_chunks_and_decodes():
     assert_matches_reference(batch, TritonBackend())
 
 
+def test_fp16_step_matches_the_fp32_reference():
+    """Half precision, as on a GPU: fp16 loads, fp32 accumulation, rounding of p before p @ V."""
+    batch = Batch([1, 6, 1], [33, 22, 8], 16, 8, 2, 64, seed=8)
+    _, _, want = batch.run(REFERENCE)
+    for name in ("query", "key", "value", "k_cache", "v_cache"):
+        setattr(batch, name, getattr(batch, name).half())
+    _, _, got = batch.run(TritonBackend())
+    assert got.dtype == torch.float16
+    assert (got.float() - want).abs().max().item() < 2e-3
+
+
 def test_extend_kernel_handles_one_token_chunks():
     """The backend routes 1-token queries to the decode kernel; the extend kernel must still be
     right for them (min_query_len=1 sends every sequence through it)."""
@@ -192,8 +203,9 @@ def test_mismatched_shapes_and_dtypes_are_rejected(small):
         backend.write_kv(small.key, small.value.double(), small.k_cache, small.v_cache, small.meta)
     with pytest.raises(ValueError, match="k_cache has dtype torch.float64"):
         backend.attend(small.query, small.k_cache.double(), small.v_cache, small.meta, small.scale)
-    with pytest.raises(ValueError, match="query has dtype torch.float16"):
-        backend.attend(small.query.half(), small.k_cache.half(), small.v_cache.half(), small.meta, small.scale)
+    with pytest.raises(ValueError, match="query has dtype torch.bfloat16; the triton backend on cpu supports"):
+        backend.attend(small.query.bfloat16(), small.k_cache.bfloat16(), small.v_cache.bfloat16(), small.meta,
+                       small.scale)
 
 
 def test_block_table_too_narrow_is_rejected():
