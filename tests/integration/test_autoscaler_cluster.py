@@ -150,6 +150,7 @@ def test_the_operators_timer_scales_a_busy_service(k8s_cluster, tmp_path):
     pool = f"autoscaler-{uuid.uuid4().hex[:6]}"
     k8s_cluster.add_gpu_node(f"{pool}-node", gpus=8, labels={"iterserve.dev/pool": pool})
     namespace, kubeconfig = operator_namespace(k8s_cluster, prefix="as")
+    _wait_for_rbac(k8s_cluster, kubeconfig, namespace)
     operator = OperatorProcess(kubeconfig, namespace, tmp_path / "operator.log", resync_seconds=1).start()
     admin_api = k8s_cluster.api_client()
     custom, core = client.CustomObjectsApi(admin_api), client.CoreV1Api(admin_api)
@@ -184,6 +185,22 @@ def test_the_operators_timer_scales_a_busy_service(k8s_cluster, tmp_path):
     forbidden = [line for line in (tmp_path / "operator.log").read_text().splitlines()
                  if "Forbidden" in line or "(403)" in line]
     assert not forbidden, "\n".join(forbidden)
+
+
+def _wait_for_rbac(cluster, kubeconfig, namespace: str) -> None:
+    """A new RoleBinding reaches the API server's authorizer a moment after it is created."""
+    with cluster.api_client(kubeconfig) as api:
+        custom = client.CustomObjectsApi(api)
+
+        def allowed():
+            try:
+                custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)
+                return True
+            except client.ApiException as error:
+                if error.status != 403:
+                    raise
+                return False
+        wait_for(allowed, 15, 0.1, what="the operator's RBAC to take effect")
 
 
 def _get_ok(url: str) -> bool:
