@@ -40,3 +40,49 @@ def test_missing_object_parts_and_list_items_are_drift():
 
 def test_numbers_written_as_strings_match():
     assert first_difference({"limits": {"nvidia.com/gpu": 1}}, {"limits": {"nvidia.com/gpu": "1"}}) is None
+
+
+class ConflictingKube:
+    """Answers the first status patch with 409, as when the autoscaler wrote status meanwhile."""
+
+    def __init__(self):
+        self.fresh = {"metadata": {"namespace": "ns", "name": "llm", "resourceVersion": "2"},
+                      "status": {"conditions": [{"type": "MetricsAvailable", "status": "True"}]}}
+        self.patches = []
+
+    def patch_status(self, namespace, name, status, resource_version):
+        from kubernetes.client.exceptions import ApiException
+
+        self.patches.append((resource_version, status))
+        if len(self.patches) == 1:
+            raise ApiException(status=409, reason="Conflict")
+        return {"metadata": {**self.fresh["metadata"], "resourceVersion": "3"}, "status": status}
+
+    def get_inference_service(self, namespace, name):
+        return self.fresh
+
+
+def test_status_conflict_is_retried_with_fresh_state():
+    from iterserve.operator.reconcile import Reconciler
+
+    kube = ConflictingKube()
+    stale = {"metadata": {"namespace": "ns", "name": "llm", "resourceVersion": "1"}, "status": {}}
+    seen = []
+
+    def compute(previous):
+        seen.append(previous)
+        return {"replicas": 1, "conditions": [*previous.get("conditions", []), {"type": "Ready", "status": "True"}]}
+
+    body, wrote = Reconciler(kube).write_status(stale, compute)
+    assert wrote and [rv for rv, _ in kube.patches] == ["1", "2"]
+    assert seen[1] == kube.fresh["status"]  # recomputed from what the other writer left
+    assert [c["type"] for c in kube.patches[1][1]["conditions"]] == ["MetricsAvailable", "Ready"]
+
+
+def test_status_already_current_is_not_written():
+    from iterserve.operator.reconcile import Reconciler
+
+    kube = ConflictingKube()
+    body = {"metadata": {"namespace": "ns", "name": "llm", "resourceVersion": "5"}, "status": {"replicas": 1}}
+    assert Reconciler(kube).write_status(body, lambda prev: {"replicas": 1}) == (body, False)
+    assert kube.patches == []
