@@ -281,3 +281,27 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(k8s_cluster,
     secrets = {s.metadata.name: s.data["token"] for s in core.list_namespaced_secret(namespace, label_selector=selector).items}
     assert all(secrets[name] == token for name, token in tokens_at_kill.items()), "admin tokens must survive"
     api.close()
+
+
+@pytest.mark.parametrize("sample", ["minimal.yaml", "gpu-autoscaling.yaml"])
+def test_examples_and_what_they_build_pass_server_validation(env, sample):
+    """Every sample, and the Deployment/Service/ConfigMap/Secret built from it, as the API server
+    (not only the unit tests' idea of Kubernetes) validates them."""
+    from iterserve.operator import resources
+    from iterserve.operator.validation import parse_spec
+
+    doc = example(sample)
+    env.cluster.kubectl("-n", env.namespace, "apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(doc))
+    spec = parse_spec(doc["spec"])
+    owner = resources.Owner(doc["metadata"]["name"], env.namespace, "00000000-0000-0000-0000-000000000000")
+    built = [resources.build_deployment(owner, spec), resources.build_service(owner, spec),
+             resources.build_configmap(owner, spec, spec.engine.max_num_seqs), resources.build_admin_secret(owner)]
+    result = env.cluster.kubectl("-n", env.namespace, "create", "--dry-run=server", "-o", "json", "-f", "-",
+                                 input=yaml.safe_dump_all(built))
+    decoder, text, items = json.JSONDecoder(), result.stdout.strip(), []
+    while text:  # kubectl prints one JSON document per object
+        obj, end = decoder.raw_decode(text)
+        items, text = items + [obj], text[end:].strip()
+    assert [i["kind"] for i in items] == ["Deployment", "Service", "ConfigMap", "Secret"]
+    pod = items[0]["spec"]["template"]["spec"]
+    assert pod["containers"][0]["lifecycle"]["preStop"] == {"sleep": {"seconds": resources.PRESTOP_SLEEP_SECONDS}}
