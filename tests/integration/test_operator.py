@@ -305,3 +305,26 @@ def test_examples_and_what_they_build_pass_server_validation(env, sample):
     assert [i["kind"] for i in items] == ["Deployment", "Service", "ConfigMap", "Secret"]
     pod = items[0]["spec"]["template"]["spec"]
     assert pod["containers"][0]["lifecycle"]["preStop"] == {"sleep": {"seconds": resources.PRESTOP_SLEEP_SECONDS}}
+
+
+def test_gpu_service_lands_on_a_tainted_gpu_node(env):
+    """The GPU request and the automatic nvidia.com/gpu toleration, as the real scheduler sees them."""
+    node = f"gpu-tainted-{env.namespace}"
+    env.cluster.add_gpu_node(node, gpus=2, labels={"pool": node},
+                             taints=[{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}])
+    try:
+        doc = minimal("gpu", replicas=2, scheduling={"nodeSelector": {"pool": node}})
+        doc["spec"]["engine"]["resources"] = {"limits": {"nvidia.com/gpu": 1}}
+        env.create(doc)
+        env.wait_ready("gpu")
+        pods = json.loads(env.cluster.kubectl("-n", env.namespace, "get", "pods", "-o", "json", "-l",
+                                              "app.kubernetes.io/instance=gpu").stdout)["items"]
+        assert sorted(p["spec"]["nodeName"] for p in pods) == [node, node]
+        assert all(p["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1" for p in pods)
+        # a third replica does not fit the node's 2 GPUs: Ready goes False and says why
+        env.patch_spec("gpu", {"replicas": 3})
+        wait_for(lambda: (env.condition("gpu", "Ready") or {}).get("status") == "False", 20, what="Ready=False")
+        assert "2/3" in env.condition("gpu", "Ready")["message"]
+    finally:
+        env.cluster.kubectl("-n", env.namespace, "delete", "infsvc", "gpu", "--ignore-not-found", "--timeout=30s")
+        env.cluster.kubectl("delete", "node", node, "--ignore-not-found")
