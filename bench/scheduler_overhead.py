@@ -139,11 +139,9 @@ def _measure(engine: LLMEngine, n: int, steps: int, timed: TimedModel | None = N
     while engine.stats().num_waiting or any(
             seq.num_computed_tokens < seq.num_prompt_tokens for seq in engine.scheduler.running):
         engine.step()
-    samples = {"schedule_s": [], "model_s": [], "postprocess_s": []}
-    forward = logits = 0.0
-    if timed is not None:
-        forward, logits = timed.forward_s, timed.logits_s
+    samples = {"schedule_s": [], "model_s": [], "postprocess_s": [], "forward_s": [], "logits_s": []}
     for _ in range(steps):
+        forward, logits = (timed.forward_s, timed.logits_s) if timed is not None else (0.0, 0.0)
         engine.step()
         running = len(engine.scheduler.running)
         if running != n:
@@ -152,13 +150,16 @@ def _measure(engine: LLMEngine, n: int, steps: int, timed: TimedModel | None = N
         samples["schedule_s"].append(timing.schedule_s)
         samples["model_s"].append(timing.model_s)
         samples["postprocess_s"].append(timing.postprocess_s)
+        if timed is not None:
+            samples["forward_s"].append(timed.forward_s - forward)
+            samples["logits_s"].append(timed.logits_s - logits)
     # Medians: on a shared machine a step is now and then descheduled; that is not the engine's cost.
-    result = {key: statistics.median(values) for key, values in samples.items()}
-    result["mean_step_s"] = sum(map(sum, samples.values())) / steps
+    result = {key: statistics.median(values) for key, values in samples.items() if values}
+    result["mean_step_s"] = sum(map(sum, (samples[k] for k in ("schedule_s", "model_s", "postprocess_s")))) / steps
     if timed is not None:
-        result["forward_s"] = (timed.forward_s - forward) / steps
-        result["logits_s"] = (timed.logits_s - logits) / steps
-        result["executor_other_s"] = result["model_s"] - result["forward_s"] - result["logits_s"]
+        others = [m - f - g for m, f, g in zip(samples["model_s"], samples["forward_s"], samples["logits_s"],
+                                               strict=True)]
+        result["executor_other_s"] = statistics.median(others)
     for request_id in ids:
         engine.abort_request(request_id)
     engine.step()
