@@ -36,8 +36,10 @@ cluster-tools:  ## build etcd, kube-apiserver, controller-manager, scheduler, kw
 system-packages:  ## Debian packages the tests use (prometheus, promtool, alertmanager)
 	bash .ci/system-packages.sh
 
+# One torch thread per process: the suite runs servers, engines and references side by side on few
+# cores, where OpenMP threads spin-waiting on each other made steps 10x slower.
 test: install cluster-tools system-packages  ## the whole test suite, as CI runs it
-	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 test-unit: install  ## fast tests only (no cluster, no slow ones)
 	$(VENV)/bin/pytest -q -m 'not slow and not cluster and not e2e' $(PYTEST_ARGS)
