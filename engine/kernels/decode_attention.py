@@ -163,7 +163,7 @@ def paged_decode_attention(
     num_splits = next_pow2(num_splits)
     dim_pad = next_pow2(head_dim)
     group_pad = max(16, next_pow2(group))  # tl.dot wants at least 16 rows
-    block_n = max(16, min(64, next_pow2(page_size)))
+    block_n = 64 if dim_pad <= 128 else 32  # a tile may span several pages
     if num_splits > 1:
         part_out = torch.empty((num_seqs, num_heads, num_splits, dim_pad), dtype=torch.float32,
                                device=query.device)

@@ -52,7 +52,7 @@ def sources(dt: str):
         yield f"decode g{group} s{splits} p{page} d{dim}", signature(
             decode_attention._paged_decode_kernel, attn_ptrs, {"scale_log2"},
             dict(GROUP=group, GROUP_PAD=16, HEAD_DIM=dim, DIM_PAD=dim, PAGE_SIZE=page,
-                 BLOCK_N=max(16, page), NUM_SPLITS=splits, DOT_PRECISION=prec))
+                 BLOCK_N=64, NUM_SPLITS=splits, DOT_PRECISION=prec))
     yield "merge splits", signature(decode_attention._merge_splits_kernel, attn_ptrs, set(),
                                     dict(HEAD_DIM=128, DIM_PAD=128, NUM_SPLITS=8))
     for block_m, dim in ((16, 64), (64, 128)):
