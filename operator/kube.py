@@ -34,6 +34,18 @@ def conflict(exc: Exception) -> bool:
     return isinstance(exc, ApiException) and exc.status == 409
 
 
+def invalid(exc: Exception) -> bool:
+    """The API server refused the object itself (422 Invalid, 400 BadRequest)."""
+    return isinstance(exc, ApiException) and exc.status in (400, 422)
+
+
+def server_message(exc: ApiException) -> str:
+    try:
+        return json.loads(exc.body)["message"]
+    except (TypeError, ValueError, KeyError):
+        return str(exc.reason)
+
+
 class Kube:
     def __init__(self, api_client: client.ApiClient):
         self.core = client.CoreV1Api(api_client)
@@ -101,11 +113,11 @@ class Kube:
                 return None
             raise
 
-    def apply(self, manifest: dict) -> dict:
+    def apply(self, manifest: dict, dry_run: bool = False) -> dict:
         _, patch = self._methods(manifest["kind"])
         meta = manifest["metadata"]
         return _json(patch(meta["name"], meta["namespace"], manifest, field_manager=FIELD_MANAGER, force=True,
-                           _content_type=APPLY, _preload_content=False))
+                           dry_run="All" if dry_run else None, _content_type=APPLY, _preload_content=False))
 
     # core secrets: get, create
     def create_secret(self, manifest: dict) -> dict:

@@ -18,7 +18,7 @@ from datetime import datetime
 from typing import Any
 
 from iterserve.operator import metrics
-from iterserve.operator.kube import Kube, conflict
+from iterserve.operator.kube import Kube, conflict, invalid, server_message
 from iterserve.operator.models import InferenceServiceSpec
 from iterserve.operator.resources import (
     Owner,
@@ -121,17 +121,24 @@ class Reconciler:
         previous = body.get("status") or {}
         tuned = previous.get("effectiveMaxNumSeqs") if _retunes(spec) else None
         max_num_seqs = effective_max_num_seqs(spec, tuned)
+        manifests = (build_configmap(owner, spec, max_num_seqs), build_service(owner, spec),
+                     build_deployment(owner, spec))
+        live = {m["kind"]: self.kube.get(m["kind"], namespace, m["metadata"]["name"]) for m in manifests}
+        stale = [(m, first_difference(m, live[m["kind"]]) if live[m["kind"]] else None) for m in manifests]
+        stale = [(m, difference) for m, difference in stale if live[m["kind"]] is None or difference]
+        refused = self._refused_by_server([m for m, _ in stale])
+        if refused is not None:
+            return self._report_invalid(body, generation, refused)
+
         changes = []
         if self._ensure_secret(body, owner):
             changes.append(f"created Secret {secret_name(owner.name)}")
-        deployment = None
-        for manifest in (build_configmap(owner, spec, max_num_seqs), build_service(owner, spec),
-                         build_deployment(owner, spec)):
-            live, change = self._converge(body, manifest)
+        for manifest, difference in stale:
+            applied, change = self._write(body, manifest, live[manifest["kind"]], difference)
+            live[manifest["kind"]] = applied
             if change:
                 changes.append(change)
-            if manifest["kind"] == "Deployment":
-                deployment = live
+        deployment = live["Deployment"]
 
         now = self.clock()
         body, _ = self.write_status(
@@ -154,12 +161,20 @@ class Reconciler:
         self._event(owner_body, "Normal", "Created", f"Created Secret {secret_name(owner.name)} (engine admin token)")
         return True
 
-    def _converge(self, owner_body: dict, manifest: dict) -> tuple[dict, str | None]:
+    def _refused_by_server(self, manifests: list[dict]) -> SpecError | None:
+        """Server-side dry runs of every write, before the first one: what the schema could not
+        check (a pod template patch, a label) is refused whole, never half applied."""
+        for manifest in manifests:
+            try:
+                self.kube.apply(manifest, dry_run=True)
+            except Exception as exc:
+                if not invalid(exc):
+                    raise
+                return SpecError("spec", f"the {manifest['kind']} built from it is invalid: {server_message(exc)}")
+        return None
+
+    def _write(self, owner_body: dict, manifest: dict, live: dict | None, difference: str | None):
         kind, meta = manifest["kind"], manifest["metadata"]
-        live = self.kube.get(kind, meta["namespace"], meta["name"])
-        difference = None if live is None else first_difference(manifest, live)
-        if live is not None and difference is None:
-            return live, None
         applied = self.kube.apply(manifest)
         if live is None:
             change = f"created {kind} {meta['name']}"

@@ -231,6 +231,17 @@ def test_invalid_spec_past_the_schema_reports_instead_of_crashing(env):
     assert env.condition("confused", "InvalidSpec")["status"] == "False"
 
 
+def test_object_the_api_server_refuses_is_reported_and_nothing_is_half_applied(env):
+    doc = minimal("refused", podTemplatePatch={"spec": {"restartPolicy": "Never"}})  # Deployments need Always
+    env.create(doc)
+    wait_for(lambda: (env.condition("refused", "InvalidSpec") or {}).get("status") == "True", 20,
+             what="InvalidSpec=True")
+    message = env.condition("refused", "InvalidSpec")["message"]
+    assert "Deployment" in message and "restartPolicy" in message, message
+    assert all(env.owned(kind, "refused") is None for kind in OWNED_KINDS), "nothing may be half applied"
+    assert env.operator.alive()
+
+
 def test_delete_removes_owned_objects(env):
     env.create(minimal("doomed"))
     env.wait_ready("doomed")
