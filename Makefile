@@ -50,8 +50,11 @@ crds: install  ## regenerate crds/ and the chart's CRD from the pydantic models
 chart-test: install cluster-tools system-packages  ## helm lint/template, promtool rule tests, RBAC coverage
 	$(VENV)/bin/pytest -q tests -k chart $(PYTEST_ARGS)
 
-bench: install  ## run the benchmarks (full mode) and write JSON under bench/results/
-	$(PY) bench/throughput.py --json bench/results/throughput.json --plot bench/results/throughput.png
+BENCH_OUT ?= bench/results
+BENCHES := throughput online_latency chunked_prefill scheduler_overhead kv_waste
+
+bench: install  ## run the benchmarks (full mode; tens of minutes on 2 cores): JSON + PNG under $(BENCH_OUT)/
+	@for b in $(BENCHES); do $(PY) bench/$$b.py --json $(BENCH_OUT)/$$b.json --plot $(BENCH_OUT)/$$b.png $(ARGS) || exit 1; done
 	$(PY) bench/kernels.py --json bench/results/kernels.json  # says so and exits 0 without a GPU
 
 lint: install  ## ruff
