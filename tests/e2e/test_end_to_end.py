@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -84,6 +85,11 @@ def _container_env(core: client.CoreV1Api, namespace: str, container) -> dict[st
 
 
 def _run_as_kubelet(pod, env: dict[str, str], log: Path) -> subprocess.Popen:
+    # KWOK reuses 127.10.0.1, .2, ... in every cluster: a concurrent run on this machine may hold it.
+    with socket.socket() as probe:
+        if probe.connect_ex((pod.status.pod_ip, 8000)) == 0:
+            raise RuntimeError(f"another process already listens on {pod.status.pod_ip}:8000 "
+                               "(a concurrent cluster run on this machine?)")
     container = pod.spec.containers[0]
     argv = [_expand(a, env) for a in [*container.command, *container.args]]
     argv[argv.index("--host") + 1] = pod.status.pod_ip  # 0.0.0.0 in a pod is its own IP here
