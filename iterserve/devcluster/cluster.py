@@ -308,6 +308,9 @@ class LocalCluster:
             "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
             f"--cidr={POD_CIDR}",
             f"--node-ip={NODE_IP}",
+            # Heartbeats through node Leases; without them the node lifecycle controller marks every
+            # KWOK node NotReady (and its pods unready) after its 50 s grace period, again and again.
+            "--node-lease-duration-seconds=40",
         ]
 
     # --- detached clusters ----------------------------------------------------------------

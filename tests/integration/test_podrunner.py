@@ -146,6 +146,16 @@ def test_process_death_restarts_the_container(runtime):
     assert admin(pod, "GET", "/admin/config").json()["draining"] is False
 
 
+def test_a_foreign_not_ready_mark_is_put_right(runtime):
+    """The node lifecycle controller marks pods unready when their node misses heartbeats; the
+    runtime, like a kubelet, writes its own view back while the probe still passes."""
+    core, namespace, _, _ = runtime
+    core.patch_namespaced_pod_status(POD, namespace, {"status": {"conditions": [
+        {"type": "Ready", "status": "False", "reason": "NodeNotReady"}]}})
+    pod = wait_for(pod_when(core, namespace, is_ready), 10, 0.2, "Ready=True again")
+    assert pod.status.container_statuses[0].restart_count == 1  # nothing was restarted for it
+
+
 def test_deletion_drains_in_flight_requests_and_removes_the_pod_only_after_exit(runtime):
     from kubernetes.client.exceptions import ApiException
 

@@ -40,8 +40,9 @@ class KubeApi:
     def _json(self, response) -> dict:
         return json.loads(response.data)
 
-    def patch_status(self, namespace: str, name: str, status: dict) -> None:
-        self.core.patch_namespaced_pod_status(name, namespace, {"status": status})
+    def patch_status(self, namespace: str, name: str, status: dict) -> dict:
+        return self._json(self.core.patch_namespaced_pod_status(name, namespace, {"status": status},
+                                                                _preload_content=False))
 
     def delete_now(self, namespace: str, name: str, uid: str) -> None:
         from kubernetes import client

@@ -39,7 +39,8 @@ class StatusWriter:
         previous = self.transitions.get(kind)
         if previous is None or previous[0] != status:
             self.transitions[kind] = (status, now_iso())
-        condition = {"type": kind, "status": status, "lastTransitionTime": self.transitions[kind][1]}
+        condition = {"type": kind, "status": status, "lastTransitionTime": self.transitions[kind][1],
+                     "reason": None, "message": None}  # null: a strategic merge patch drops stale ones
         if not ok and kind in ("Ready", "ContainersReady"):
             condition.update(reason="ContainersNotReady", message="containers with unready status: [engine]")
         return condition
@@ -76,5 +77,14 @@ class StatusWriter:
             "containerStatuses": [status_entry],
         }
 
-    def changed(self, status: dict) -> bool:
-        return status != self.last_written
+    def changed(self, status: dict, observed: dict | None = None) -> bool:
+        """Differs from what was last written, or the API holds something else for what this
+        writes (the node lifecycle controller marks pods unready when their node goes NotReady;
+        a kubelet puts its own view back at its next status sync, and so does this)."""
+        if status != self.last_written:
+            return True
+        if observed is None:
+            return False
+        seen = {c.get("type"): c.get("status") for c in observed.get("conditions") or []}
+        ours = {c["type"]: c["status"] for c in status["conditions"]}
+        return observed.get("phase") != status["phase"] or any(seen.get(k) != v for k, v in ours.items())

@@ -28,7 +28,7 @@ _SLEEP_COMMAND = re.compile(r"^(?:/bin/)?sleep\s+(\d+(?:\.\d+)?)$")
 
 
 class PodApi(Protocol):
-    def patch_status(self, namespace: str, name: str, status: dict) -> None: ...
+    def patch_status(self, namespace: str, name: str, status: dict) -> dict: ...
     def delete_now(self, namespace: str, name: str, uid: str) -> None: ...
     def read(self, kind: str, namespace: str, name: str) -> dict | None: ...
 
@@ -76,6 +76,7 @@ class PodWorker:
         self.view = ContainerView(container["name"], container.get("image", ""))
         self.writer = StatusWriter()
         self.probes: dict[str, ProbeState] = {}
+        self._written_version = 0  # resourceVersion our last status write produced
         self.thread = threading.Thread(target=self._run, name=f"pod {self.namespace}/{self.name}", daemon=True)
 
     # --- called by the runtime's watch thread --------------------------------------------------
@@ -149,7 +150,8 @@ class PodWorker:
         except (LaunchError, ValueError) as error:
             reason = error.reason if isinstance(error, LaunchError) else "CreateContainerConfigError"
             if (self.view.waiting_reason, self.view.waiting_message) != (reason, str(error)):
-                logger.warning("%s/%s: cannot start: %s", self.namespace, self.name, error)
+                (logger.info if reason == "ContainerCreating" else logger.warning)(
+                    "%s/%s: cannot start yet: %s", self.namespace, self.name, error)
             self.view.waiting_reason, self.view.waiting_message = reason, str(error)
             return now + 1.0
         self.process = ContainerProcess(launch, self.log_path, self.options.work_dir / f"{self.namespace}_{self.name}")
@@ -230,11 +232,15 @@ class PodWorker:
 
     def _write_status(self, phase: str) -> None:
         status = self.writer.build(self.view, phase)
-        if not self.writer.changed(status):
+        pod = self.pod
+        # Until the watch brings back our own write, the pod it last delivered is older than it.
+        fresh = int(pod["metadata"].get("resourceVersion") or 0) >= self._written_version
+        if not self.writer.changed(status, pod.get("status") if fresh else None):
             return
         try:
-            self.api.patch_status(self.namespace, self.name, status)
+            written = self.api.patch_status(self.namespace, self.name, status)
             self.writer.last_written = status
+            self._written_version = int(written["metadata"]["resourceVersion"])
         except Exception as error:  # noqa: BLE001 - retried on the next tick
             if getattr(error, "status", None) == 404:
                 self._gone = True
