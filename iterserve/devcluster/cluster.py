@@ -8,8 +8,10 @@ pod IPs kwok hands out (127.10.0.0/16), so anything a test dials stays on this m
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -27,7 +29,7 @@ from iterserve.devcluster.kubeconfig import client_cert_user, cluster_entry, wri
 from iterserve.devcluster.pki import write_pki
 
 SERVICE_CIDR = "127.96.0.0/16"
-POD_CIDR = "127.10.0.0/16"
+POD_CIDR = "127.10.0.0/16"  # each cluster takes a random /24 of it, see pod_subnet()
 NODE_IP = "127.0.0.1"
 STATE_FILE = "cluster.json"
 # Folders a fresh start wipes; anything else the user keeps in the folder is left alone.
@@ -37,6 +39,14 @@ SHUTDOWN_ORDER = (("kwok", "kube-scheduler", "kube-controller-manager"), ("kube-
 
 class ClusterStartError(RuntimeError):
     pass
+
+
+def pod_subnet() -> str:
+    """A random /24 of POD_CIDR: KWOK hands out pod IPs from the start of its range, so clusters
+    running at the same time on one machine (parallel test sessions) would otherwise all give
+    their first pod 127.10.0.1, and a process serving one cluster's pod would answer for another's."""
+    network = ipaddress.ip_network(POD_CIDR)
+    return str(list(network.subnets(new_prefix=24))[random.randrange(2 ** (24 - network.prefixlen))])
 
 
 def _free_port() -> int:
@@ -75,6 +85,7 @@ class LocalCluster:
         self.kubeconfig = self.workdir / "kubeconfig"
         self.processes: dict[str, subprocess.Popen] = {}
         self.ports: dict[str, int] = {}
+        self.pod_cidr = pod_subnet()
         self.startup_seconds: float | None = None
 
     @property
@@ -306,7 +317,7 @@ class LocalCluster:
             f"--config={','.join(stages)}",
             "--manage-all-nodes=false",
             "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
-            f"--cidr={POD_CIDR}",
+            f"--cidr={self.pod_cidr}",
             f"--node-ip={NODE_IP}",
             # Heartbeats through node Leases; without them the node lifecycle controller marks every
             # KWOK node NotReady (and its pods unready) after its 50 s grace period, again and again.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import re
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +47,12 @@ class WorkerOptions:
 
 def _restarts(policy: str, exit_code: int) -> bool:
     return policy == "Always" or (policy == "OnFailure" and exit_code != 0)
+
+
+def _listening(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        probe.settimeout(0.5)
+        return probe.connect_ex((host, port)) == 0
 
 
 def prestop_seconds(hook: dict | None) -> float | None:
@@ -153,6 +160,13 @@ class PodWorker:
                 (logger.info if reason == "ContainerCreating" else logger.warning)(
                     "%s/%s: cannot start yet: %s", self.namespace, self.name, error)
             self.view.waiting_reason, self.view.waiting_message = reason, str(error)
+            return now + 1.0
+        if launch.port and _listening(launch.host, launch.port):
+            message = (f"{launch.host}:{launch.port} is already served by another process (a second cluster "
+                       "on this machine handing out the same pod IP?)")
+            if self.view.waiting_message != message:
+                logger.warning("%s/%s: cannot start: %s", self.namespace, self.name, message)
+            self.view.waiting_reason, self.view.waiting_message = "RunContainerError", message
             return now + 1.0
         self.process = ContainerProcess(launch, self.log_path, self.options.work_dir / f"{self.namespace}_{self.name}")
         self.process.start()
