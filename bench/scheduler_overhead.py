@@ -64,6 +64,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seqs", help="running-sequence counts (default 8,32,64,128; quick: 8,32)")
     parser.add_argument("--real-steps", type=int, help="measured decode steps with the real model (default 8; quick: 3)")
     parser.add_argument("--fake-steps", type=int, default=200, help="measured steps with the fake executor")
+    parser.add_argument("--fake-repeats", type=int, default=5,
+                        help="fake-executor runs per size; each figure is the median over them (default 5)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n} running sequences ...", file=sys.stderr, flush=True)
         real = _measure(systems.iterserve_engine(runner, max_num_seqs=n, max_num_batched_tokens=max(512, n)),
                         n, real_steps, timed)
-        fake = _measure(_fake_engine(n, tokenizer), n, args.fake_steps)
+        fake_runs = [_measure(_fake_engine(n, tokenizer), n, args.fake_steps) for _ in range(args.fake_repeats)]
+        fake = {key: statistics.median(run[key] for run in fake_runs) for key in fake_runs[0]}
         real_step = real["schedule_s"] + real["model_s"] + real["postprocess_s"]
         fake_bookkeeping = fake["schedule_s"] + fake["postprocess_s"]
         gpu_step = GPU_CLASS_STEP.base_s + GPU_CLASS_STEP.per_decode_token_s * n
@@ -104,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "scheduler_overhead",
         "workload": {"prompt_len": PROMPT_LEN, "real_steps": real_steps, "fake_steps": args.fake_steps,
+                     "fake_repeats": args.fake_repeats,
                      "phase": "steady decode, every sequence running"},
         "machine": common.finish_machine(machine),
         "seqs": results,
