@@ -275,7 +275,10 @@ class PodWorker:
             process.signal(signal.SIGTERM)
             remaining = max(MIN_GRACE_AFTER_PRESTOP, deadline - time.monotonic())
             if not self._wait_exit(process, remaining):
-                logger.warning("%s/%s: still running after the grace period; SIGKILL", self.namespace, self.name)
+                if self._shutdown:
+                    logger.info("%s/%s: the runtime is stopping; SIGKILL", self.namespace, self.name)
+                else:
+                    logger.warning("%s/%s: still running after the grace period; SIGKILL", self.namespace, self.name)
                 process.signal(signal.SIGKILL)
                 process.wait(10)
             code = process.exit_code

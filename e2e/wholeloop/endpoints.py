@@ -1,0 +1,66 @@
+"""The Service's ready endpoints, refreshed in the background: what a kube-proxy would route to.
+
+Read as the EndpointSlice controller computes them, from the pods the Service selects: Ready,
+not terminating, with the container port the Service's targetPort names. (The EndpointSlices
+themselves stay empty here: the API refuses loopback addresses in them, and the pod IPs are
+127.10.x.y.) A terminating pod leaves the list at once, during its preStop sleep, before its
+engine starts to drain."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+
+def ready_urls(pods: list[dict], port_name: str) -> list[str]:
+    urls = []
+    for pod in pods:
+        status = pod.get("status") or {}
+        ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or [])
+        if not ready or pod["metadata"].get("deletionTimestamp") or not status.get("podIP"):
+            continue
+        ports = [p for c in pod["spec"]["containers"] for p in c.get("ports") or [] if p.get("name") == port_name]
+        if ports:
+            urls.append(f"http://{status['podIP']}:{ports[0]['containerPort']}")
+    return sorted(urls)
+
+
+class ReadyEndpoints:
+    def __init__(self, api_client, namespace: str, service: str, port_name: str = "http",
+                 interval: float = 0.25):
+        from kubernetes import client
+
+        self.core = client.CoreV1Api(api_client)
+        self.namespace, self.service, self.port_name, self.interval = namespace, service, port_name, interval
+        self._selector: str | None = None
+        self._urls: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="ready endpoints", daemon=True)
+
+    def __call__(self) -> list[str]:
+        return list(self._urls)
+
+    def start(self) -> ReadyEndpoints:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _refresh(self) -> None:
+        if self._selector is None:
+            service = json.loads(self.core.read_namespaced_service(
+                self.service, self.namespace, _preload_content=False).data)
+            self._selector = ",".join(f"{k}={v}" for k, v in service["spec"]["selector"].items())
+        pods = json.loads(self.core.list_namespaced_pod(
+            self.namespace, label_selector=self._selector, _preload_content=False).data)["items"]
+        self._urls = ready_urls(pods, self.port_name)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._refresh()
+            except Exception:  # noqa: BLE001 - no Service yet, an API hiccup: keep the last list
+                pass
+            self._stop.wait(self.interval)

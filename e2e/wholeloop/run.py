@@ -1,0 +1,99 @@
+"""The run itself: apply the InferenceService, wait for its first replica, then drive load through
+the Service's ready endpoints in phases (idle -> heavy -> light, until the scale-down has settled),
+sampling the timeline every second. Returns everything the checks and the plot need."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from e2e.wholeloop.endpoints import ReadyEndpoints
+from e2e.wholeloop.scenario import NAME, OUTPUT_TOKENS, PROMPT_TOKENS, Scenario, inference_service
+from e2e.wholeloop.stack import Stack, wait_for
+from e2e.wholeloop.timeline import RequestLog, Sampler
+from iterserve.engine.loadgen import LoadSpec, run_load
+from iterserve.operator.models import GROUP, PLURAL, VERSION
+
+LIGHT_CHUNK_SECONDS = 5
+
+
+def run(cluster, workdir: Path, scenario: Scenario, log=print) -> dict:
+    from kubernetes import client
+
+    started = time.monotonic()
+    with Stack(cluster, workdir, log) as stack:
+        custom = client.CustomObjectsApi(stack.api)
+        custom.create_namespaced_custom_object(GROUP, VERSION, stack.namespace, PLURAL, inference_service(scenario))
+        endpoints = ReadyEndpoints(stack.api, stack.namespace, NAME).start()
+        requests = RequestLog()
+        sampler = Sampler(stack.api, stack.namespace, NAME, requests).start()
+        try:
+            wait_for(endpoints, 180, f"a ready engine endpoint (pod logs in {workdir / 'pods'}, operator log "
+                                     f"{stack.operator.log_path})")
+            log(f"first replica ready after {time.monotonic() - started:.1f} s; driving load")
+            phases = asyncio.run(_drive(scenario, endpoints, requests, sampler, log))
+        finally:
+            timeline = sampler.stop()
+            endpoints.stop()
+        events = json.loads(client.CoreV1Api(stack.api).list_namespaced_event(
+            stack.namespace, field_selector=f"involvedObject.name={NAME}", _preload_content=False).data)["items"]
+        forbidden = stack.operator.forbidden_lines()
+        namespace = stack.namespace
+    return {
+        "scenario": asdict(scenario),
+        "model": "smollm2-135m (real, CPU)" if scenario.real_model else "fake (--fake-model: real scheduler and KV "
+                                                                        "pool, modelled step time)",
+        "namespace": namespace,
+        "started_at": timeline.started,
+        "wall_seconds": round(time.monotonic() - started, 1),
+        "phases": phases,
+        "timeline": timeline.rows,
+        "decisions": sorted(timeline.decisions.values(), key=lambda r: r["time"]),
+        "events": [{"reason": e["reason"], "type": e["type"], "message": e["message"],
+                    "time": e.get("lastTimestamp") or e.get("eventTime")} for e in events],
+        "requests": [asdict(r) for r in requests.snapshot()],
+        "operator_forbidden": forbidden,
+    }
+
+
+async def _drive(scenario: Scenario, endpoints, requests: RequestLog, sampler: Sampler, log) -> dict:
+    model = "smollm2-135m" if scenario.real_model else "fake"
+    origin = sampler.timeline.started
+    phases = {}
+
+    def spec(rate: float, seconds: float, max_tokens: int, seed: int) -> LoadSpec:
+        return LoadSpec(url="http://127.0.0.1:9", rate=rate, requests=None, duration=seconds,
+                        prompt_len=PROMPT_TOKENS, max_tokens=max_tokens, model=model, seed=seed,
+                        timeout=300, endpoints=endpoints, on_result=requests.on_result)
+
+    phases["idle"] = [round(time.time() - origin, 2), None]
+    await asyncio.sleep(scenario.idle_seconds)
+    requests.phase = "heavy"
+    phases["idle"][1] = phases.setdefault("heavy", [round(time.time() - origin, 2), None])[0]
+    log(f"heavy: {scenario.heavy_rate:g} req/s for {scenario.heavy_seconds:g} s")
+    heavy = asyncio.create_task(run_load(spec(scenario.heavy_rate, scenario.heavy_seconds, OUTPUT_TOKENS,
+                                              scenario.seed)))
+    await asyncio.sleep(scenario.heavy_seconds)
+    requests.phase = "light"
+    phases["heavy"][1] = round(time.time() - origin, 2)
+    phases["light"] = [phases["heavy"][1], None]
+    log(f"light: {scenario.light_rate:g} req/s until back at {scenario.min_replicas} replica(s) "
+        f"for {scenario.settle_seconds:g} s")
+    deadline = time.monotonic() + scenario.light_max_seconds
+    settled_since, chunk = None, 0
+    while time.monotonic() < deadline:
+        chunk += 1
+        await run_load(spec(scenario.light_rate, LIGHT_CHUNK_SECONDS, scenario.light_max_tokens,
+                            scenario.seed + chunk))
+        row = sampler.latest or {}
+        at_min = (row.get("replicas_desired") == scenario.min_replicas and row.get("pods_live") == scenario.min_replicas
+                  and row.get("replicas_ready") == scenario.min_replicas and row.get("pods_terminating") == 0)
+        settled_since = (settled_since or time.monotonic()) if at_min else None
+        if settled_since is not None and time.monotonic() - settled_since >= scenario.settle_seconds:
+            break
+    await heavy
+    phases["light"][1] = round(time.time() - origin, 2)
+    return phases

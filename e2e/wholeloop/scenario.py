@@ -1,0 +1,88 @@
+"""What the whole-loop run does: the InferenceService it applies and the load phases it drives.
+
+The KV pool is sized so that the spec's max_num_seqs thrashes it: a request is a 32-token prompt
+and 128 generated tokens, 10 blocks of 16 at its end, and the pool holds 41 blocks. At
+max_num_seqs 8 the running sequences ask for up to 80 blocks (usage pinned near 1, preemption
+after preemption); the KV retune's steps 8 -> 6 -> 4 end at 40 blocks, where nothing is preempted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from iterserve.devcluster.podrunner import local_runtime_scheduling
+
+NAME = "chat"
+PROMPT_TOKENS = 32
+OUTPUT_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class Scenario:
+    idle_seconds: float = 10  # before the load: one replica, nothing to do
+    heavy_seconds: float = 75  # Poisson arrivals at heavy_rate
+    heavy_rate: float = 8.0  # requests/s: one replica keeps ~4/s, three keep up
+    light_rate: float = 1.0  # requests/s after the heavy phase, through the scale-down and its drain
+    light_max_tokens: int = 64
+    settle_seconds: float = 8  # back at min replicas this long, with nothing terminating, ends the run
+    light_max_seconds: float = 150  # give up waiting for the scale-down after this
+    real_model: bool = False  # the embedded SmolLM2-135M instead of --fake-model
+    min_replicas: int = 1
+    max_replicas: int = 3
+    max_num_seqs: int = 8
+    kv_floor: int = 4
+    target_waiting_per_replica: float = 4
+    scale_down_window_seconds: int = 10
+    seed: int = 0
+
+    @classmethod
+    def quick(cls) -> Scenario:
+        return cls()
+
+    @classmethod
+    def full(cls) -> Scenario:
+        return cls(idle_seconds=20, heavy_seconds=150, scale_down_window_seconds=20, settle_seconds=20,
+                   light_max_seconds=240)
+
+
+def inference_service(scenario: Scenario) -> dict:
+    engine_args = ["--max-waiting-requests", "1000"]
+    if not scenario.real_model:
+        engine_args.insert(0, "--fake-model")  # the real scheduler and KV pool, modelled step time
+    return {
+        "apiVersion": "iterserve.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": NAME},
+        "spec": {
+            "model": {"uri": "smollm2-135m"},
+            "engine": {
+                "maxNumSeqs": scenario.max_num_seqs,
+                "maxModelLen": 512,
+                "kvCacheMemory": "29MiB",  # 41 blocks x 16 tokens of SmolLM2-135M's KV
+                "drainSeconds": 30,
+                "startupSeconds": 120,
+                "extraArgs": engine_args,
+                "resources": {"limits": {"nvidia.com/gpu": 1}},
+            },
+            "replicas": scenario.min_replicas,
+            "autoscaling": {
+                "mode": "Builtin",
+                "minReplicas": scenario.min_replicas,
+                "maxReplicas": scenario.max_replicas,
+                "targetWaitingPerReplica": scenario.target_waiting_per_replica,
+                "intervalSeconds": 1,
+                "warmupSeconds": 3,
+                "coldStartSeconds": 120,
+                "scaleDown": {"stabilizationWindowSeconds": scenario.scale_down_window_seconds},
+                "kvRetune": {"threshold": 0.95, "consecutiveSamples": 3, "stepFactor": 0.75,
+                             "floor": scenario.kv_floor, "recoveryWindowSeconds": 600},
+            },
+            "scheduling": local_runtime_scheduling(),
+            # Probe every second or two rather than every 5-10 s, so a short run sees pods come and go.
+            "podTemplatePatch": {"spec": {"containers": [{
+                "name": "engine",
+                "startupProbe": {"periodSeconds": 2, "failureThreshold": 60},
+                "readinessProbe": {"periodSeconds": 1},
+            }]}},
+        },
+    }
