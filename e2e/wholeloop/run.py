@@ -44,8 +44,7 @@ def run(cluster, workdir: Path, scenario: Scenario, log=print) -> dict:
         namespace = stack.namespace
     return {
         "scenario": asdict(scenario),
-        "model": "smollm2-135m (real, CPU)" if scenario.real_model else "fake (--fake-model: real scheduler and KV "
-                                                                        "pool, modelled step time)",
+        "model": "fake (--fake-model: real scheduler and KV pool, modelled step time)",
         "namespace": namespace,
         "started_at": timeline.started,
         "wall_seconds": round(time.monotonic() - started, 1),
@@ -60,7 +59,7 @@ def run(cluster, workdir: Path, scenario: Scenario, log=print) -> dict:
 
 
 async def _drive(scenario: Scenario, endpoints, requests: RequestLog, sampler: Sampler, log) -> dict:
-    model = "smollm2-135m" if scenario.real_model else "fake"
+    model = "fake"  # what `iterserve serve --fake-model` serves
     origin = sampler.timeline.started
     phases = {}
 

@@ -26,7 +26,6 @@ class Scenario:
     light_max_tokens: int = 64
     settle_seconds: float = 8  # back at min replicas this long, with nothing terminating, ends the run
     light_max_seconds: float = 150  # give up waiting for the scale-down after this
-    real_model: bool = False  # the embedded SmolLM2-135M instead of --fake-model
     min_replicas: int = 1
     max_replicas: int = 3
     max_num_seqs: int = 8
@@ -46,9 +45,8 @@ class Scenario:
 
 
 def inference_service(scenario: Scenario) -> dict:
-    engine_args = ["--max-waiting-requests", "1000"]
-    if not scenario.real_model:
-        engine_args.insert(0, "--fake-model")  # the real scheduler and KV pool, modelled step time
+    # --fake-model: the real scheduler and KV pool, modelled step time (see e2e/whole_loop.py).
+    engine_args = ["--fake-model", "--max-waiting-requests", "1000"]
     return {
         "apiVersion": "iterserve.dev/v1alpha1",
         "kind": "InferenceService",
