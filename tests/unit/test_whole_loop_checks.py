@@ -1,0 +1,85 @@
+"""The whole-loop run's judgements on hand-made timelines: a scale-up past the formula or while
+new pods still load is runaway; a failed request during the scale-down counts; every decision
+needs its Event. And the ready endpoints leave terminating pods out."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from datetime import UTC, datetime
+
+from e2e.wholeloop.checks import evaluate
+from e2e.wholeloop.endpoints import ready_urls
+from e2e.wholeloop.scenario import Scenario
+
+START = 1_800_000_000.0
+
+
+def stamp(t: float) -> str:
+    return datetime.fromtimestamp(START + t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def row(t, desired, ready, live=None, terminating=0):
+    return {"t": t, "phase": "heavy", "replicas_desired": desired, "replicas_ready": ready,
+            "pods_live": ready if live is None else live, "pods_terminating": terminating, "pods": {}}
+
+
+def scale(t, action, frm, to, waiting=40, reason="waiting_above_target"):
+    return {"time": stamp(t), "action": action, "reason": reason, "fromReplicas": frm, "toReplicas": to,
+            "message": f"replicas {frm} -> {to}: waiting {waiting:g} on {frm} read pods (target 4/replica)"}
+
+
+def result(decisions, rows, requests=(), events=None):
+    return {
+        "scenario": asdict(Scenario.quick()), "started_at": START, "wall_seconds": 1.0, "model": "fake",
+        "phases": {"idle": [0, 10], "heavy": [10, 60], "light": [60, 100]},
+        "timeline": rows, "decisions": decisions, "requests": list(requests), "operator_forbidden": [],
+        "events": [{"reason": d["action"], "type": "Normal", "message": f"{d['reason']}: {d['message']}",
+                    "time": d["time"]} for d in decisions] if events is None else events,
+    }
+
+
+def by_name(checks):
+    return {c.name: c for c in checks}
+
+
+def test_orderly_scale_up_and_down_pass():
+    decisions = [scale(12, "ScaleUp", 1, 2, waiting=8), scale(20, "ScaleUp", 2, 3, waiting=12),
+                 scale(70, "ScaleDown", 3, 1, waiting=0, reason="zero_traffic")]
+    rows = [row(11, 1, 1), row(13, 2, 1, 2), row(17, 2, 2), row(21, 3, 2, 3), row(25, 3, 3),
+            row(71, 1, 1, 1, 2), row(90, 1, 1)]
+    checks = by_name(evaluate(result(decisions, rows))[1])
+    for name in ("scaled_up_under_load", "no_runaway_scale_up", "back_to_min_replicas",
+                 "decisions_are_events_and_history", "no_failed_requests_during_scale_down"):
+        assert checks[name].ok, checks[name].detail
+
+
+def test_scale_up_while_new_pods_load_or_past_the_formula_is_runaway():
+    loading = [scale(12, "ScaleUp", 1, 2, waiting=8), scale(16, "ScaleUp", 2, 3, waiting=12)]
+    rows = [row(11, 1, 1), row(13, 2, 1, 2), row(15, 2, 1, 2), row(17, 3, 1, 3), row(30, 3, 3)]
+    detail = by_name(evaluate(result(loading, rows))[1])["no_runaway_scale_up"]
+    assert not detail.ok and "were not all ready" in detail.detail
+
+    past_formula = [scale(12, "ScaleUp", 1, 3, waiting=5)]  # ceil(5 / 4) = 2
+    detail = by_name(evaluate(result(past_formula, [row(11, 1, 1), row(30, 3, 3)]))[1])["no_runaway_scale_up"]
+    assert not detail.ok and "asks 2" in detail.detail
+
+
+def test_a_failure_in_the_drain_and_an_unrecorded_decision_fail():
+    decisions = [scale(12, "ScaleUp", 1, 2, waiting=8), scale(70, "ScaleDown", 2, 1, waiting=0)]
+    failed = {"start": START + 69, "end": START + 72, "ok": False, "status": "503", "ttft": None, "endpoint": ""}
+    events = result(decisions, [])["events"][:1]  # the ScaleDown never became an Event
+    checks = by_name(evaluate(result(decisions, [row(11, 1, 1), row(20, 2, 2), row(90, 1, 1)],
+                                     requests=[failed], events=events))[1])
+    assert not checks["no_failed_requests_during_scale_down"].ok
+    assert not checks["no_failed_requests"].ok and "503" in checks["no_failed_requests"].detail
+    assert not checks["decisions_are_events_and_history"].ok
+
+
+def test_ready_endpoints_skip_unready_and_terminating_pods():
+    def pod(ip, ready=True, deleting=False):
+        return {"metadata": {"deletionTimestamp": "x"} if deleting else {},
+                "spec": {"containers": [{"ports": [{"name": "http", "containerPort": 8000}]}]},
+                "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+    pods = [pod("127.10.3.2"), pod("127.10.3.1"), pod("127.10.3.3", ready=False), pod("127.10.3.4", deleting=True)]
+    assert ready_urls(pods, "http") == ["http://127.10.3.1:8000", "http://127.10.3.2:8000"]
