@@ -387,6 +387,14 @@ def _replica_decision(settings, state, history, signals, measured, metrics, now)
                     preemptions_per_minute_per_replica=rate_per_replica)
 
 
+def _sequence_capacity(signal: PodSignal) -> float:
+    """Sequences one replica can hold: max_num_seqs, or fewer when its KV pool fills first
+    (running / KV usage extrapolates from what the pool holds now)."""
+    if signal.kv_usage and signal.running:
+        return max(1.0, min(signal.max_num_seqs, signal.running / signal.kv_usage))
+    return signal.max_num_seqs
+
+
 def _scale_down_floor(settings, state, history, signals, measured, proposal, reason, notes, now):
     """How far down the replicas may go: never below what the pods left unmeasured or the running
     sequences need, and not at all while preemptions happen, a queue is above target, or a pod is
@@ -404,10 +412,10 @@ def _scale_down_floor(settings, state, history, signals, measured, proposal, rea
             notes.append(f"{unmeasured} unmeasured ready pods assumed at target: {assumed}")
             proposal = assumed
             reason = "unmeasured_pods_assumed_at_target" if proposal >= current else reason
-    mean_seqs = sum(s.max_num_seqs for s in measured) / len(measured)
-    busy_floor = math.ceil(total_running / mean_seqs) + unmeasured
+    mean_capacity = sum(_sequence_capacity(s) for s in measured) / len(measured)
+    busy_floor = math.ceil(total_running / mean_capacity) + unmeasured
     if busy_floor > proposal:
-        notes.append(f"{total_running:g} running sequences (max_num_seqs {mean_seqs:g}) need {busy_floor}")
+        notes.append(f"{total_running:g} running sequences ({mean_capacity:.3g} fit per replica) need {busy_floor}")
         proposal = busy_floor
         reason = "running_sequences" if proposal >= current else reason
     if proposal >= current:
