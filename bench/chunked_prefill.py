@@ -44,6 +44,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-len", type=int, help="long prompt tokens (default 1024; quick: 256; at most 2047)")
     parser.add_argument("--long-prompts", type=int, help="long prompts per run (default 3; quick: 1)")
     parser.add_argument("--short-requests", type=int, help="short requests per run (default 30; quick: 6)")
+    parser.add_argument("--rounds", type=int, help="replays of the schedule per configuration, in alternating "
+                        "order; percentiles pool them (default 2; quick: 1)")
     parser.add_argument("--budgets", help="chunked-prefill step budgets (default 512,256,128; quick: 128)")
     parser.add_argument("--prototype-cap", type=int, default=PROTOTYPE_CAP,
                         help="also run the largest budget with a per-sequence prefill chunk cap (a scheduler "
@@ -59,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--long-len must be in [1, {MAX_MODEL_LEN - 1}] (max_model_len {MAX_MODEL_LEN})")
     num_long = args.long_prompts or (1 if args.quick else 3)
     num_short = args.short_requests or (6 if args.quick else 30)
+    rounds = args.rounds or (1 if args.quick else 2)
     budgets = [int(b) for b in (args.budgets or ("128" if args.quick else "512,256,128")).split(",")]
     common.set_threads(args.threads)
     machine = common.machine(args.threads)
@@ -78,11 +81,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"a {long_len}-token prefill takes {long_prefill_s:.2f} s; {num_long} long prompts and {num_short} "
           f"short requests over {arrivals[-1].at_s:.0f} s per configuration", file=sys.stderr)
 
-    results = {}
-    for name, engine in engines.items():
-        print(f"running chunked prefill {name} ...", file=sys.stderr, flush=True)
-        results[name] = _summarize(_replay(engine, arrivals), arrivals)
-    report = _report(results, arrivals, machine, long_len, long_prefill_s)
+    # Rounds alternate the order of the configurations, so a change in the machine's other load
+    # during the run does not favour whichever configuration ran first.
+    runs: dict[str, list[dict[int, list[float]]]] = {name: [] for name in engines}
+    for round_index in range(rounds):
+        order = list(engines) if round_index % 2 == 0 else list(reversed(engines))
+        for name in order:
+            print(f"round {round_index + 1}/{rounds}: chunked prefill {name} ...", file=sys.stderr, flush=True)
+            runs[name].append(_replay(engines[name], arrivals))
+    results = {name: _summarize(replays, arrivals) for name, replays in runs.items()}
+    report = _report(results, arrivals, machine, long_len, long_prefill_s, rounds)
     print(_table(report))
     common.write_json(args.json, report)
     if args.plot:
@@ -156,22 +164,24 @@ def _replay(engine, arrivals: list[Arrival]) -> dict[int, list[float]]:
     return token_times
 
 
-def _summarize(token_times: dict[int, list[float]], arrivals: list[Arrival]) -> dict:
+def _summarize(replays: list[dict[int, list[float]]], arrivals: list[Arrival]) -> dict:
     out = {}
     for kind in ("short", "long"):
         indexes = [i for i, a in enumerate(arrivals) if a.kind == kind]
-        for i in indexes:
-            if len(token_times[i]) != arrivals[i].request.output_len:
-                raise RuntimeError(f"request {i} produced {len(token_times[i])} tokens, "
-                                   f"expected {arrivals[i].request.output_len}")
-        ttft = [token_times[i][0] for i in indexes]
-        itl = [b - a for i in indexes for a, b in itertools.pairwise(token_times[i])]
-        out[kind] = {"requests": len(indexes), "ttft_s": percentiles(ttft), "itl_s": percentiles(itl),
-                     "ttft_samples_s": ttft}
+        for token_times in replays:
+            for i in indexes:
+                if len(token_times[i]) != arrivals[i].request.output_len:
+                    raise RuntimeError(f"request {i} produced {len(token_times[i])} tokens, "
+                                       f"expected {arrivals[i].request.output_len}")
+        ttft = [token_times[i][0] for token_times in replays for i in indexes]
+        itl = [b - a for token_times in replays for i in indexes for a, b in itertools.pairwise(token_times[i])]
+        out[kind] = {"requests": len(indexes), "samples": len(ttft), "ttft_s": percentiles(ttft),
+                     "itl_s": percentiles(itl), "ttft_samples_s": ttft}
     return out
 
 
-def _report(results: dict, arrivals: list[Arrival], machine: dict, long_len: int, long_prefill_s: float) -> dict:
+def _report(results: dict, arrivals: list[Arrival], machine: dict, long_len: int, long_prefill_s: float,
+            rounds: int) -> dict:
     off_p95 = results["off"]["short"]["ttft_s"]["p95"]
     for result in results.values():
         p95 = result["short"]["ttft_s"]["p95"]
@@ -184,7 +194,8 @@ def _report(results: dict, arrivals: list[Arrival], machine: dict, long_len: int
         "workload": {"long_prompt_tokens": long_len, "long_prompts": sum(a.kind == "long" for a in arrivals),
                      "short_requests": sum(a.kind == "short" for a in arrivals),
                      "short_prompt_tokens": list(SHORT_PROMPT), "short_output_tokens": list(SHORT_OUTPUT),
-                     "long_prefill_s": long_prefill_s, "span_s": arrivals[-1].at_s, "max_model_len": MAX_MODEL_LEN},
+                     "long_prefill_s": long_prefill_s, "span_s": arrivals[-1].at_s, "max_model_len": MAX_MODEL_LEN,
+                     "rounds": rounds},
         "machine": common.finish_machine(machine),
         "configs": results,
         "prototype": "configs ending in * cap each prompt's prefill chunk per step (not in the engine)",
@@ -225,7 +236,7 @@ def _plot(report: dict, path: str) -> None:
     x = range(len(names))
     right.bar([i - 0.2 for i in x], p50, width=0.4, label="p50")
     right.bar([i + 0.2 for i in x], p95, width=0.4, label="p95")
-    right.set_xticks(list(x), names, fontsize=8)
+    right.set_xticks(list(x), [n.replace(" + ", "\n+ ") for n in names], fontsize=7)
     right.set_ylabel("short-request TTFT (s)")
     right.legend(fontsize=7)
     w = report["workload"]

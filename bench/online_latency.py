@@ -144,12 +144,12 @@ def _table(report: dict) -> str:
 def _plot(report: dict, path: str) -> None:
     plt = common.pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
-    for mode, by_rate in report["modes"].items():
+    for (mode, by_rate), color in zip(report["modes"].items(), ("tab:green", "tab:gray"), strict=False):
         rows = list(by_rate.values())
         throughput = [r["output_throughput_tokens_per_s"] for r in rows]
-        left.plot(throughput, [r["ttft_s"]["p95"] for r in rows], "o-", label=f"{mode} TTFT p95")
-        left.plot(throughput, [r["ttft_s"]["p50"] for r in rows], "o:", label=f"{mode} TTFT p50")
-        right.plot([float(k) for k in by_rate], throughput, "o-", label=mode)
+        left.plot(throughput, [r["ttft_s"]["p95"] for r in rows], "o-", color=color, label=f"{mode} TTFT p95")
+        left.plot(throughput, [r["ttft_s"]["p50"] for r in rows], "o:", color=color, label=f"{mode} TTFT p50")
+        right.plot([float(k) for k in by_rate], throughput, "o-", color=color, label=mode)
     left.set_xlabel("achieved output tokens / s")
     left.set_ylabel("TTFT (s)")
     left.set_yscale("log")
