@@ -29,7 +29,6 @@ TARGET_CUT = 0.5
 MAX_MODEL_LEN = 2048
 SHORT_PROMPT = (16, 48)
 SHORT_OUTPUT = (8, 24)
-PROTOTYPE_CAP = 64
 
 
 @dataclass(frozen=True)
@@ -47,9 +46,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, help="replays of the schedule per configuration, in alternating "
                         "order; percentiles pool them (default 2; quick: 1)")
     parser.add_argument("--budgets", help="chunked-prefill step budgets (default 512,256,128; quick: 128)")
-    parser.add_argument("--prototype-cap", type=int, default=PROTOTYPE_CAP,
-                        help="also run the largest budget with a per-sequence prefill chunk cap (a scheduler "
-                             "change the engine does not have yet; 0: skip). Default %(default)s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,13 +64,12 @@ def main(argv: list[str] | None = None) -> int:
 
     runner = systems.load_runner(max_num_seqs=32, max_model_len=MAX_MODEL_LEN)
     configs = {"off": {"chunked_prefill": False, "max_num_batched_tokens": MAX_MODEL_LEN}}
+    # Each budget with the engine's default per-prompt chunk cap while others wait, and the largest
+    # budget without it, to show what the cap adds to chunking alone.
     configs.update({f"chunk {b}": {"chunked_prefill": True, "max_num_batched_tokens": b} for b in budgets})
+    configs[f"chunk {max(budgets)}, no cap"] = {"chunked_prefill": True, "max_num_batched_tokens": max(budgets),
+                                                "long_prefill_token_threshold": 0}
     engines = {name: systems.iterserve_engine(runner, **options) for name, options in configs.items()}
-    if args.prototype_cap:
-        name = f"chunk {max(budgets)} + cap {args.prototype_cap}*"
-        engines[name] = _with_prefill_cap(
-            systems.iterserve_engine(runner, chunked_prefill=True, max_num_batched_tokens=max(budgets)),
-            args.prototype_cap)
 
     long_prefill_s = _calibrate(engines["off"], long_len)
     arrivals = _schedule(args.seed, long_len, num_long, num_short, long_prefill_s)
@@ -90,28 +85,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {round_index + 1}/{rounds}: chunked prefill {name} ...", file=sys.stderr, flush=True)
             runs[name].append(_replay(engines[name], arrivals))
     results = {name: _summarize(replays, arrivals) for name, replays in runs.items()}
-    report = _report(results, arrivals, machine, long_len, long_prefill_s, rounds)
+    caps = {name: engine.config.long_prefill_token_threshold for name, engine in engines.items()}
+    report = _report(results, arrivals, machine, long_len, long_prefill_s, rounds, caps)
     print(_table(report))
     common.write_json(args.json, report)
     if args.plot:
         _plot(report, args.plot)
     return 0
-
-
-def _with_prefill_cap(engine, cap: int):
-    """Prototype, not in the engine: a prompt still being prefilled gets at most `cap` tokens of a
-    step (vLLM's long_prefill_token_threshold), so the rest of the budget admits waiting requests
-    instead of going to one long prompt until it is done."""
-    scheduler = engine.scheduler
-    chunk_size = scheduler._chunk_size
-
-    def capped(seq, budget):
-        if seq.num_computed_tokens < seq.num_prompt_tokens and seq.num_uncomputed_tokens > cap:
-            budget = min(budget, cap)
-        return chunk_size(seq, budget)
-
-    scheduler._chunk_size = capped
-    return engine
 
 
 def _calibrate(engine, long_len: int) -> float:
@@ -181,12 +161,12 @@ def _summarize(replays: list[dict[int, list[float]]], arrivals: list[Arrival]) -
 
 
 def _report(results: dict, arrivals: list[Arrival], machine: dict, long_len: int, long_prefill_s: float,
-            rounds: int) -> dict:
+            rounds: int, caps: dict[str, int]) -> dict:
     off_p95 = results["off"]["short"]["ttft_s"]["p95"]
     for result in results.values():
         p95 = result["short"]["ttft_s"]["p95"]
         result["short_p95_ttft_cut_vs_off"] = 1 - p95 / off_p95 if off_p95 else None
-    shipped = [n for n in results if n != "off" and not n.endswith("*")]
+    shipped = [n for n in results if n != "off"]
     best_name = max(shipped, key=lambda n: results[n]["short_p95_ttft_cut_vs_off"])
     best = results[best_name]["short_p95_ttft_cut_vs_off"]
     return {
@@ -198,7 +178,7 @@ def _report(results: dict, arrivals: list[Arrival], machine: dict, long_len: int
                      "rounds": rounds},
         "machine": common.finish_machine(machine),
         "configs": results,
-        "prototype": "configs ending in * cap each prompt's prefill chunk per step (not in the engine)",
+        "prefill_caps": caps,
         "targets": {"short p95 TTFT cut by chunked prefill": {
             "target_at_least": TARGET_CUT, "best_config": best_name, "measured": best, "met": best >= TARGET_CUT}},
     }
@@ -214,8 +194,8 @@ def _table(report: dict) -> str:
     table = common.format_table(["chunked prefill", "short TTFT p50 ms", "p95 ms", "short ITL p50 ms", "p95 ms",
                                  "long TTFT p50 ms", "p95 TTFT cut %"], rows)
     t = next(iter(report["targets"].values()))
-    note = "\n* prototype scheduler change, not in the engine (see --prototype-cap)" if any(
-        n.endswith("*") for n in report["configs"]) else ""
+    note = "\nper-prompt chunk cap while others wait: " + ", ".join(
+        f"{name} {cap or 'none'}" for name, cap in report["prefill_caps"].items())
     return (f"{table}{note}\n\ntarget short-request p95 TTFT cut >= {t['target_at_least']:.0%}: best "
             f"{t['best_config']} {t['measured']:.0%} ({'met' if t['met'] else 'missed'})")
 

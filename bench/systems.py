@@ -36,8 +36,8 @@ def load_runner(**engine_options) -> ModelRunner:
 
 
 def iterserve_engine(runner: ModelRunner, **overrides) -> LLMEngine:
-    config = dataclasses.replace(runner.config, **overrides)
-    config.validate()
+    overrides.setdefault("long_prefill_token_threshold", None)  # re-derived from the budget below
+    config = dataclasses.replace(runner.config, **overrides).resolve()
     return LLMEngine(config, runner, runner.tokenizer)
 
 

@@ -42,6 +42,10 @@ class EngineConfig:
     swap_space: str | int = "256MiB"
     num_cpu_blocks: int | None = None  # overrides swap_space
     chunked_prefill: bool = True
+    # Most prompt tokens one sequence may prefill in a step while requests are waiting, so a long
+    # prompt cannot hold the whole budget for many steps (vLLM's long_prefill_token_threshold).
+    # None: an eighth of the budget, at least 16; 0: no cap.
+    long_prefill_token_threshold: int | None = None
     preemption_mode: str = "recompute"
     scheduling: str = "continuous"
     attention_backend: str = "auto"
@@ -64,6 +68,8 @@ class EngineConfig:
             self.max_num_batched_tokens = (
                 max(512, self.max_num_seqs) if self.chunked_prefill else max(self.max_model_len, self.max_num_seqs)
             )
+        if self.long_prefill_token_threshold is None:
+            self.long_prefill_token_threshold = max(16, self.max_num_batched_tokens // 8) if self.chunked_prefill else 0
         self.validate()
         return self
 
@@ -90,6 +96,11 @@ class EngineConfig:
                 f"--max-num-seqs ({self.max_num_seqs}) exceeds --max-num-batched-tokens "
                 f"({self.max_num_batched_tokens}): each running sequence needs at least one token of the "
                 "step budget. Lower --max-num-seqs or raise --max-num-batched-tokens."
+            )
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ConfigError(
+                f"--long-prefill-token-threshold must be 0 (no cap) or a positive integer, "
+                f"got {self.long_prefill_token_threshold!r}"
             )
         if not 0 <= self.watermark < 0.5:
             raise ConfigError(f"watermark must be in [0, 0.5), got {self.watermark}")

@@ -102,7 +102,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_new = self._chunk_size(seq, budget)
+            num_new = self._chunk_size(seq, budget, bool(self.waiting))
             if num_new == 0:
                 index += 1
                 continue
@@ -125,7 +125,7 @@ class Scheduler:
             out.swap_in.extend(self.block_manager.swap_in(seq))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            num_new = self._chunk_size(seq, budget)
+            num_new = self._chunk_size(seq, budget, bool(self.waiting))
             if num_new and self.block_manager.can_allocate(seq, num_new):
                 self._schedule(seq, num_new, out)
                 budget -= num_new
@@ -134,7 +134,7 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_new = self._chunk_size(seq, budget)
+            num_new = self._chunk_size(seq, budget, len(self.waiting) > 1)
             if num_new == 0 or not self.block_manager.can_allocate(seq, num_new, keep_watermark=True):
                 break
             self.waiting.popleft()
@@ -150,11 +150,14 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
 
-    def _chunk_size(self, seq: Sequence, budget: int) -> int:
+    def _chunk_size(self, seq: Sequence, budget: int, others_waiting: bool) -> int:
         remaining = seq.num_uncomputed_tokens
-        if self.config.chunked_prefill:
-            return min(remaining, budget)
-        return remaining if remaining <= budget else 0
+        if not self.config.chunked_prefill:
+            return remaining if remaining <= budget else 0
+        cap = self.config.long_prefill_token_threshold
+        if cap and others_waiting and seq.num_computed_tokens < seq.num_prompt_tokens:
+            budget = min(budget, cap)
+        return min(remaining, budget)
 
     def _schedule(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
         self.block_manager.allocate(seq, num_new)

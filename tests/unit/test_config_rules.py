@@ -107,3 +107,11 @@ def test_bad_request_fails_alone_and_leaks_nothing():
     assert run_to_completion(engine).keys() == {"good"}
     assert engine.block_manager.usage() == 0.0
     assert not engine._sequences
+
+
+def test_long_prefill_cap_defaults_to_an_eighth_of_the_budget_and_refuses_negatives():
+    assert EngineConfig(model="fake", max_num_batched_tokens=512).resolve().long_prefill_token_threshold == 64
+    assert EngineConfig(model="fake", max_num_batched_tokens=64).resolve().long_prefill_token_threshold == 16
+    assert EngineConfig(model="fake", chunked_prefill=False, max_model_len=512).resolve().long_prefill_token_threshold == 0
+    with pytest.raises(ConfigError, match="--long-prefill-token-threshold"):
+        EngineConfig(model="fake", long_prefill_token_threshold=-1).resolve()

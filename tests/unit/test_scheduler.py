@@ -38,6 +38,21 @@ def test_chunked_prefill_splits_a_long_prompt_and_shares_the_step_with_decodes()
     assert out.num_batched_tokens == 16
 
 
+def test_a_long_prompt_shares_the_budget_only_while_others_wait():
+    engine = fake_engine(max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=16)
+    engine.add_request(prompt_token_ids=[98] * 200, params=GREEDY, request_id="long")
+    engine._drain_inbox([])
+    alone = engine.scheduler.schedule()
+    assert [c.num_tokens for c in alone.chunks] == [64]  # nobody waits: the whole budget
+    engine.scheduler.update(alone, engine.executor.execute(alone))
+    for i in range(3):
+        engine.add_request(prompt_token_ids=[97] * 10, params=GREEDY, request_id=f"short{i}")
+    engine._drain_inbox([])
+    shared = engine.scheduler.schedule()
+    assert [(c.seq.request_id, c.num_tokens) for c in shared.chunks] == [
+        ("long", 16), ("short0", 10), ("short1", 10), ("short2", 10)]
+
+
 def test_without_chunked_prefill_a_prompt_waits_for_a_step_with_room():
     engine = fake_engine(max_num_seqs=8, max_num_batched_tokens=256, chunked_prefill=False)
     for p in prompts(3, length=100):

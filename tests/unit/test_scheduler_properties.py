@@ -46,16 +46,18 @@ def check_block_invariants(engine) -> None:
     mode=st.sampled_from(["recompute", "swap"]),
     scheduling=st.sampled_from(["continuous", "static"]),
     cap_change=st.one_of(st.none(), st.tuples(st.integers(0, 40), st.integers(1, 12))),
+    prefill_cap=st.sampled_from([None, 0, 1, 7]),
 )
 def test_random_workloads_keep_every_invariant(requests, num_blocks, max_num_seqs, budget, chunked, mode,
-                                               scheduling, cap_change):
+                                               scheduling, cap_change, prefill_cap):
     max_model_len = min(num_blocks * 16, 128)
     if not chunked:
         budget = max(budget, max_model_len)
     budget = max(budget, max_num_seqs)
     engine = fake_engine(num_blocks=num_blocks, num_cpu_blocks=num_blocks, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=budget, chunked_prefill=chunked, preemption_mode=mode,
-                         scheduling=scheduling, max_model_len=max_model_len)
+                         scheduling=scheduling, max_model_len=max_model_len,
+                         long_prefill_token_threshold=prefill_cap)
     pending = sorted(enumerate(requests), key=lambda item: item[1][0])
     aborts = {}
     admitted, finished = set(), {}
