@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 
+from iterserve.devcluster.waiting import free_port, wait_for  # noqa: F401  (re-exported to tests)
 from iterserve.operator import rbac
 from iterserve.operator.crd import CRD_NAME
 
@@ -24,24 +22,6 @@ REPO = Path(__file__).resolve().parents[1]
 CRD_FILE = REPO / "crds" / "inferenceservice.yaml"
 EXAMPLES = REPO / "examples"
 
-
-def wait_for(predicate: Callable[[], object], timeout: float = 30, interval: float = 0.2,
-             what: str | Callable[[], str] = "condition"):
-    """Polls until predicate() is truthy; `what` (or what(), evaluated at the timeout) says what for."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what() if callable(what) else what}")
-        time.sleep(interval)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def install_crd(cluster) -> None:

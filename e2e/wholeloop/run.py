@@ -31,7 +31,7 @@ def run(cluster, workdir: Path, scenario: Scenario, log=print) -> dict:
         requests = RequestLog()
         sampler = Sampler(stack.api, stack.namespace, NAME, requests).start()
         try:
-            wait_for(endpoints, 180, f"a ready engine endpoint (pod logs in {workdir / 'pods'}, operator log "
+            wait_for(endpoints, 180, what=f"a ready engine endpoint (pod logs in {workdir / 'pods'}, operator log "
                                      f"{stack.operator.log_path})")
             log(f"first replica ready after {time.monotonic() - started:.1f} s; driving load")
             phases = asyncio.run(_drive(scenario, endpoints, requests, sampler, log))

@@ -6,10 +6,8 @@ runtime that makes the engine pods real processes."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -18,28 +16,12 @@ import yaml
 
 from iterserve.devcluster import ClusterHandle, tools
 from iterserve.devcluster.podrunner import PodRunner, add_local_runtime_node
+from iterserve.devcluster.waiting import free_port, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "iterserve"
 CRD_FILE = REPO / "crds" / "inferenceservice.yaml"
 SERVICE_ACCOUNT = "iterserve"  # the chart's fullname for release "iterserve"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.25):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
 
 
 def helm_rbac(namespace: str, operator_namespace: str, workdir: Path) -> str:
@@ -64,7 +46,7 @@ class OperatorProcess:
 
     def __init__(self, kubeconfig: Path, namespace: str, log_path: Path, workdir: Path):
         self.kubeconfig, self.namespace, self.log_path, self.workdir = kubeconfig, namespace, log_path, workdir
-        self.liveness_port, self.metrics_port = _free_port(), _free_port()
+        self.liveness_port, self.metrics_port = free_port(), free_port()
         self.process: subprocess.Popen | None = None
 
     def start(self) -> OperatorProcess:
@@ -75,7 +57,7 @@ class OperatorProcess:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
                                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        wait_for(self._alive, 90, f"the operator's liveness endpoint (log {self.log_path})")
+        wait_for(self._alive, 90, what=f"the operator's liveness endpoint (log {self.log_path})")
         return self
 
     def _alive(self) -> bool:
@@ -132,7 +114,7 @@ class Stack:
         add_local_runtime_node(cluster, self.node, gpus=4)
         cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
         wait_for(lambda: "inferenceservices" in cluster.kubectl(
-            "api-resources", "--api-group=iterserve.dev", "-o", "name", check=False).stdout, 60, "the CRD served", 0.5)
+            "api-resources", "--api-group=iterserve.dev", "-o", "name", check=False).stdout, 60, 0.5, "the CRD served")
         for namespace in (self.namespace, self.operator_namespace):
             cluster.kubectl("create", "namespace", namespace)
         cluster.kubectl("apply", "-f", "-", input=helm_rbac(self.namespace, self.operator_namespace, workdir))

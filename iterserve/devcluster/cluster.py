@@ -14,7 +14,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -27,6 +26,7 @@ from iterserve.devcluster import tools
 from iterserve.devcluster.handle import ClusterHandle
 from iterserve.devcluster.kubeconfig import client_cert_user, cluster_entry, write_kubeconfig
 from iterserve.devcluster.pki import write_pki
+from iterserve.devcluster.waiting import free_port
 
 SERVICE_CIDR = "127.96.0.0/16"
 POD_CIDR = "127.10.0.0/16"  # each cluster takes a random /24 of it, see pod_subnet()
@@ -47,12 +47,6 @@ def pod_subnet() -> str:
     their first pod 127.10.0.1, and a process serving one cluster's pod would answer for another's."""
     network = ipaddress.ip_network(POD_CIDR)
     return str(list(network.subnets(new_prefix=24))[random.randrange(2 ** (24 - network.prefixlen))])
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -173,7 +167,7 @@ class LocalCluster:
         self.logs.mkdir()
         write_pki(self.pki)
         for name in ("etcd_client", "etcd_peer", "apiserver", "controller_manager", "scheduler"):
-            self.ports[name] = _free_port()
+            self.ports[name] = free_port()
         write_kubeconfig(
             self.kubeconfig,
             cluster_entry(self.api_url, self.pki / "ca.crt"),

@@ -8,7 +8,6 @@ import ipaddress
 import json
 import re
 import subprocess
-import time
 import uuid
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 import yaml
 
 from iterserve.devcluster import tools
+from iterserve.devcluster.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -81,17 +81,6 @@ WIDGET_CRD = {
 def widget(name: str, **spec) -> dict:
     spec = {"model": "smollm2-135m", "replicas": 1, "minReplicas": 1, "maxReplicas": 4, **spec}
     return {"apiVersion": f"{GROUP}/v1alpha1", "kind": "Widget", "metadata": {"name": name}, "spec": spec}
-
-
-def wait_for(condition, timeout: float = 30, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.25)
 
 
 @pytest.fixture(scope="module")
