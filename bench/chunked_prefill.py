@@ -216,7 +216,7 @@ def _plot(report: dict, path: str) -> None:
     x = range(len(names))
     right.bar([i - 0.2 for i in x], p50, width=0.4, label="p50")
     right.bar([i + 0.2 for i in x], p95, width=0.4, label="p95")
-    right.set_xticks(list(x), [n.replace(" + ", "\n+ ") for n in names], fontsize=7)
+    right.set_xticks(list(x), [n.replace(", ", ",\n") for n in names], fontsize=7)
     right.set_ylabel("short-request TTFT (s)")
     right.legend(fontsize=7)
     w = report["workload"]
