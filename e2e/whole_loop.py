@@ -6,11 +6,14 @@ runaway, that a replica under KV pressure got a lower max_num_seqs and preempted
 replicas came back to min with no failed request, and that every decision is an Event and a
 scalingHistory record.
 
-    python e2e/whole_loop.py [--quick] [--json PATH] [--plot PNG]
+    python e2e/whole_loop.py [--quick] [--real-model] [--json PATH] [--plot PNG]
 
 Engines run with --fake-model: the real scheduler, KV pool, metrics and admin API, with a modelled
 step time. The embedded SmolLM2-135M does ~35 tokens/s on one shared CPU core, and on a two-core
 machine more replicas of a CPU-bound model add no capacity, so scaling out could not relieve load.
+--real-model runs the embedded model instead (opt-in, not in CI): a 9-block KV pool, 12-token
+prompts and 16-token outputs, 3.5 requests/s heavy and 0.25/s light, 60 s drains, and 300 s for
+the first replica to load; how far it scales depends on the free cores.
 
 Needs `make cluster-tools` (the control-plane binaries and helm in e2e/cluster/bin). Exits 1 if a
 check fails. --quick is the CI run's shape (~2 min); without it the load lasts twice as long (~4 min).
@@ -39,10 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the short CI shape")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write timeline, decisions and summary here")
     parser.add_argument("--plot", type=Path, metavar="PNG", help="draw the timeline here")
+    parser.add_argument("--real-model", action="store_true",
+                        help="engines run the embedded SmolLM2-135M on CPU instead of --fake-model (slower, opt-in)")
     parser.add_argument("--workdir", type=Path, help="cluster, operator and pod logs (default: a temp folder)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    scenario = Scenario.quick() if args.quick else Scenario.full()
+    if args.real_model:
+        scenario = Scenario.real(quick=args.quick)
+    else:
+        scenario = Scenario.quick() if args.quick else Scenario.full()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="whole-loop-"))
     print(f"whole loop: logs under {workdir}")
     with LocalCluster(workdir / "cluster") as cluster:

@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from e2e.wholeloop.endpoints import ReadyEndpoints
-from e2e.wholeloop.scenario import NAME, OUTPUT_TOKENS, PROMPT_TOKENS, Scenario, inference_service
+from e2e.wholeloop.scenario import NAME, Scenario, inference_service
 from e2e.wholeloop.stack import Stack, wait_for
 from e2e.wholeloop.timeline import RequestLog, Sampler
 from iterserve.engine.loadgen import LoadSpec, run_load
@@ -31,7 +31,7 @@ def run(cluster, workdir: Path, scenario: Scenario, log=print) -> dict:
         requests = RequestLog()
         sampler = Sampler(stack.api, stack.namespace, NAME, requests).start()
         try:
-            wait_for(endpoints, 180, what=f"a ready engine endpoint (pod logs in {workdir / 'pods'}, operator log "
+            wait_for(endpoints, scenario.ready_timeout_seconds, what=f"a ready engine endpoint (pod logs in {workdir / 'pods'}, operator log "
                                      f"{stack.operator.log_path})")
             log(f"first replica ready after {time.monotonic() - started:.1f} s; driving load")
             phases = asyncio.run(_drive(scenario, endpoints, requests, sampler, log))
@@ -44,7 +44,8 @@ def run(cluster, workdir: Path, scenario: Scenario, log=print) -> dict:
         namespace = stack.namespace
     return {
         "scenario": asdict(scenario),
-        "model": "fake (--fake-model: real scheduler and KV pool, modelled step time)",
+        "model": (f"{scenario.served_model} (the embedded model on CPU, one torch thread per engine)"
+                  if scenario.real_model else "fake (--fake-model: real scheduler and KV pool, modelled step time)"),
         "namespace": namespace,
         "started_at": timeline.started,
         "wall_seconds": round(time.monotonic() - started, 1),
@@ -59,13 +60,13 @@ def run(cluster, workdir: Path, scenario: Scenario, log=print) -> dict:
 
 
 async def _drive(scenario: Scenario, endpoints, requests: RequestLog, sampler: Sampler, log) -> dict:
-    model = "fake"  # what `iterserve serve --fake-model` serves
+    model = scenario.served_model
     origin = sampler.timeline.started
     phases = {}
 
     def spec(rate: float, seconds: float, max_tokens: int, seed: int) -> LoadSpec:
         return LoadSpec(url="http://127.0.0.1:9", rate=rate, requests=None, duration=seconds,
-                        prompt_len=PROMPT_TOKENS, max_tokens=max_tokens, model=model, seed=seed,
+                        prompt_len=scenario.prompt_tokens, max_tokens=max_tokens, model=model, seed=seed,
                         timeout=300, endpoints=endpoints, on_result=requests.on_result)
 
     phases["idle"] = [round(time.time() - origin, 2), None]
@@ -73,7 +74,7 @@ async def _drive(scenario: Scenario, endpoints, requests: RequestLog, sampler: S
     requests.phase = "heavy"
     phases["idle"][1] = phases.setdefault("heavy", [round(time.time() - origin, 2), None])[0]
     log(f"heavy: {scenario.heavy_rate:g} req/s for {scenario.heavy_seconds:g} s")
-    heavy = asyncio.create_task(run_load(spec(scenario.heavy_rate, scenario.heavy_seconds, OUTPUT_TOKENS,
+    heavy = asyncio.create_task(run_load(spec(scenario.heavy_rate, scenario.heavy_seconds, scenario.output_tokens,
                                               scenario.seed)))
     await asyncio.sleep(scenario.heavy_seconds)
     requests.phase = "light"

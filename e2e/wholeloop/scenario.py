@@ -4,6 +4,11 @@ The KV pool is sized so that the spec's max_num_seqs thrashes it: a request is a
 and 128 generated tokens, 10 blocks of 16 at its end, and the pool holds 41 blocks. At
 max_num_seqs 8 the running sequences ask for up to 80 blocks (usage pinned near 1, preemption
 after preemption); the KV retune's steps 8 -> 6 -> 4 end at 40 blocks, where nothing is preempted.
+
+Scenario.real_model() is the same loop with the embedded SmolLM2-135M (no --fake-model), shrunk to
+what one torch thread per engine serves on a shared CPU core (~40 tokens/s, ~2 short requests/s):
+a 12-token prompt and 16 generated tokens, 2 blocks each, in a pool of 9 blocks. At
+max_num_seqs 8 the running sequences ask for 16 blocks; the steps 8 -> 6 -> 4 end at 8.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from iterserve.devcluster.podrunner import local_runtime_scheduling
+from iterserve.engine.config import DEFAULT_MODEL
 
 NAME = "chat"
 PROMPT_TOKENS = 32
@@ -33,10 +39,32 @@ class Scenario:
     target_waiting_per_replica: float = 4
     scale_down_window_seconds: int = 10
     seed: int = 0
+    real_model: bool = False  # the embedded SmolLM2-135M instead of --fake-model
+    prompt_tokens: int = PROMPT_TOKENS
+    output_tokens: int = OUTPUT_TOKENS
+    kv_cache_memory: str = "29MiB"  # 41 blocks x 16 tokens of SmolLM2-135M's KV
+    max_model_len: int = 512
+    drain_seconds: int = 30
+    ready_timeout_seconds: float = 180  # for the first replica
+
+    @property
+    def served_model(self) -> str:
+        return DEFAULT_MODEL if self.real_model else "fake"
 
     @classmethod
     def quick(cls) -> Scenario:
         return cls()
+
+    @classmethod
+    def real(cls, quick: bool = False) -> Scenario:
+        """The embedded model on CPU: light enough load that a request finishes in seconds, so the
+        heavy phase's backlog clears and a draining pod's requests end inside drainSeconds."""
+        return cls(real_model=True, prompt_tokens=12, output_tokens=16, light_max_tokens=8,
+                   kv_cache_memory="6.5MiB",  # 9 blocks x 16 tokens of SmolLM2-135M's float32 KV
+                   max_model_len=128, heavy_rate=3.5, light_rate=0.25, drain_seconds=60,
+                   idle_seconds=10 if quick else 20, heavy_seconds=60 if quick else 120,
+                   scale_down_window_seconds=10 if quick else 20, settle_seconds=8 if quick else 20,
+                   light_max_seconds=240, ready_timeout_seconds=300)
 
     @classmethod
     def full(cls) -> Scenario:
@@ -46,7 +74,7 @@ class Scenario:
 
 def inference_service(scenario: Scenario) -> dict:
     # --fake-model: the real scheduler and KV pool, modelled step time (see e2e/whole_loop.py).
-    engine_args = ["--fake-model", "--max-waiting-requests", "1000"]
+    engine_args = ([] if scenario.real_model else ["--fake-model"]) + ["--max-waiting-requests", "1000"]
     return {
         "apiVersion": "iterserve.dev/v1alpha1",
         "kind": "InferenceService",
@@ -55,9 +83,9 @@ def inference_service(scenario: Scenario) -> dict:
             "model": {"uri": "smollm2-135m"},
             "engine": {
                 "maxNumSeqs": scenario.max_num_seqs,
-                "maxModelLen": 512,
-                "kvCacheMemory": "29MiB",  # 41 blocks x 16 tokens of SmolLM2-135M's KV
-                "drainSeconds": 30,
+                "maxModelLen": scenario.max_model_len,
+                "kvCacheMemory": scenario.kv_cache_memory,
+                "drainSeconds": scenario.drain_seconds,
                 "startupSeconds": 120,
                 "extraArgs": engine_args,
                 "resources": {"limits": {"nvidia.com/gpu": 1}},
