@@ -12,7 +12,7 @@ Engines run with --fake-model: the real scheduler, KV pool, metrics and admin AP
 step time. The embedded SmolLM2-135M does ~35 tokens/s on one shared CPU core, and on a two-core
 machine more replicas of a CPU-bound model add no capacity, so scaling out could not relieve load.
 --real-model runs the embedded model instead (opt-in, not in CI): a 9-block KV pool, 12-token
-prompts and 16-token outputs, 3.5 requests/s heavy and 0.25/s light, 60 s drains, and 300 s for
+prompts and 16-token outputs, 2.5 requests/s heavy and 0.25/s light, 60 s drains, and 300 s for
 the first replica to load; how far it scales depends on the free cores.
 
 Needs `make cluster-tools` (the control-plane binaries and helm in e2e/cluster/bin). Exits 1 if a

@@ -61,10 +61,10 @@ class Scenario:
         heavy phase's backlog clears and a draining pod's requests end inside drainSeconds."""
         return cls(real_model=True, prompt_tokens=12, output_tokens=16, light_max_tokens=8,
                    kv_cache_memory="6.5MiB",  # 9 blocks x 16 tokens of SmolLM2-135M's float32 KV
-                   max_model_len=128, heavy_rate=3.5, light_rate=0.25, drain_seconds=60,
+                   max_model_len=128, heavy_rate=2.5, light_rate=0.25, drain_seconds=60,
                    idle_seconds=10 if quick else 20, heavy_seconds=60 if quick else 120,
                    scale_down_window_seconds=10 if quick else 20, settle_seconds=8 if quick else 20,
-                   light_max_seconds=240, ready_timeout_seconds=300)
+                   light_max_seconds=360, ready_timeout_seconds=300)
 
     @classmethod
     def full(cls) -> Scenario:
