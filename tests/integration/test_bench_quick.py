@@ -78,7 +78,8 @@ def test_scheduler_overhead_quick_fractions(tmp_path):
 def test_chunked_prefill_quick_every_config_served_every_request(tmp_path):
     report = run_quick("chunked_prefill", tmp_path)
     configs = report["configs"]
-    assert set(configs) == {"off", "chunk 128", "chunk 128 + cap 64*"}
+    assert set(configs) == {"off", "chunk 128", "chunk 128, no cap"}
+    assert report["prefill_caps"] == {"off": 0, "chunk 128": 16, "chunk 128, no cap": 0}
     for r in configs.values():
         assert r["short"]["requests"] == report["workload"]["short_requests"]
         assert len(r["short"]["ttft_samples_s"]) == r["short"]["requests"] * report["workload"]["rounds"]
