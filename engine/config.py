@@ -54,6 +54,8 @@ class EngineConfig:
     seed: int = 0
     step_log: str | None = None
     watermark: float = 0.01
+    # The fake model's modelled step time is multiplied by this (2.0: a replica twice as slow).
+    fake_step_time_scale: float = 1.0
 
     def resolve(self, model_context_len: int | None = None) -> EngineConfig:
         """Fill defaults that depend on the model, then check every rule."""

@@ -91,7 +91,8 @@ class LLMEngine:
             if num_cpu is None:
                 num_cpu = parse_size(config.swap_space, "--swap-space") // (FAKE_KV_BYTES_PER_TOKEN * config.block_size)
             config.check_kv_capacity(num_blocks, num_cpu)
-            step_time = LinearStepTime(base_s=0.002, per_prefill_token_s=0.00005, per_decode_token_s=0.0003)
+            k = config.fake_step_time_scale
+            step_time = LinearStepTime(base_s=0.002 * k, per_prefill_token_s=0.00005 * k, per_decode_token_s=0.0003 * k)
             return cls(config, FakeExecutor(num_blocks, num_cpu, step_time), FakeTokenizer(), clock, "fake")
         from iterserve.engine.model_runner import ModelRunner
 

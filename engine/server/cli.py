@@ -35,6 +35,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--fake-model", action="store_true",
                        help="serve a fake model (deterministic letters, modelled step time, no weights): "
                             "for tests, load generators and simulations")
+    model.add_argument("--fake-step-time-scale", type=float, default=1.0,
+                       help="multiply the fake model's step time (2: a replica twice as slow; default 1)")
     model.add_argument("--served-model-name", help="the model id clients send and /v1/models lists")
     model.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     model.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
@@ -93,6 +95,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         seed=args.seed,
         step_log=args.step_log,
+        fake_step_time_scale=args.fake_step_time_scale,
     )
 
 
