@@ -269,6 +269,10 @@ class LLMEngine:
                 "prefill_tokens": out.num_prefill_tokens,
                 "decode_tokens": out.num_decode_tokens,
                 "num_seqs": len(out.chunks),
+                # Tokens each chunk attends to (its start plus itself), summed and the largest:
+                # what a step-time model needs beyond the token counts (iterserve simulate fit).
+                "context_tokens": sum(c.start + c.num_tokens for c in out.chunks),
+                "max_context_tokens": max((c.start + c.num_tokens for c in out.chunks), default=0),
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
                 "kv_blocks_used": self.block_manager.gpu.num_used,
