@@ -59,3 +59,19 @@ OPERATOR_METRIC_NAMES = [
     OPERATOR_RECONCILES_TOTAL, OPERATOR_RECONCILE_SECONDS, OPERATOR_OBJECT_WRITES_TOTAL,
     OPERATOR_CONFLICTS_TOTAL,
 ]
+
+# The router's own metrics (iterserve/router/metrics.py), at the router's GET /metrics.
+ROUTER_PICKS_TOTAL = "iterserve_router_picks_total"  # label reason: picking.PICK_REASONS
+ROUTER_RETRIES_TOTAL = "iterserve_router_retries_total"  # requests re-sent to another replica
+ROUTER_EJECTIONS_TOTAL = "iterserve_router_ejections_total"  # label endpoint
+ROUTER_REQUESTS_TOTAL = "iterserve_router_requests_total"  # label code: the status sent to the client
+ROUTER_STALE_ENDPOINTS = "iterserve_router_stale_endpoints"  # routable on local counts only
+ROUTER_ENDPOINT_LOAD = "iterserve_router_endpoint_load"  # label endpoint: the load picks compare
+ROUTER_ENDPOINT_IN_FLIGHT = "iterserve_router_endpoint_in_flight"  # label endpoint
+ROUTER_ENDPOINT_ROUTABLE = "iterserve_router_endpoint_routable"  # label endpoint: 0 while ejected
+ROUTER_ENDPOINT_LABEL = "endpoint"
+
+ROUTER_METRIC_NAMES = [
+    ROUTER_PICKS_TOTAL, ROUTER_RETRIES_TOTAL, ROUTER_EJECTIONS_TOTAL, ROUTER_REQUESTS_TOTAL,
+    ROUTER_STALE_ENDPOINTS, ROUTER_ENDPOINT_LOAD, ROUTER_ENDPOINT_IN_FLIGHT, ROUTER_ENDPOINT_ROUTABLE,
+]
