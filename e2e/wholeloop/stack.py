@@ -123,7 +123,8 @@ class Stack:
         self.log(f"operator: ServiceAccount {self.operator_namespace}/{SERVICE_ACCOUNT} (chart RBAC), "
                  f"watching {self.namespace}")
         self.operator = OperatorProcess(kubeconfig, self.namespace, workdir / "operator.log", workdir).start()
-        self.runner = PodRunner(cluster.api_client(), workdir / "pods", work_dir=workdir / "pod-workdirs").start()
+        self.runner = PodRunner(cluster.api_client(), workdir / "pods", namespaces=[self.namespace],
+                                work_dir=workdir / "pod-workdirs").start()
         self.api = cluster.api_client()
 
     def __exit__(self, *exc) -> None:

@@ -32,6 +32,9 @@ SERVICE_CIDR = "127.96.0.0/16"
 POD_CIDR = "127.10.0.0/16"  # each cluster takes a random /24 of it, see pod_subnet()
 NODE_IP = "127.0.0.1"
 STATE_FILE = "cluster.json"
+# Written into a folder the cluster makes its own; only such a folder (or an empty one) is used, so
+# that `--dir ~` cannot have its etcd/, pki/ or logs/ wiped or its kubeconfig overwritten.
+MARKER_FILE = ".iterserve-dev-cluster"
 # Folders a fresh start wipes; anything else the user keeps in the folder is left alone.
 GENERATED = ("etcd", "pki", "logs", "stages")
 SHUTDOWN_ORDER = (("kwok", "kube-scheduler", "kube-controller-manager"), ("kube-apiserver",), ("etcd",))
@@ -93,6 +96,7 @@ class LocalCluster:
         self.stop()
 
     def start(self, timeout: float = 60) -> LocalCluster:
+        claim_folder(self.workdir)
         tools.check_control_plane()
         if running_pids(self.workdir):
             raise ClusterStartError(
@@ -330,6 +334,21 @@ class LocalCluster:
 
     def cluster_handle(self) -> ClusterHandle:
         return ClusterHandle(self.kubeconfig, self.workdir, self.startup_seconds)
+
+
+def claim_folder(workdir: Path) -> None:
+    """Makes `workdir` the cluster's: creates it, or takes it when empty or already marked as one
+    this module made. Raises ClusterStartError for a non-empty folder it did not create."""
+    workdir = Path(workdir).resolve()
+    if workdir.exists() and not workdir.is_dir():
+        raise ClusterStartError(f"{workdir} is not a folder")
+    marker = workdir / MARKER_FILE
+    if workdir.is_dir() and not marker.exists() and any(workdir.iterdir()):
+        raise ClusterStartError(
+            f"{workdir} is not empty and was not created by `iterserve dev-cluster up`: the cluster wipes "
+            f"{', '.join(GENERATED)} and writes kubeconfig there, so give it a new or empty folder")
+    workdir.mkdir(parents=True, exist_ok=True)
+    marker.write_text("made by iterserve dev-cluster: its etcd, pki, logs and stages are wiped on each start\n")
 
 
 def running_pids(workdir: Path) -> dict[str, int]:

@@ -253,8 +253,8 @@ def test_live_engines_scale_up_proposal_and_kv_retune_stop_preemptions(scenario,
     assert not any(r["changes"] and "engine-b" in " ".join(r["changes"]) for r in scenario.ticks)
 
 
-@pytest.mark.skipif(not shutil.which(PROMETHEUS), reason="needs the Debian package prometheus (make system-packages)")
 def test_prometheus_source_reads_the_same_signals(scenario, capsys):
+    assert shutil.which(PROMETHEUS), f"{PROMETHEUS} missing: run `make system-packages` (Debian package prometheus)"
     reads = scenario.prometheus_reads
     assert reads, "no Prometheus reads"
     final = reads[-1]

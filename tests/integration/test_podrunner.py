@@ -70,7 +70,7 @@ def runtime(k8s_cluster, tmp_path_factory):
     k8s_cluster.kubectl("-n", namespace, "apply", "-f", "-", input=yaml.safe_dump_all(objects))
     logs = tmp_path_factory.mktemp("pod-logs")
     api = k8s_cluster.api_client()
-    runner = PodRunner(k8s_cluster.api_client(), logs).start()
+    runner = PodRunner(k8s_cluster.api_client(), logs, namespaces=[namespace]).start()
     core = client.CoreV1Api(api)
     core.create_namespaced_pod(namespace, pod_manifest(namespace))
     try:
@@ -154,6 +154,69 @@ def test_a_foreign_not_ready_mark_is_put_right(runtime):
         {"type": "Ready", "status": "False", "reason": "NodeNotReady"}]}})
     pod = wait_for(pod_when(core, namespace, is_ready), 10, 0.2, "Ready=True again")
     assert pod.status.container_statuses[0].restart_count == 1  # nothing was restarted for it
+
+
+def waiting_state(pod):
+    statuses = pod.status.container_statuses or []
+    return statuses[0].state.waiting if statuses and statuses[0].state.waiting else None
+
+
+@pytest.mark.parametrize("case", ["crd-writes-a-file", "pythonpath"])
+def test_a_pod_that_would_run_other_code_is_refused(runtime, k8s_cluster, tmp_path, case):
+    """`iterserve crd -o FILE` would write a file of the pod's choosing; PYTHONPATH would make the
+    engine import code of the pod's choosing. Neither starts; the status says why."""
+    core, namespace, runner, _ = runtime
+    target, planted = tmp_path / "written-by-the-pod.yaml", tmp_path / "planted"
+    planted.mkdir()
+    (planted / "sitecustomize.py").write_text(f"open({str(tmp_path / 'imported')!r}, 'w').write('x')\n")
+    manifest = pod_manifest(namespace)
+    name = manifest["metadata"]["name"] = f"evil-{case}"
+    container = manifest["spec"]["containers"][0]
+    if case == "crd-writes-a-file":
+        container["command"], container["args"] = ["iterserve", "crd", "-o", str(target)], []
+        expected = "only runs `iterserve serve`"
+    else:
+        container["env"].append({"name": "PYTHONPATH", "value": str(planted)})
+        expected = "env PYTHONPATH: the local runtime refuses"
+    core.create_namespaced_pod(namespace, manifest)
+    try:
+        def refused():
+            state = waiting_state(core.read_namespaced_pod(name, namespace))
+            return state if state is not None and state.reason != "ContainerCreating" else None
+
+        state = wait_for(refused, 30, 0.2, "the refusal in the container status")
+        assert expected in state.message and state.reason in ("RunContainerError", "CreateContainerConfigError")
+        time.sleep(1.5)  # the worker retries every second: still refused, nothing ran
+        worker = runner.worker_for(namespace, name)
+        assert worker is not None and worker.process is None
+        assert not target.exists() and not (tmp_path / "imported").exists()
+        assert core.read_namespaced_pod(name, namespace).status.phase == "Pending"
+    finally:
+        core.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
+
+
+def test_pods_of_other_namespaces_are_left_alone(runtime, k8s_cluster):
+    core, namespace, runner, _ = runtime
+    other = f"{namespace}-other"
+    k8s_cluster.kubectl("create", "namespace", other)
+    try:
+        for ns in (namespace, other):
+            k8s_cluster.kubectl("-n", ns, "apply", "-f", "-", input=yaml.safe_dump_all([
+                {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "engine"}, "data": {"max_num_seqs": "7"}},
+                {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "engine-env"},
+                 "data": {"MODEL_NAME": "tiny-fake"}},
+                {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "engine-admin"},
+                 "stringData": {"token": TOKEN}}]))
+        manifest = pod_manifest(other)
+        core.create_namespaced_pod(other, manifest)
+        wait_for(lambda: core.read_namespaced_pod(POD, other).spec.node_name, 30, 0.2, "the pod scheduled")
+        time.sleep(3)
+        assert runner.worker_for(other, POD) is None
+        pod = core.read_namespaced_pod(POD, other)
+        assert not pod.status.container_statuses and pod.status.phase == "Pending"
+    finally:
+        core.delete_namespaced_pod(POD, other, grace_period_seconds=0)
+        k8s_cluster.kubectl("delete", "namespace", other, "--wait=false")
 
 
 def test_deletion_drains_in_flight_requests_and_removes_the_pod_only_after_exit(runtime):

@@ -20,6 +20,29 @@ def test_dev_cluster_without_binaries_names_the_make_target(tmp_path, monkeypatc
     assert not (tmp_path / "c" / "cluster.json").exists()
 
 
+def test_dev_cluster_refuses_a_non_empty_folder_it_did_not_create(tmp_path, capsys):
+    home = tmp_path / "home"
+    (home / "etcd").mkdir(parents=True)
+    (home / "etcd" / "precious").write_text("keep me")
+    (home / "kubeconfig").write_text("mine")
+    assert main(["dev-cluster", "up", "--dir", str(home)]) == 1
+    assert "not empty and was not created by `iterserve dev-cluster up`" in capsys.readouterr().err
+    assert sorted(p.name for p in home.iterdir()) == ["etcd", "kubeconfig"]
+    assert (home / "etcd" / "precious").read_text() == "keep me" and (home / "kubeconfig").read_text() == "mine"
+
+
+def test_dev_cluster_takes_a_new_or_empty_folder_and_its_own_again(tmp_path):
+    from iterserve.devcluster.cluster import MARKER_FILE, claim_folder
+
+    claim_folder(tmp_path / "new" / "c")
+    (tmp_path / "empty").mkdir()
+    claim_folder(tmp_path / "empty")
+    for folder in (tmp_path / "new" / "c", tmp_path / "empty"):
+        assert (folder / MARKER_FILE).exists()
+        (folder / "logs").mkdir()
+        claim_folder(folder)  # a folder it made, with its outputs in it, is used again
+
+
 def test_pki_chains_to_the_ca_with_loopback_serving_name_and_admin_group(tmp_path):
     write_pki(tmp_path)
     ca = x509.load_pem_x509_certificate((tmp_path / "ca.crt").read_bytes())

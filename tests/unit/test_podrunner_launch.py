@@ -45,8 +45,8 @@ def test_env_sources_and_expansion_in_args(tmp_path):
                 {"name": "GREETING", "value": "pod $(POD) with $(SEQS)"},
                 {"name": "OMP_NUM_THREADS", "value": "3"}],
     }), configmaps, secrets, tmp_path, threads=1)
-    assert launch.argv[:3] == [sys.executable, "-m", "iterserve.cli"]
-    args = launch.argv[3:]
+    assert launch.argv[:5] == [sys.executable, "-I", "-u", "-m", "iterserve.cli"]
+    args = launch.argv[5:]
     assert args[0] == "serve"
     assert args[args.index("--max-num-seqs") + 1] == "12"
     assert args[args.index("--log-level") + 1] == "debug"
@@ -64,7 +64,7 @@ def test_env_sources_and_expansion_in_args(tmp_path):
 def test_empty_command_is_the_engine_entrypoint_and_port_from_the_container(tmp_path):
     launch = build_launch(pod({"command": None, "args": ["--fake-model"], "ports": [{"containerPort": 9000}]}),
                           configmaps, secrets, tmp_path)
-    assert launch.argv[3:] == ["serve", "--fake-model", "--host", "127.10.0.7"]
+    assert launch.argv[5:] == ["serve", "--fake-model", "--host", "127.10.0.7"]
     assert launch.port == 9000
 
 
@@ -78,6 +78,23 @@ def test_empty_command_is_the_engine_entrypoint_and_port_from_the_container(tmp_
     ({"env": [{"name": "X", "valueFrom": {"fieldRef": {"fieldPath": "spec.hostname"}}}]}, {},
      "fieldRef.fieldPath 'spec.hostname' is not supported"),
     ({}, {"podIP": None}, "has no status.podIP yet"),
+    # iterserve, but not serve: `crd -o FILE` would write a file of the pod's choosing
+    ({"command": ["iterserve", "crd", "-o", "/tmp/owned"]}, {}, "only runs `iterserve serve`"),
+    ({"command": ["/usr/bin/iterserve"], "args": ["crd"]}, {}, "only runs `iterserve serve`"),
+    ({"args": ["--step-log", "/tmp/owned.jsonl"]}, {}, "argument '--step-log' is not one"),
+    ({"args": ["--step-log=/tmp/owned.jsonl"]}, {}, "argument '--step-log=/tmp/owned.jsonl' is not one"),
+    ({"args": ["--step", "/tmp/owned.jsonl"]}, {}, "argument '--step' is not one"),  # argparse would expand it
+    ({"args": ["--admin-token-file", "/etc/shadow"]}, {}, "argument '--admin-token-file' is not one"),
+    ({"args": ["--model", "/root/.ssh/id_rsa"]}, {}, "only serves model aliases"),
+    ({"args": ["--model=../weights"]}, {}, "only serves model aliases"),
+    ({"args": ["--served-model-name", "--step-log", "x"]}, {}, "--served-model-name needs a value"),
+    ({"args": ["stray"]}, {}, "argument 'stray' is not one"),
+    ({"args": ["--fake-model=yes"]}, {}, "--fake-model takes no value"),
+    ({"env": [{"name": "PYTHONPATH", "value": "/tmp/evil"}]}, {}, "env PYTHONPATH: the local runtime refuses"),
+    ({"env": [{"name": "LD_PRELOAD", "value": "/tmp/evil.so"}, {"name": "PYTHONSTARTUP", "value": "/tmp/x.py"}]},
+     {}, "env LD_PRELOAD, PYTHONSTARTUP:"),
+    ({"envFrom": [{"configMapRef": {"name": "engine"}, "prefix": "PYTHON"}]}, {}, "env PYTHONLEVEL, PYTHONmax_num_seqs"),
+    ({"env": [{"name": "PATH", "value": "/tmp/bin"}]}, {}, "env PATH:"),
 ])
 def test_clear_errors(tmp_path, container, status, message):
     with pytest.raises(LaunchError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -114,3 +131,47 @@ def test_probe_thresholds_flip_the_result(monkeypatch):
     # one failure is not enough to turn a ready container unready; two in a row are
     assert observed == [True, True, True, True, False, True]
     assert probe.next_at == 101 + 25 + 5
+
+
+def test_allowed_flags_pass_in_both_forms(tmp_path):
+    launch = build_launch(pod({"args": ["--model=smollm2-135m", "--max-num-seqs", "4", "--fake-step-time-scale", "-1",
+                                        "--no-chunked-prefill", "--kv-cache-memory=64MiB", "--host=0.0.0.0"]}),
+                          configmaps, secrets, tmp_path)
+    assert launch.argv[5:] == ["serve", "--model=smollm2-135m", "--max-num-seqs", "4", "--fake-step-time-scale", "-1",
+                               "--no-chunked-prefill", "--kv-cache-memory=64MiB", "--host", "127.10.0.7"]
+
+
+def test_the_process_env_is_the_pods_plus_a_fixed_few(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/tmp/runtime-own")
+    monkeypatch.setenv("LD_PRELOAD", "/tmp/runtime-own.so")
+    launch = build_launch(pod({"env": [{"name": "LEVEL", "value": "x"}]}), configmaps, secrets, tmp_path)
+    assert not [key for key in launch.env if key.startswith(("PYTHON", "LD_"))]
+    assert launch.env["LEVEL"] == "x" and launch.env["TMPDIR"] == str(tmp_path)
+
+
+def test_probes_dial_the_pod_ip_whatever_host_they_name():
+    import http.server
+    import threading
+
+    from iterserve.devcluster.podrunner.probes import check
+
+    class Ok(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Ok)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    try:
+        # the pod IP answers; a probe naming another host (here one where nothing listens) still goes there
+        assert check({"httpGet": {"host": "127.0.0.2", "port": port, "path": "/"}}, "127.0.0.1", {}, 2)
+        assert check({"tcpSocket": {"host": "127.0.0.2", "port": port}}, "127.0.0.1", {}, 2)
+        # and a pod IP where nothing listens fails even when the named host would answer
+        assert not check({"httpGet": {"host": "127.0.0.1", "port": port, "path": "/"}}, "127.0.0.2", {}, 2)
+        assert not check({"tcpSocket": {"host": "127.0.0.1", "port": port}}, "127.0.0.2", {}, 2)
+    finally:
+        server.shutdown()

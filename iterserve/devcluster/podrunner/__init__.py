@@ -2,11 +2,15 @@
 their 127.10.x.y pod IPs, with readiness from their real probes, restarts, and graceful
 deletion (preStop, SIGTERM, grace period, then the pod object goes).
 
-    runner = PodRunner(api_client, log_dir=...).start()   # or: python -m iterserve.devcluster.podrunner
+    runner = PodRunner(api_client, log_dir=..., namespaces=["team-a"]).start()
+    # or: python -m iterserve.devcluster.podrunner --kubeconfig K --log-dir D --namespace team-a
 
 A pod opts in by asking for the node label in its nodeSelector and tolerating the node's taint
 (`local_runtime_scheduling()`); KWOK's pod stages skip pods carrying that nodeSelector, apart
 from the one that assigns the pod IP (iterserve/devcluster/stages/).
+
+What a pod may make it run is narrow (launch.py): `iterserve serve` with allow-listed flags, no
+PYTHON*/LD_*-style variables, Python isolated; probes dial only the pod's own IP.
 """
 
 from iterserve.devcluster.podrunner.runner import (

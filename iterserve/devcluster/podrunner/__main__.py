@@ -1,5 +1,6 @@
-"""`python -m iterserve.devcluster.podrunner --kubeconfig K --log-dir D`: run the local pod
-runtime in the foreground until Ctrl-C (e.g. beside `iterserve dev-cluster up`)."""
+"""`python -m iterserve.devcluster.podrunner --kubeconfig K --log-dir D --namespace NS [--namespace NS2]`:
+run the local pod runtime for the pods of those namespaces, in the foreground until Ctrl-C (e.g.
+beside `iterserve dev-cluster up`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m iterserve.devcluster.podrunner", description=__doc__)
     parser.add_argument("--kubeconfig", required=True, help="admin kubeconfig of the cluster")
     parser.add_argument("--log-dir", type=Path, required=True, help="one log file per pod container goes here")
+    parser.add_argument("--namespace", action="append", required=True, dest="namespaces", metavar="NS",
+                        help="run the pods of this namespace (repeat for more); no other namespace is watched")
     parser.add_argument("--threads", type=int, default=1, help="OMP/MKL threads per engine (default 1)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -23,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with PodRunner(config.new_client_from_config(config_file=args.kubeconfig), args.log_dir, threads=args.threads):
+    with PodRunner(config.new_client_from_config(config_file=args.kubeconfig), args.log_dir, namespaces=args.namespaces,
+                   threads=args.threads):
         try:
             stop.wait()
         except KeyboardInterrupt:

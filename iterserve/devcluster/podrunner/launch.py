@@ -3,8 +3,14 @@
 As the kubelet does: `envFrom` first, then `env` (later entries win); `$(VAR)` in env values,
 command and args expands to a variable defined earlier, `$$` escapes a dollar, and an unknown
 reference stays as written. The container's image is not pulled: the command must be the
-project's own `iterserve` (an empty command means the engine image's entrypoint, `iterserve
-serve`), run with this Python. The process listens on the pod's IP: `--host` is replaced by it.
+project's own `iterserve serve` (an empty command means the engine image's entrypoint), run with
+this Python. The process listens on the pod's IP: `--host` is replaced by it.
+
+Whoever may create a pod must not get to run code as the runtime's user, so a pod gets only what
+an engine needs: the `serve` flags in SERVE_FLAGS (no flag that names a file of this machine:
+`--step-log`, `--admin-token-file`, a `--model` path; the runtime mounts no volumes, so a path
+could only name one of this machine's files), no variable that changes what the interpreter or the
+dynamic loader runs (REFUSED_ENV), and Python isolated (`-I`: no PYTHON* variables, no user site).
 """
 
 from __future__ import annotations
@@ -18,6 +24,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ENGINE_ENTRYPOINT = ["iterserve", "serve"]
+# `iterserve serve` flags a pod may pass: name -> takes a value. Every other flag is refused.
+SERVE_FLAGS = {
+    "--model": True, "--fake-model": False, "--fake-step-time-scale": True, "--served-model-name": True,
+    "--device": True, "--dtype": True, "--seed": True,
+    "--host": True, "--port": True, "--max-waiting-requests": True, "--drain-timeout": True,
+    "--no-vllm-metric-names": False, "--access-log": False, "--log-level": True,
+    "--max-num-seqs": True, "--max-num-batched-tokens": True, "--max-model-len": True,
+    "--no-chunked-prefill": False, "--long-prefill-token-threshold": True, "--preemption-mode": True,
+    "--scheduling": True, "--attention-backend": True, "--kv-cache-memory": True, "--num-kv-blocks": True,
+    "--block-size": True, "--swap-space": True,
+}
+# Variables that change which code the interpreter, the dynamic loader, libc or the engine's
+# libraries load, or where they read and write; a pod that sets one is refused.
+REFUSED_ENV_PREFIXES = ("PYTHON", "LD_", "DYLD_", "GCONV_", "MALLOC_", "GLIBC_", "TORCH", "TRITON_", "CUDA_",
+                        "HF_", "TRANSFORMERS_", "XDG_", "SSL_", "OPENSSL_")
+REFUSED_ENV = {"PATH", "HOME", "TMPDIR", "TMP", "TEMP", "BASH_ENV", "ENV", "IFS", "NLSPATH", "LOCPATH",
+               "HOSTALIASES", "RESOLV_HOST_CONF", "RES_OPTIONS", "LOCALDOMAIN", "KUBECONFIG", "VIRTUAL_ENV",
+               "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PERL5LIB", "PERL5OPT", "NODE_OPTIONS", "RUBYOPT"}
 DEFAULT_THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 # What a container gets from its image rather than from the pod; nothing else of this process leaks in.
 INHERITED_ENV = ("PATH", "LANG", "LC_ALL", "VIRTUAL_ENV")
@@ -123,6 +147,43 @@ def container_env(pod: dict, container: dict, configmaps: Lookup, secrets: Looku
     return env
 
 
+def refused_env(name: str) -> bool:
+    return name.upper() in REFUSED_ENV or name.upper().startswith(REFUSED_ENV_PREFIXES)
+
+
+def check_serve_args(args: list[str], where: str) -> None:
+    """Raises LaunchError unless `args` are `serve` followed by SERVE_FLAGS only."""
+    if not args or args[0] != "serve":
+        raise LaunchError(f"{where}: the local runtime only runs `iterserve serve` (got `iterserve "
+                          f"{' '.join(args[:3])}`); set command to [iterserve, serve]", "RunContainerError")
+    i = 1
+    while i < len(args):
+        arg = args[i]
+        flag, inline = arg.split("=", 1) if arg.startswith("--") and "=" in arg else (arg, None)
+        if flag not in SERVE_FLAGS:
+            raise LaunchError(f"{where}: argument {arg!r} is not one the local runtime passes to `iterserve "
+                              f"serve` (allowed: {', '.join(sorted(SERVE_FLAGS))})", "RunContainerError")
+        value = inline
+        if SERVE_FLAGS[flag] and inline is None:
+            if i + 1 >= len(args) or (args[i + 1].startswith("-") and not _number(args[i + 1])):
+                raise LaunchError(f"{where}: {flag} needs a value", "RunContainerError")
+            value, i = args[i + 1], i + 1
+        elif not SERVE_FLAGS[flag] and inline is not None:
+            raise LaunchError(f"{where}: {flag} takes no value", "RunContainerError")
+        if flag == "--model" and ("/" in value or value.startswith(".") or not value):
+            raise LaunchError(f"{where}: --model {value!r}: the local runtime mounts no volumes, so it only "
+                              "serves model aliases (e.g. smollm2-135m), never a path", "RunContainerError")
+        i += 1
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _with_host(args: list[str], host: str) -> list[str]:
     out, skip = [], False
     for arg in args:
@@ -162,19 +223,27 @@ def build_launch(pod: dict, configmaps: Lookup, secrets: Lookup, workdir: Path,
     host = (pod.get("status") or {}).get("podIP")
     if not host:
         raise LaunchError(f"pod {name} has no status.podIP yet", "ContainerCreating")
+    where = f"pod {name}: container {container['name']}"
     env = container_env(pod, container, configmaps, secrets)
+    refused = sorted(key for key in env if refused_env(key))
+    if refused:
+        raise LaunchError(f"{where}: env {', '.join(refused)}: the local runtime refuses variables that change "
+                          "what the interpreter or the loader runs or where it reads and writes "
+                          "(PYTHON*, LD_*, PATH, HOME, ...)")
     command = [expand(part, env) for part in container.get("command") or ENGINE_ENTRYPOINT]
     args = [expand(part, env) for part in container.get("args") or []]
     if not command or Path(command[0]).name != "iterserve":
-        raise LaunchError(f"pod {name}: container {container['name']} command {command!r}: the local runtime "
+        raise LaunchError(f"{where} command {command!r}: the local runtime "
                           f"only runs the project's own `iterserve` (set command to [iterserve, serve])",
                           "RunContainerError")
+    check_serve_args(command[1:] + args, where)
     args = _with_host(command[1:] + args, host)
     process_env = {key: value for key in INHERITED_ENV if (value := os.environ.get(key)) is not None}
-    process_env.update({"HOME": str(workdir), "TMPDIR": str(workdir), "PYTHONUNBUFFERED": "1"})
     process_env.update(env)
+    process_env.update({"HOME": str(workdir), "TMPDIR": str(workdir)})
     for key in DEFAULT_THREAD_ENV:
         process_env.setdefault(key, str(threads))
-    return Launch([sys.executable, "-m", "iterserve.cli", *args], process_env, host, _port(args, container),
-                  container)
+    # -I: isolated (no PYTHON* variables, no user site, no current folder on sys.path); -u: unbuffered logs
+    return Launch([sys.executable, "-I", "-u", "-m", "iterserve.cli", *args], process_env, host,
+                  _port(args, container), container)
 

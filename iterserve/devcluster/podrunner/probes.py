@@ -3,7 +3,8 @@ initialDelaySeconds; its result flips after successThreshold successes or failur
 failures in a row. Readiness and startup results start as failure, liveness as success; until
 the startup probe succeeds the others do not run.
 
-httpGet and tcpSocket probes dial the pod's own address (loopback here); exec and grpc probes
+httpGet and tcpSocket probes dial the pod's own address (loopback here), whatever `host` the
+probe names: a pod must not make the runtime dial another address for it. exec and grpc probes
 are not run by the local runtime and count as successes."""
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ def check(probe: dict, host: str, container: dict, timeout: float) -> bool:
     """One probe attempt: True on success."""
     if "httpGet" in probe:
         action = probe["httpGet"]
-        target = action.get("host") or host
-        conn = http.client.HTTPConnection(target, resolve_port(action["port"], container), timeout=timeout)
+        conn = http.client.HTTPConnection(host, resolve_port(action["port"], container), timeout=timeout)
         try:
             headers = {h["name"]: h["value"] for h in action.get("httpHeaders") or []}
             conn.request("GET", action.get("path", "/"), headers={"User-Agent": "kube-probe/local", **headers})
@@ -42,7 +42,7 @@ def check(probe: dict, host: str, container: dict, timeout: float) -> bool:
     if "tcpSocket" in probe:
         action = probe["tcpSocket"]
         try:
-            with socket.create_connection((action.get("host") or host, resolve_port(action["port"], container)),
+            with socket.create_connection((host, resolve_port(action["port"], container)),
                                           timeout=timeout):
                 return True
         except OSError:

@@ -1,7 +1,8 @@
-"""The local pod runtime: watches every pod, and runs as a real process each one that is bound
-to a node labelled `iterserve.dev/local-runtime: "true"` and asks for such a node in its
-nodeSelector (the same marker KWOK's pod stages test to leave these pods alone). Each pod gets
-a PodWorker thread; the runtime itself only routes watch events to them.
+"""The local pod runtime: watches the pods of the namespaces it is given (never the whole
+cluster: only namespaces whose pods the person running it means to run), and runs as a real
+process each one that is bound to a node labelled `iterserve.dev/local-runtime: "true"` and asks
+for such a node in its nodeSelector (the same marker KWOK's pod stages test to leave these pods
+alone). Each pod gets a PodWorker thread; the runtime itself only routes watch events to them.
 
 Everything it dials is the API server and the pods' own 127.10.x.y addresses.
 """
@@ -72,15 +73,20 @@ class KubeApi:
                 return None
             raise
 
-    def list_pods(self) -> dict:
-        return self._json(self.core.list_pod_for_all_namespaces(_preload_content=False))
+    def list_pods(self, namespace: str) -> dict:
+        return self._json(self.core.list_namespaced_pod(namespace, _preload_content=False))
 
 
 class PodRunner:
-    """`start()` / `stop()`, or a context manager. Logs of each container go to log_dir."""
+    """`start()` / `stop()`, or a context manager. Runs the pods of `namespaces` only; logs of
+    each container go to log_dir."""
 
-    def __init__(self, api_client, log_dir: Path, work_dir: Path | None = None, threads: int = 1,
-                 backoff_initial: float = 1.0, label: str = LOCAL_RUNTIME_LABEL):
+    def __init__(self, api_client, log_dir: Path, *, namespaces: list[str] | tuple[str, ...],
+                 work_dir: Path | None = None, threads: int = 1, backoff_initial: float = 1.0,
+                 label: str = LOCAL_RUNTIME_LABEL):
+        if isinstance(namespaces, str) or not namespaces or not all(namespaces):
+            raise ValueError("PodRunner needs the list of namespaces whose pods it runs")
+        self.namespaces = tuple(dict.fromkeys(namespaces))
         self.api = KubeApi(api_client)
         self.label = label
         self.options = WorkerOptions(Path(log_dir), Path(work_dir or tempfile.mkdtemp(prefix="podrunner-")),
@@ -90,8 +96,9 @@ class PodRunner:
         self._nodes: dict[str, tuple[bool, float]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._watch = None
-        self._thread = threading.Thread(target=self._watch_loop, name="podrunner watch", daemon=True)
+        self._watches: dict[str, object] = {}
+        self._threads = [threading.Thread(target=self._watch_loop, args=(namespace,), daemon=True,
+                                          name=f"podrunner watch {namespace}") for namespace in self.namespaces]
 
     def __enter__(self) -> PodRunner:
         return self.start()
@@ -100,13 +107,14 @@ class PodRunner:
         self.stop()
 
     def start(self) -> PodRunner:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
         return self
 
     def stop(self, timeout: float = 15) -> None:
         self._stop.set()
-        if self._watch is not None:
-            self._watch.stop()
+        for watch in list(self._watches.values()):
+            watch.stop()
         with self._lock:
             workers = list(self.workers.values())
         for worker in workers:
@@ -114,7 +122,8 @@ class PodRunner:
         deadline = time.monotonic() + timeout
         for worker in workers:
             worker.thread.join(max(0.1, deadline - time.monotonic()))
-        self._thread.join(2)
+        for thread in self._threads:
+            thread.join(2)
 
     def worker_for(self, namespace: str, name: str) -> PodWorker | None:
         with self._lock:
@@ -160,24 +169,24 @@ class PodRunner:
             if self.workers.get(worker.uid) is worker:
                 del self.workers[worker.uid]
 
-    def _watch_loop(self) -> None:
+    def _watch_loop(self, namespace: str) -> None:
         from kubernetes import watch
 
         while not self._stop.is_set():
             try:
-                listing = self.api.list_pods()
+                listing = self.api.list_pods(namespace)
                 seen = set()
                 for pod in listing["items"]:
                     seen.add(pod["metadata"]["uid"])
                     self._route("MODIFIED", pod)
                 with self._lock:
-                    vanished = [w for uid, w in self.workers.items() if uid not in seen]
+                    vanished = [w for uid, w in self.workers.items() if w.namespace == namespace and uid not in seen]
                 for worker in vanished:
                     worker.gone()
                 version = listing["metadata"]["resourceVersion"]
-                self._watch = watch.Watch(return_type="object")  # plain dicts, as raw_object
-                for event in self._watch.stream(self.api.core.list_pod_for_all_namespaces, resource_version=version,
-                                                timeout_seconds=60, allow_watch_bookmarks=True):
+                self._watches[namespace] = stream = watch.Watch(return_type="object")  # plain dicts, as raw_object
+                for event in stream.stream(self.api.core.list_namespaced_pod, namespace, resource_version=version,
+                                           timeout_seconds=60, allow_watch_bookmarks=True):
                     if self._stop.is_set():
                         return
                     kind, pod = event["type"], event["raw_object"]
@@ -188,5 +197,5 @@ class PodRunner:
             except Exception as error:  # noqa: BLE001 - the API server restarting, a timeout: list again
                 if self._stop.is_set():
                     return
-                logger.warning("pod watch failed (%s); listing again", error)
+                logger.warning("pod watch of %s failed (%s); listing again", namespace, error)
                 self._stop.wait(1.0)
