@@ -17,6 +17,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "operator": ("iterserve.operator.cli", "run the Kubernetes operator"),
     "crd": ("iterserve.operator.crd", "print the InferenceService CRD generated from the models"),
     "dev-cluster": ("iterserve.devcluster.cli", "start or stop a local Kubernetes control plane"),
+    "simulate": ("iterserve.simulate.cli", "replay a trace against an autoscaled fleet on a simulated clock"),
+    "router": ("iterserve.router.cli", "route requests to the least-loaded engine replica"),
 }
 
 

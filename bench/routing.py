@@ -1,0 +1,361 @@
+"""Routing: the load-aware router (`iterserve router`) against round robin, on one machine, with
+fake-model engines (`iterserve serve --fake-model`: the real scheduler, modelled step time).
+
+Scenarios (each on fresh engine processes):
+- skewed: two replicas, one twice as slow (--fake-step-time-scale), Poisson load at 60% of their
+  measured joint capacity: p95 TTFT with round robin / with the router (target >= 3);
+- identical: two identical replicas at 80%: the same ratio (target >= 1.2);
+- metrics_500: one replica's /metrics answers 500 (bench/fault_proxy.py in front of it): client
+  5xx (target 0), the router keeps routing to it on local counts;
+- saturated: offered load 3x capacity: the statuses clients get (target: only 200 and 429);
+- kill: three replicas at 60%, one SIGKILLed a third of the way in: failed requests (target <= 1%)
+  and the time from the kill to the router's ejection (target <= 1 s);
+- overhead: one replica at 200 req/s, short requests, alternately direct and through the router:
+  added p50 end-to-end latency (target < 2 ms).
+
+Round robin is the loadgen spreading requests over the engine URLs itself, as a Kubernetes
+Service would; the router runs as its own process. Capacity is measured, not assumed: a closed
+loop of max_num_seqs requests per replica for a few seconds.
+
+    python bench/routing.py --json docs/perf/routing.json --plot docs/perf/routing.png
+    python bench/routing.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import common
+import httpx
+
+from iterserve.devcluster.waiting import free_port, wait_for
+from iterserve.engine import metrics as names
+from iterserve.engine.loadgen import LoadSpec, percentiles, run_load
+
+BENCH = Path(__file__).resolve().parent
+SCENARIOS = ("skewed", "identical", "metrics_500", "saturated", "kill", "overhead")
+ITERSERVE = [str(Path(sys.executable).parent / "iterserve")]
+
+
+class Procs:
+    """Child processes of one scenario, all killed at the end."""
+
+    def __init__(self, logdir: Path):
+        self.logdir = logdir
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, name: str, command: list[str]) -> subprocess.Popen:
+        log = open(self.logdir / f"{name}.log", "wb")  # noqa: SIM115
+        # Not from the repository root: its folder operator/ must not shadow the stdlib module.
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd="/",
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self.procs.append(proc)
+        return proc
+
+    def engine(self, name: str, scale: float, max_num_seqs: int) -> str:
+        port = free_port()
+        self.start(name, [*ITERSERVE, "serve", "--fake-model", "--port", str(port), "--max-num-seqs",
+                          str(max_num_seqs), "--fake-step-time-scale", str(scale), "--log-level", "warning"])
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _ok(f"{url}/ready"), 60, 0.1, what=f"engine {name} ready")
+        return url
+
+    def router(self, urls: list[str], *extra: str) -> str:
+        port = free_port()
+        self.start("router", [*ITERSERVE, "router", "--port", str(port), "--endpoints", ",".join(urls),
+                              "--seed", "0", "--log-level", "warning", *extra])
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _ok(f"{url}/ready"), 30, 0.1, what="router ready")
+        return url
+
+    def fault_proxy(self, upstream: str) -> str:
+        port = free_port()
+        self.start("fault_proxy", [sys.executable, str(BENCH / "fault_proxy.py"), str(port),
+                                   upstream.rsplit(":", 1)[1]])
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _ok(f"{url}/v1/models"), 30, 0.1, what="fault proxy up")
+        return url
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            proc.wait()
+
+
+def _ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def router_metrics(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=5).text):
+        for s in family.samples:
+            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
+            samples[key] = s.value
+    return samples
+
+
+def spec(args, url: str = "", endpoints=None, **overrides) -> LoadSpec:
+    values = dict(url=url or "http://127.0.0.1:1", rate=1.0, requests=None, duration=args.duration,
+                  prompt_len=args.prompt_len, max_tokens=args.max_tokens, seed=args.seed, timeout=120.0,
+                  endpoints=endpoints)
+    values.update(overrides)
+    return LoadSpec(**values)
+
+
+def round_robin(urls: list[str]):
+    return lambda: urls
+
+
+def load(report: dict) -> dict:
+    """The figures a scenario keeps from a loadgen report."""
+    return {"requests": report["requests"], "completed": report["completed"],
+            "errors_by_status": report["errors_by_status"], "rate_per_s": report["config"]["rate"],
+            "throughput_per_s": report["request_throughput_per_s"],
+            "ttft_s": report["ttft_s"], "e2e_s": report["e2e_s"]}
+
+
+def capacity(args, urls: list[str]) -> float:
+    """Requests per second the replicas complete with every batch slot busy (closed loop)."""
+    n = args.max_num_seqs * len(urls)
+    report = asyncio.run(run_load(spec(args, endpoints=round_robin(urls), rate=float("inf"),
+                                       duration=None, requests=n * (3 if args.quick else 6), concurrency=n)))
+    return report["request_throughput_per_s"]
+
+
+def compare(args, procs: Procs, scales: list[float], utilization: float) -> dict:
+    urls = [procs.engine(f"engine{i}", s, args.max_num_seqs) for i, s in enumerate(scales)]
+    # Capacity of each replica alone, summed: round robin cannot use the slow one's share fully.
+    caps = [capacity(args, [u]) for u in urls]
+    router = procs.router(urls)
+    rate = utilization * sum(caps)
+    rr = asyncio.run(run_load(spec(args, endpoints=round_robin(urls), rate=rate)))
+    routed = asyncio.run(run_load(spec(args, router, rate=rate)))
+    ratio = rr["ttft_s"]["p95"] / routed["ttft_s"]["p95"] if routed["ttft_s"]["p95"] else None
+    m = router_metrics(router)
+    return {"step_time_scales": scales, "capacity_per_replica_per_s": caps, "utilization": utilization,
+            "rate_per_s": rate, "round_robin": load(rr), "router": load(routed),
+            "p95_ttft_ratio": ratio,
+            "router_picks": {k.split('"')[0].split("=")[-1].rstrip("}"): v for k, v in m.items()
+                             if k.startswith(names.ROUTER_PICKS_TOTAL)}}
+
+
+def scenario_skewed(args, procs: Procs) -> dict:
+    out = compare(args, procs, [args.scale, 2 * args.scale], 0.6)
+    out["target"] = ">= 3"
+    out["pass"] = out["p95_ttft_ratio"] is not None and out["p95_ttft_ratio"] >= 3
+    return out
+
+
+def scenario_identical(args, procs: Procs) -> dict:
+    out = compare(args, procs, [args.scale, args.scale], 0.8)
+    out["target"] = ">= 1.2"
+    out["pass"] = out["p95_ttft_ratio"] is not None and out["p95_ttft_ratio"] >= 1.2
+    return out
+
+
+def _five_xx(report: dict) -> int:
+    return sum(n for status, n in report["errors_by_status"].items() if status.isdigit() and int(status) >= 500)
+
+
+def scenario_metrics_500(args, procs: Procs) -> dict:
+    urls = [procs.engine(f"engine{i}", args.scale, args.max_num_seqs) for i in range(2)]
+    faulty = procs.fault_proxy(urls[1])
+    caps = capacity(args, urls)
+    router = procs.router([urls[0], faulty])
+    report = asyncio.run(run_load(spec(args, router, rate=0.6 * caps)))
+    m = router_metrics(router)
+    to_faulty = _engine_requests(urls[1])
+    return {"rate_per_s": 0.6 * caps, "load": load(report), "client_5xx": _five_xx(report),
+            "stale_endpoints_at_end": m.get(names.ROUTER_STALE_ENDPOINTS),
+            "requests_served_by_the_replica_with_failing_metrics": to_faulty,
+            "target": "0 client 5xx", "pass": _five_xx(report) == 0 and report["failed"] == 0}
+
+
+def _engine_requests(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(names.REQUESTS_TOTAL + "{"))
+
+
+def scenario_saturated(args, procs: Procs) -> dict:
+    urls = [procs.engine(f"engine{i}", args.scale, args.max_num_seqs) for i in range(2)]
+    caps = capacity(args, urls)
+    router = procs.router(urls, "--queue-timeout", "1", "--max-queue", str(args.max_num_seqs))
+    report = asyncio.run(run_load(spec(args, router, rate=3 * caps, duration=args.duration / 2)))
+    statuses = dict(report["errors_by_status"])
+    statuses["200"] = report["completed"]
+    return {"rate_per_s": 3 * caps, "statuses": statuses, "load": load(report),
+            "target": "only 200 and 429", "pass": set(statuses) <= {"200", "429"}}
+
+
+def scenario_kill(args, procs: Procs) -> dict:
+    urls = [procs.engine(f"engine{i}", args.scale, args.max_num_seqs) for i in range(3)]
+    caps = capacity(args, urls)
+    router = procs.router(urls)
+    victim = procs.procs[0]
+    killed: dict = {}
+
+    async def killer():
+        await asyncio.sleep(args.duration / 3)
+        victim.send_signal(signal.SIGKILL)
+        killed["at"] = time.monotonic()
+        async with httpx.AsyncClient() as client:
+            key = f'{names.ROUTER_ENDPOINT_ROUTABLE}{{endpoint="{urls[0]}"}} 0.0'
+            while time.monotonic() - killed["at"] < 10:
+                if key in (await client.get(f"{router}/metrics")).text:
+                    killed["ejected_after_s"] = time.monotonic() - killed["at"]
+                    return
+                await asyncio.sleep(0.02)
+
+    async def both():
+        task = asyncio.create_task(killer())
+        report = await run_load(spec(args, router, rate=0.6 * caps))
+        await task
+        return report
+
+    report = asyncio.run(both())
+    failed_fraction = report["failed"] / report["requests"]
+    ejected = killed.get("ejected_after_s")
+    m = router_metrics(router)
+    return {"rate_per_s": 0.6 * caps, "load": load(report), "failed_fraction": failed_fraction,
+            "ejected_after_s": ejected, "retries": m.get(names.ROUTER_RETRIES_TOTAL),
+            "target": "<= 1% failed, ejection <= 1 s",
+            "pass": failed_fraction <= 0.01 and ejected is not None and ejected <= 1.0}
+
+
+def scenario_overhead(args, procs: Procs) -> dict:
+    url = procs.engine("engine0", 0.25, 64)
+    router = procs.router([url])
+    rate = 50.0 if args.quick else 200.0
+    rounds = 2 if args.quick else 4
+    seconds = 3.0 if args.quick else 8.0
+    e2e: dict[str, list] = {"direct": [], "router": []}
+    ttft: dict[str, list] = {"direct": [], "router": []}
+    statuses: dict[str, dict] = {"direct": {}, "router": {}}
+    for i, path in itertools.product(range(rounds), ("direct", "router")):
+        kept = []
+        target = url if path == "direct" else router
+        report = asyncio.run(run_load(spec(args, target, rate=rate, duration=seconds, prompt_len=16,
+                                           max_tokens=4, seed=args.seed + i, on_result=kept.append)))
+        e2e[path] += [r.end - r.start for r in kept if r.ok]
+        ttft[path] += [r.first_token - r.start for r in kept if r.ok and r.first_token]
+        for status, n in report["errors_by_status"].items():
+            statuses[path][status] = statuses[path].get(status, 0) + n
+    p = {k: percentiles(v) for k, v in e2e.items()}
+    t = {k: percentiles(v) for k, v in ttft.items()}
+    added = (p["router"]["p50"] - p["direct"]["p50"]) * 1000
+    return {"rate_per_s": rate, "requests": {k: len(v) for k, v in e2e.items()}, "errors": statuses,
+            "e2e_s": p, "ttft_s": t, "added_p50_ms": added,
+            "added_p50_ttft_ms": (t["router"]["p50"] - t["direct"]["p50"]) * 1000,
+            "target": "< 2 ms added p50", "pass": added < 2.0}
+
+
+def plot(results: dict, path: str) -> None:
+    plt = common.pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    labels, rr, routed = [], [], []
+    for name in ("skewed", "identical"):
+        if name in results:
+            labels.append(f"{name}\n({results[name]['utilization']:.0%} load)")
+            rr.append(results[name]["round_robin"]["ttft_s"]["p95"])
+            routed.append(results[name]["router"]["ttft_s"]["p95"])
+    x = range(len(labels))
+    axes[0].bar([i - 0.2 for i in x], rr, 0.4, label="round robin", color="#999999")
+    axes[0].bar([i + 0.2 for i in x], routed, 0.4, label="router (least load)", color="#1f77b4")
+    axes[0].set_xticks(list(x), labels)
+    axes[0].set_ylabel("p95 TTFT (s)")
+    axes[0].set_title("p95 time to first token")
+    axes[0].legend()
+    lines = []
+    for name in ("metrics_500", "saturated", "kill", "overhead"):
+        r = results.get(name)
+        if r is None:
+            continue
+        figure = {"metrics_500": lambda r: f"client 5xx: {r['client_5xx']}",
+                  "saturated": lambda r: f"statuses: {r['statuses']}",
+                  "kill": lambda r: f"failed {r['failed_fraction']:.2%}, ejected after "
+                                    f"{r['ejected_after_s'] if r['ejected_after_s'] is None else round(r['ejected_after_s'], 2)} s",
+                  "overhead": lambda r: f"added p50 {r['added_p50_ms']:.2f} ms at {r['rate_per_s']:.0f} req/s"}[name](r)
+        lines.append(f"{name}: {figure} [{'pass' if r['pass'] else 'FAIL'}]")
+    axes[1].axis("off")
+    axes[1].text(0, 0.9, "\n\n".join(lines), va="top", fontsize=9, family="monospace", wrap=True)
+    common.save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common.add_common_args(parser)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {', '.join(SCENARIOS)}")
+    parser.add_argument("--duration", type=float, help="seconds of load per run (default 90; quick: 20)")
+    parser.add_argument("--scale", type=float, default=8.0,
+                        help="--fake-step-time-scale of the fast replicas (default 8: ~26 ms steps at 4 sequences)")
+    parser.add_argument("--max-num-seqs", type=int, default=4, help="each replica's batch cap (default 4)")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (default 32)")
+    args = parser.parse_args(argv)
+    args.duration = args.duration or (20.0 if args.quick else 90.0)
+    wanted = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    unknown = set(wanted) - set(SCENARIOS)
+    if unknown:
+        parser.error(f"unknown scenario(s) {', '.join(sorted(unknown))}")
+    info = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load_average_at_start": list(os.getloadavg()),
+            "cpus": os.cpu_count()}
+    results: dict = {}
+    with tempfile.TemporaryDirectory(prefix="routing-bench-") as tmp:
+        for name in wanted:
+            logdir = Path(tmp) / name
+            logdir.mkdir()
+            procs = Procs(logdir)
+            started = time.monotonic()
+            try:
+                results[name] = globals()[f"scenario_{name}"](args, procs)
+            finally:
+                procs.close()
+            results[name]["wall_s"] = time.monotonic() - started
+            print(f"{name}: {_summary(name, results[name])}", flush=True)
+    info["load_average_at_end"] = list(os.getloadavg())
+    rows = [[name, r["target"], _summary(name, r), "pass" if r["pass"] else "FAIL"] for name, r in results.items()]
+    print()
+    print(common.format_table(["scenario", "target", "measured", "result"], rows))
+    common.write_json(args.json, {"machine": info, "args": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
+                                  "results": results})
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+def _summary(name: str, r: dict) -> str:
+    if name in ("skewed", "identical"):
+        return (f"p95 TTFT round robin {r['round_robin']['ttft_s']['p95']:.3f} s / router "
+                f"{r['router']['ttft_s']['p95']:.3f} s = {r['p95_ttft_ratio']:.2f}x at {r['rate_per_s']:.1f} req/s")
+    if name == "metrics_500":
+        return f"client 5xx {r['client_5xx']} of {r['load']['requests']}, failed {r['load']['requests'] - r['load']['completed']}"
+    if name == "saturated":
+        return f"statuses {r['statuses']} at {r['rate_per_s']:.1f} req/s offered"
+    if name == "kill":
+        ej = r["ejected_after_s"]
+        return (f"failed {r['failed_fraction']:.2%} of {r['load']['requests']}, ejected after "
+                f"{'never' if ej is None else f'{ej:.2f} s'}, retries {r['retries']}")
+    return (f"added p50 e2e {r['added_p50_ms']:.2f} ms (TTFT {r['added_p50_ttft_ms']:.2f} ms) at "
+            f"{r['rate_per_s']:.0f} req/s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

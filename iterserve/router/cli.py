@@ -1,0 +1,125 @@
+"""`iterserve router`: a load-aware proxy in front of engine replicas.
+
+    iterserve router --endpoints http://127.0.0.1:8001,http://127.0.0.1:8002 --port 8000
+    iterserve router --infsvc NAME -n NAMESPACE        # the InferenceService's ready pods
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from iterserve.router.picking import PickPolicy
+from iterserve.router.proxy import RouterOptions
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = ("Each request goes to the replica with the least load = max(waiting + running "
+                     "from its /metrics, requests in flight from this router); ties at random.")
+    where = parser.add_argument_group("replicas (one of)")
+    where.add_argument("--endpoints", help="comma-separated base URLs of the engines (no Kubernetes)")
+    where.add_argument("--infsvc", metavar="NAME",
+                       help="route to the Ready pods of this InferenceService (watched on the API server)")
+    where.add_argument("-n", "--namespace", default="default", help="the InferenceService's namespace")
+    where.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, else ~/.kube/config)")
+    where.add_argument("--port-name", default="http", help="the pods' container port to send to (default http)")
+
+    http = parser.add_argument_group("HTTP")
+    http.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    http.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+
+    d = RouterOptions()
+    p = PickPolicy()
+    pick = parser.add_argument_group("picking")
+    pick.add_argument("--scrape-interval", type=float, default=d.scrape_interval_s,
+                      help=f"seconds between /metrics scrapes of each replica (default {d.scrape_interval_s:g})")
+    pick.add_argument("--stale-after", type=float,
+                      help="a scrape older than this many seconds is ignored and the replica is picked on "
+                           "local in-flight counts (default 5 scrape intervals, at least 1 s)")
+    pick.add_argument("--max-queue", type=int, default=p.max_queue,
+                      help="requests a replica may queue beyond its max_num_seqs before it counts as "
+                           f"saturated (default {p.max_queue})")
+    pick.add_argument("--queue-timeout", type=float, default=d.queue_timeout_s,
+                      help="seconds a request waits while every replica is saturated, then 429 "
+                           f"(default {d.queue_timeout_s:g})")
+    pick.add_argument("--eject-backoff", type=float, default=d.eject_backoff_s,
+                      help="seconds a replica stays out after a connection error; doubles while it "
+                           f"keeps failing, up to --max-eject-backoff (default {d.eject_backoff_s:g})")
+    pick.add_argument("--max-eject-backoff", type=float, default=d.max_eject_backoff_s)
+    pick.add_argument("--prefix-affinity", action="store_true",
+                      help="prefer the replica that recently served the prompt's prefix while its load is "
+                           "within --affinity-tolerance of the least (off by default)")
+    pick.add_argument("--affinity-tolerance", type=int, default=p.affinity_tolerance)
+    pick.add_argument("--prefix-tokens", type=int, default=d.prefix_tokens,
+                      help=f"prompt tokens the prefix affinity hashes (default {d.prefix_tokens})")
+    pick.add_argument("--block-size", type=int, default=d.block_size,
+                      help=f"the engines' KV block size, for block-aligned prefix hashes (default {d.block_size})")
+    pick.add_argument("--seed", type=int, help="seed of the random tie-break")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def options_from(args: argparse.Namespace) -> RouterOptions:
+    stale = args.stale_after if args.stale_after is not None else max(1.0, 5 * args.scrape_interval)
+    return RouterOptions(
+        host=args.host, port=args.port, scrape_interval_s=args.scrape_interval, stale_after_s=stale,
+        scrape_timeout_s=max(stale, args.scrape_interval), queue_timeout_s=args.queue_timeout,
+        eject_backoff_s=args.eject_backoff, max_eject_backoff_s=args.max_eject_backoff,
+        policy=PickPolicy(max_queue=args.max_queue, affinity_tolerance=args.affinity_tolerance),
+        prefix_affinity=args.prefix_affinity, prefix_tokens=args.prefix_tokens,
+        block_size=args.block_size, seed=args.seed,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if bool(args.endpoints) == bool(args.infsvc):
+        print("iterserve router: give exactly one of --endpoints URL,... or --infsvc NAME", file=sys.stderr)
+        return 2
+    if args.scrape_interval <= 0 or args.queue_timeout < 0 or args.max_queue < 0:
+        print("iterserve router: --scrape-interval must be > 0, --queue-timeout and --max-queue >= 0",
+              file=sys.stderr)
+        return 2
+    return asyncio.run(_main(args, options_from(args)))
+
+
+async def _main(args: argparse.Namespace, options: RouterOptions) -> int:
+    from iterserve.router.discovery import (
+        PodWatch,
+        api_client,
+        inference_service_selector,
+        parse_endpoints,
+    )
+    from iterserve.router.proxy import Router
+
+    log = logging.getLogger("iterserve.router")
+    router = Router(options)
+    try:
+        await router.start()
+    except OSError as error:
+        print(f"iterserve router: cannot listen on {options.host}:{options.port}: {error}", file=sys.stderr)
+        return 1
+    watch = None
+    if args.endpoints:
+        router.set_endpoints(parse_endpoints(args.endpoints))
+        source = f"{len(router.endpoints)} static endpoint(s)"
+    else:
+        loop = asyncio.get_running_loop()
+        selector = inference_service_selector(args.infsvc)
+        watch = PodWatch(api_client(args.kubeconfig), args.namespace, selector,
+                         lambda urls: loop.call_soon_threadsafe(router.set_endpoints, urls),
+                         args.port_name).start()
+        source = f"the ready pods of InferenceService {args.namespace}/{args.infsvc} ({selector})"
+    log.info("routing on http://%s:%d to %s (metrics at /metrics)", options.host, router.port, source)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping")
+    if watch is not None:
+        watch.stop()
+    await router.close()
+    return 0

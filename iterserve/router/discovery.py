@@ -1,0 +1,119 @@
+"""Where the replicas are: a static list, or the Ready, non-terminating pods of one
+InferenceService, watched on the API server (not polled).
+
+Pods rather than EndpointSlices: the slices cannot hold loopback addresses, so on the local
+control plane (pod IPs 127.10.x.y) they stay empty; the Gateway API Inference Extension's endpoint
+picker watches pods too. A terminating pod leaves the list at once, before its engine drains.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable
+
+logger = logging.getLogger("iterserve.router")
+
+
+def parse_endpoints(text: str) -> list[str]:
+    """'http://a:1,http://b:2' (or bare host:port) -> base URLs."""
+    urls = []
+    for part in text.split(","):
+        part = part.strip().rstrip("/")
+        if part:
+            urls.append(part if "://" in part else f"http://{part}")
+    return urls
+
+
+def ready_urls(pods: list[dict], port_name: str) -> list[str]:
+    """Base URLs of the Ready, non-terminating pods, at the container port named port_name."""
+    urls = []
+    for pod in pods:
+        status = pod.get("status") or {}
+        ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or [])
+        if not ready or pod["metadata"].get("deletionTimestamp") or not status.get("podIP"):
+            continue
+        ports = [p for c in pod["spec"]["containers"] for p in c.get("ports") or [] if p.get("name") == port_name]
+        if ports:
+            urls.append(f"http://{status['podIP']}:{ports[0]['containerPort']}")
+    return sorted(urls)
+
+
+def inference_service_selector(name: str) -> str:
+    from iterserve.operator.resources import selector_string
+
+    return selector_string(name)
+
+
+def api_client(kubeconfig: str | None = None):
+    from kubernetes import client, config
+
+    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config()
+        return client.ApiClient()
+    return config.new_client_from_config(config_file=kubeconfig)
+
+
+class PodWatch:
+    """Calls on_change(urls) (from its own thread) whenever the set of ready URLs changes."""
+
+    def __init__(self, api, namespace: str, selector: str, on_change: Callable[[list[str]], None],
+                 port_name: str = "http"):
+        self.api, self.namespace, self.selector = api, namespace, selector
+        self.on_change, self.port_name = on_change, port_name
+        self._stop = threading.Event()
+        self._last: list[str] | None = None
+        self._thread = threading.Thread(target=self._run, name="pod watch", daemon=True)
+
+    def start(self) -> PodWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _emit(self, pods: dict[str, dict]) -> None:
+        urls = ready_urls(list(pods.values()), self.port_name)
+        if urls != self._last:
+            self._last = urls
+            self.on_change(urls)
+
+    def _run(self) -> None:
+        from kubernetes import client, watch
+        from kubernetes.client.exceptions import ApiException
+
+        core = client.CoreV1Api(self.api)
+        while not self._stop.is_set():
+            try:
+                listing = json.loads(core.list_namespaced_pod(
+                    self.namespace, label_selector=self.selector, _preload_content=False).data)
+                pods = {p["metadata"]["name"]: p for p in listing["items"]}
+                self._emit(pods)
+                version = listing["metadata"]["resourceVersion"]
+                while not self._stop.is_set():
+                    stream = watch.Watch().stream(core.list_namespaced_pod, self.namespace,
+                                                  label_selector=self.selector, resource_version=version,
+                                                  timeout_seconds=30, allow_watch_bookmarks=True)
+                    for event in stream:
+                        pod = event["raw_object"]
+                        version = pod["metadata"].get("resourceVersion", version)
+                        if event["type"] == "ERROR":
+                            raise ApiException(status=pod.get("code", 500), reason=pod.get("message"))
+                        if event["type"] == "BOOKMARK":
+                            continue
+                        if event["type"] == "DELETED":
+                            pods.pop(pod["metadata"]["name"], None)
+                        else:
+                            pods[pod["metadata"]["name"]] = pod
+                        self._emit(pods)
+                        if self._stop.is_set():
+                            return
+            except ApiException as error:
+                if error.status != 410:  # 410: our resourceVersion is too old; list again
+                    logger.warning("pod watch: %s %s; listing again in 1 s", error.status, error.reason)
+                    self._stop.wait(1)
+            except Exception as error:  # noqa: BLE001 - keep the last list, try again
+                logger.warning("pod watch: %s: %s; listing again in 1 s", type(error).__name__, error)
+                self._stop.wait(1)

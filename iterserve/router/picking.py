@@ -1,0 +1,84 @@
+"""Which replica gets the next request: a pure function of the replicas' loads (no I/O, no clock).
+
+The router calls `pick` once per request; the simulator imports the same function, so what it
+predicts is what the router does.
+
+    pick(endpoints: Sequence[EndpointLoad], rng: random.Random, policy=PickPolicy(),
+         affinity: str | None = None) -> Pick
+
+An endpoint's load is max(waiting + running as last scraped, requests this router has in flight
+to it): the scrape sees other routers' traffic, the local count sees what was sent since the
+scrape (so one snapshot cannot send a burst to the same replica). A stale scrape counts as
+absent: the endpoint stays routable on local counts alone. Least load wins; ties are broken at
+random. With `affinity` (the endpoint that recently served this prompt prefix) that endpoint wins
+while its load is within `policy.affinity_tolerance` of the least. An endpoint whose load reached
+its capacity (max_num_seqs + policy.max_queue) is saturated and never picked.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# Pick.reason values (also the `reason` label of the router's picks counter).
+LEAST_LOAD = "least_load"  # one endpoint had the least load
+TIE_BREAK = "tie_break"  # several had the least load; chosen at random
+PREFIX_AFFINITY = "prefix_affinity"  # the endpoint that saw the prompt's prefix, loads within tolerance
+SATURATED = "saturated"  # no pick: every routable endpoint is at capacity
+NONE_READY = "none_ready"  # no pick: no routable endpoint
+PICK_REASONS = (LEAST_LOAD, TIE_BREAK, PREFIX_AFFINITY, SATURATED, NONE_READY)
+
+DEFAULT_MAX_NUM_SEQS = 64  # the engine's default, assumed until a scrape says otherwise
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointLoad:
+    """One replica as the router sees it at the moment of a pick."""
+
+    url: str
+    in_flight: int = 0  # requests this router has sent and not yet seen finish
+    waiting: int | None = None  # last scrape's queue depth; None: no fresh scrape
+    running: int | None = None  # last scrape's running sequences; None: no fresh scrape
+    max_num_seqs: int | None = None  # last scrape's batch cap; None: unknown
+    routable: bool = True  # False while ejected after a connection error
+
+    @property
+    def load(self) -> int:
+        scraped = (self.waiting or 0) + (self.running or 0)
+        return max(scraped, self.in_flight)
+
+    def capacity(self, max_queue: int) -> int:
+        return (self.max_num_seqs or DEFAULT_MAX_NUM_SEQS) + max_queue
+
+
+@dataclass(frozen=True, slots=True)
+class PickPolicy:
+    max_queue: int = 16  # requests an endpoint may queue beyond its max_num_seqs before it is saturated
+    affinity_tolerance: int = 4  # the prefix's endpoint wins while its load <= least load + this
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    url: str | None  # None: nothing to pick, see reason
+    reason: str
+    load: int | None = None  # the picked endpoint's load before this request
+
+
+def pick(endpoints: Sequence[EndpointLoad], rng: random.Random, policy: PickPolicy = PickPolicy(),
+         affinity: str | None = None) -> Pick:
+    routable = [e for e in endpoints if e.routable]
+    if not routable:
+        return Pick(None, NONE_READY)
+    open_ = [e for e in routable if e.load < e.capacity(policy.max_queue)]
+    if not open_:
+        return Pick(None, SATURATED)
+    least = min(e.load for e in open_)
+    if affinity is not None:
+        for e in open_:
+            if e.url == affinity and e.load <= least + policy.affinity_tolerance:
+                return Pick(e.url, PREFIX_AFFINITY, e.load)
+    best = [e for e in open_ if e.load == least]
+    if len(best) == 1:
+        return Pick(best[0].url, LEAST_LOAD, least)
+    return Pick(rng.choice(best).url, TIE_BREAK, least)

@@ -1,0 +1,80 @@
+"""Prefix affinity: which replica recently served a prompt's prefix, by block-aligned hashes.
+
+A prompt's first N tokens are cut into blocks of the engines' block size; block i's key hashes
+block i's tokens together with block i-1's key (a chain, as a paged prefix cache keys its
+blocks), so a key names a whole prefix. The router records every full block's key against the
+replica it sent the request to and, for the next request, looks up its longest recorded prefix.
+
+The router has no tokenizer: a prompt given as token ids is blocked on the ids; text (a string
+prompt, or chat messages) on its UTF-8 bytes, CHARS_PER_TOKEN bytes to a token, which lines up
+with the engine's blocks only approximately but keeps the same prefix on the same replica.
+(engine/prefix_cache.py was not there when this was written; this is a small hash of its own.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+
+CHARS_PER_TOKEN = 4
+
+
+def block_hashes(tokens: list[int] | bytes, block_size: int, max_tokens: int) -> list[bytes]:
+    """The chained keys of the full blocks among the first max_tokens tokens (or bytes)."""
+    keys, previous = [], b""
+    usable = min(len(tokens), max_tokens)
+    for start in range(0, usable - block_size + 1, block_size):
+        block = tokens[start:start + block_size]
+        data = block if isinstance(block, bytes) else b",".join(str(t).encode() for t in block)
+        previous = hashlib.blake2b(previous + b"|" + data, digest_size=12).digest()
+        keys.append(previous)
+    return keys
+
+
+def prompt_keys(body: bytes, block_size: int, max_tokens: int) -> list[bytes]:
+    """The prefix keys of an OpenAI completions or chat request body ([] if it has no prompt)."""
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return []
+    if not isinstance(request, dict):
+        return []
+    prompt = request.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return block_hashes(prompt, block_size, max_tokens)
+    if isinstance(prompt, str):
+        text = prompt.encode()
+    elif isinstance(request.get("messages"), list):
+        text = json.dumps(request["messages"], separators=(",", ":"), sort_keys=True).encode()
+    else:
+        return []
+    return block_hashes(text, block_size * CHARS_PER_TOKEN, max_tokens * CHARS_PER_TOKEN)
+
+
+class PrefixTable:
+    """Prefix key -> the replica that last served it; least recently used keys go first."""
+
+    def __init__(self, capacity: int = 100_000):
+        self.capacity = capacity
+        self._owner: OrderedDict[bytes, str] = OrderedDict()
+
+    def lookup(self, keys: list[bytes]) -> str | None:
+        for key in reversed(keys):
+            url = self._owner.get(key)
+            if url is not None:
+                return url
+        return None
+
+    def record(self, keys: list[bytes], url: str) -> None:
+        for key in keys:
+            self._owner[key] = url
+            self._owner.move_to_end(key)
+        while len(self._owner) > self.capacity:
+            self._owner.popitem(last=False)
+
+    def forget(self, url: str) -> None:
+        for key in [k for k, v in self._owner.items() if v == url]:
+            del self._owner[key]
