@@ -61,10 +61,10 @@ def run(args: argparse.Namespace) -> int:
     import kopf
     from prometheus_client import start_http_server
 
-    from iterserve.operator.autoscaling.actuator import OperatorMetrics
     from iterserve.operator.autoscaling.hook import AutoscalerHook
     from iterserve.operator.handlers import configure_settings, register
     from iterserve.operator.kube import Kube
+    from iterserve.operator.metrics import OperatorMetrics
     from iterserve.operator.models import GROUP, PLURAL, VERSION
     from iterserve.operator.reconcile import Reconciler
 

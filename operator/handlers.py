@@ -4,7 +4,8 @@
 - An owned Deployment, Service or ConfigMap changed or deleted -> reconcile its owner (drift is
   repaired, a deleted object recreated, status follows the Deployment).
 - A timer per InferenceService (every `resync_seconds`) -> reconcile, then the tick hooks: the
-  seam where the autoscaler plugs in its decision loop.
+  seam where the autoscaler plugs in its decision loop (it hands its decisions back to
+  `reconciler.reconcile(..., tick=)`, the one writer of status and the owned objects).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class TickContext:
     name: str
     body: dict
     spec: InferenceServiceSpec
-    reconciler: Reconciler  # write_status() (with 409 retries) and Events
+    reconciler: Reconciler  # reconcile(namespace, name, tick=...) records what a hook decided
     kube: Kube
     logger: logging.Logger | logging.LoggerAdapter
 

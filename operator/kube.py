@@ -1,4 +1,5 @@
-"""Every Kubernetes API call the operator's reconcile makes, in one place, on plain dicts.
+"""Every Kubernetes API call the operator makes (the reconcile's and the autoscaler's), in one
+place, on plain dicts.
 
 Each method names the RBAC rule it needs (operator/rbac.py lists them all for the Helm chart).
 Owned objects are written with server-side apply under one field manager: applying an unchanged
@@ -89,6 +90,11 @@ class Kube:
                 return None
             raise
 
+    def scale_inference_service(self, namespace: str, name: str, replicas: int) -> dict:
+        """spec.replicas, as the builtin autoscaler sets it (in External mode nothing here does)."""
+        return _json(self.custom.patch_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name, {"spec": {"replicas": replicas}}, _preload_content=False))
+
     def patch_status(self, namespace: str, name: str, status: dict, resource_version: str) -> dict:
         """Merge-patches status, failing with 409 if the object changed since resource_version."""
         body = {"metadata": {"resourceVersion": resource_version}, "status": status}
@@ -118,6 +124,11 @@ class Kube:
         meta = manifest["metadata"]
         return _json(patch(meta["name"], meta["namespace"], manifest, field_manager=FIELD_MANAGER, force=True,
                            dry_run="All" if dry_run else None, _content_type=APPLY, _preload_content=False))
+
+    # core pods: list
+    def list_pods(self, namespace: str, label_selector: str) -> list[dict]:
+        return _json(self.core.list_namespaced_pod(namespace, label_selector=label_selector,
+                                                   _preload_content=False))["items"]
 
     # core secrets: get, create
     def create_secret(self, manifest: dict) -> dict:

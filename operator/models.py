@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
 
+from iterserve.engine.config import EngineConfig  # its defaults are the engine's own
+
 GROUP = "iterserve.dev"
 VERSION = "v1alpha1"
 KIND = "InferenceService"
@@ -133,7 +135,7 @@ class EngineSpec(WireModel):
     image: str = Field(DEFAULT_ENGINE_IMAGE, min_length=1, description="Engine container image.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
-    max_num_seqs: int = Field(64, ge=1, description="Cap on concurrent sequences (a memory bound); the KV retune may lower the effective value.")
+    max_num_seqs: int = Field(EngineConfig.max_num_seqs, ge=1, description="Cap on concurrent sequences (a memory bound); the KV retune may lower the effective value.")
     max_num_batched_tokens: int | None = Field(None, ge=1, description="Tokens per iteration (a compute bound). Default: the engine's.")
     max_model_len: int | None = Field(None, ge=1, description="Longest sequence. Default: the model's context, capped at 2048.")
     block_size: Literal[1, 2, 4, 8, 16, 32, 64, 128, 256] = Field(16, description="KV cache block size in tokens.")
@@ -278,11 +280,19 @@ class InferenceServiceSpec(WireModel):
 
 # -------------------------------------------------------------------------------------- status
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "InvalidSpec", "MetricsAvailable", "ScalingLimited")
+# Condition types, defined here only. The reconcile sets the first four (and Conflict), and
+# records the autoscaler's MetricsAvailable and ScalingLimited; status.py lists them in this order.
+READY = "Ready"
+PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+INVALID_SPEC = "InvalidSpec"
+METRICS_AVAILABLE = "MetricsAvailable"
+SCALING_LIMITED = "ScalingLimited"
+CONDITION_TYPES = (READY, PROGRESSING, DEGRADED, INVALID_SPEC, METRICS_AVAILABLE, SCALING_LIMITED)
 
 
 class Condition(WireModel):
-    type: Literal["Ready", "Progressing", "Degraded", "InvalidSpec", "MetricsAvailable", "ScalingLimited"]
+    type: Literal[CONDITION_TYPES]  # type: ignore[valid-type]
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(min_length=1, description="CamelCase, machine-readable.")
     message: str = ""

@@ -1,6 +1,11 @@
 """One level-triggered reconcile of one InferenceService: read it fresh, build the owned objects,
 write only what differs, write status, and say what changed in Events.
 
+The one writer of the Deployment, Service, ConfigMap and status, from the spec and the
+autoscaler's recorded decisions: a tick the autoscaler hands over (`reconcile(..., tick=)`) is
+recorded in status (with its Events) and sets the max_num_seqs new pods start with; without one,
+the value status recorded last stands. docs/operator.md draws the flow.
+
 Idempotent by construction: nothing is written when the live objects already match, so running it
 again on an unchanged resource makes no API writes and no Events. Safe to call from any trigger
 (create/update/resume, a timer, an owned object's event) and from several threads: calls for
@@ -18,14 +23,19 @@ from datetime import datetime
 from typing import Any
 
 from iterserve.operator import metrics
+from iterserve.operator.autoscaling.report import (
+    AutoscalerTick,
+    events_for,
+    status_patch,
+    tuned_max_num_seqs,
+)
+from iterserve.operator.autoscaling.settings import settings_from_spec
 from iterserve.operator.kube import Kube, conflict, invalid, server_message
-from iterserve.operator.models import InferenceServiceSpec
+from iterserve.operator.models import DEGRADED, INVALID_SPEC, READY, InferenceServiceSpec
 from iterserve.operator.resources import (
     Owner,
     build_admin_secret,
-    build_configmap,
-    build_deployment,
-    build_service,
+    build_owned,
     effective_max_num_seqs,
     secret_name,
 )
@@ -94,11 +104,12 @@ class Reconciler:
         with self._locks_guard:
             return self._locks.setdefault((namespace, name), threading.Lock())
 
-    def reconcile(self, namespace: str, name: str) -> Outcome:
+    def reconcile(self, namespace: str, name: str, tick: AutoscalerTick | None = None) -> Outcome:
+        """`tick`: what the autoscaler just decided and did, to record."""
         started = time.monotonic()
         try:
             with self.lock(namespace, name):
-                outcome = self._reconcile(namespace, name)
+                outcome = self._reconcile(namespace, name, tick)
         except Exception:
             metrics.RECONCILES.labels(result="error").inc()
             raise
@@ -107,7 +118,7 @@ class Reconciler:
         metrics.RECONCILES.labels(result=outcome.result).inc()
         return outcome
 
-    def _reconcile(self, namespace: str, name: str) -> Outcome:
+    def _reconcile(self, namespace: str, name: str, tick: AutoscalerTick | None) -> Outcome:
         body = self.kube.get_inference_service(namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return Outcome("gone")
@@ -119,10 +130,9 @@ class Reconciler:
 
         owner = Owner.from_body(body)
         previous = body.get("status") or {}
-        tuned = previous.get("effectiveMaxNumSeqs") if _retunes(spec) else None
+        tuned = tuned_max_num_seqs(settings_from_spec(spec), tick, previous)
         max_num_seqs = effective_max_num_seqs(spec, tuned)
-        manifests = (build_configmap(owner, spec, max_num_seqs), build_service(owner, spec),
-                     build_deployment(owner, spec))
+        manifests = build_owned(owner, spec, max_num_seqs)
         live = {m["kind"]: self.kube.get(m["kind"], namespace, m["metadata"]["name"]) for m in manifests}
         stale = [(m, first_difference(m, live[m["kind"]]) if live[m["kind"]] else None) for m in manifests]
         stale = [(m, difference) for m, difference in stale if live[m["kind"]] is None or difference]
@@ -141,11 +151,20 @@ class Reconciler:
         deployment = live["Deployment"]
 
         now = self.clock()
-        body, _ = self.write_status(
-            body, lambda prev: reconciled_status(prev, spec, name, generation, deployment, max_num_seqs, now))
-        if body is not None:
-            self._announce_transitions(body, previous)
-        return Outcome("applied" if changes else "unchanged", changes, body, spec)
+
+        def wanted_status(prev: dict) -> dict:
+            status = reconciled_status(prev, spec, name, generation, deployment, max_num_seqs, now)
+            if tick is not None:
+                status.update(status_patch({**prev, **status}, tick.settings, tick.decision, tick.record,
+                                           max_num_seqs, tick.at))
+            return status
+
+        written, _ = self.write_status(body, wanted_status)
+        if written is not None:
+            self._announce_transitions(written, previous)
+            for event in events_for(tick.decision, tick.record) if tick is not None else ():
+                self._event(written, event.type, event.reason, event.message)
+        return Outcome("applied" if changes else "unchanged", changes, written, spec)
 
     def _ensure_secret(self, owner_body: dict, owner: Owner) -> bool:
         """The admin token is generated once; an existing Secret is never rewritten."""
@@ -212,12 +231,12 @@ class Reconciler:
     def _report_invalid(self, body: dict, generation: int | None, error: SpecError) -> Outcome:
         """No owned object is touched: a half-applied spec would be worse than the last good one."""
         now = self.clock()
-        previous = find_condition((body.get("status") or {}).get("conditions"), "InvalidSpec")
+        previous = find_condition((body.get("status") or {}).get("conditions"), INVALID_SPEC)
         body, _ = self.write_status(body, lambda prev: invalid_status(prev, generation, error.field, error.message, now))
         if body is not None:
-            current = find_condition(body["status"]["conditions"], "InvalidSpec")
+            current = find_condition(body["status"]["conditions"], INVALID_SPEC)
             if previous is None or (previous["status"], previous["message"]) != (current["status"], current["message"]):
-                self._event(body, "Warning", "InvalidSpec", str(error))
+                self._event(body, "Warning", INVALID_SPEC, str(error))
         logger.warning("%s/%s: invalid spec: %s", body and body["metadata"]["namespace"],
                        body and body["metadata"]["name"], error)
         return Outcome("invalid", [str(error)], body)
@@ -229,11 +248,11 @@ class Reconciler:
             if before.get(condition["type"]) == condition["status"]:
                 continue
             kind = condition["type"]
-            if kind == "Ready" and condition["status"] == "True":
-                self._event(body, "Normal", "Ready", condition["message"])
-            elif kind == "Degraded" and condition["status"] == "True":
-                self._event(body, "Warning", condition["reason"], condition["message"] or "Degraded")
-            elif kind == "InvalidSpec" and condition["status"] == "False" and before.get(kind) == "True":
+            if kind == READY and condition["status"] == "True":
+                self._event(body, "Normal", READY, condition["message"])
+            elif kind == DEGRADED and condition["status"] == "True":
+                self._event(body, "Warning", condition["reason"], condition["message"] or DEGRADED)
+            elif kind == INVALID_SPEC and condition["status"] == "False" and before.get(kind) == "True":
                 self._event(body, "Normal", "SpecValid", "The spec is valid again and has been applied.")
 
     def _event(self, owner_body: dict, type_: str, reason: str, message: str) -> None:
@@ -241,7 +260,3 @@ class Reconciler:
             self.kube.post_event(owner_body, type_, reason, message)
         except Exception as exc:  # an Event is a courtesy; never fail the reconcile for it
             logger.warning("could not post Event %s: %s", reason, exc)
-
-
-def _retunes(spec: InferenceServiceSpec) -> bool:
-    return spec.autoscaling_mode == "Builtin" and spec.autoscaling is not None and spec.autoscaling.kv_retune.enabled

@@ -1,9 +1,11 @@
 """Pure builders: an InferenceService spec -> the Deployment, Service, ConfigMap and admin-token
-Secret the operator owns. No API calls here; handlers.py applies what these return.
+Secret the operator owns. No API calls here; reconcile.py applies what these return.
 
 The engine reads its tunable max_num_seqs from the ConfigMap (through an env var expanded in its
-args), so the KV retune changes the ConfigMap, not the pod template, and pods are not rolled; a
-change of spec.engine.maxNumSeqs itself does roll them (the template carries that value).
+args, read once at start), so the KV retune changes the ConfigMap, not the pod template, and pods
+are not rolled. A change of spec.engine.maxNumSeqs itself must reach running engines, so it rolls
+them: the template carries the spec value in an annotation (nothing reads it; changing it is
+what makes the Deployment roll).
 """
 
 from __future__ import annotations
@@ -11,8 +13,6 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 from typing import Any
-
-import yaml
 
 from iterserve.operator.models import API_VERSION, KIND, InferenceServiceSpec
 
@@ -26,7 +26,7 @@ MAX_NUM_SEQS_KEY = "max_num_seqs"
 MAX_NUM_SEQS_ENV = "ITERSERVE_MAX_NUM_SEQS"
 ADMIN_TOKEN_ENV = "ITERSERVE_ADMIN_TOKEN"
 ADMIN_TOKEN_KEY = "token"
-SPEC_MAX_NUM_SEQS_ANNOTATION = "iterserve.dev/spec-max-num-seqs"
+SPEC_MAX_NUM_SEQS_ANNOTATION = "iterserve.dev/spec-max-num-seqs"  # the roll trigger (docstring)
 # Termination: the preStop hook sleeps while the pod leaves the Service's endpoints (so no new
 # request reaches a pod that would refuse it), then SIGTERM makes the engine drain: it refuses new
 # requests with 503 and gives in-flight ones --drain-timeout seconds. The grace period covers the
@@ -283,32 +283,20 @@ def build_service(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
     }
 
 
-def engine_config(spec: InferenceServiceSpec, max_num_seqs: int) -> dict[str, Any]:
-    engine = spec.engine
-    return {
-        "model": spec.model.engine_path,
-        "max_num_seqs": max_num_seqs,
-        "spec_max_num_seqs": engine.max_num_seqs,
-        "max_num_batched_tokens": engine.max_num_batched_tokens,
-        "max_model_len": engine.max_model_len,
-        "block_size": engine.block_size,
-        "chunked_prefill": engine.chunked_prefill,
-        "preemption_mode": engine.preemption_mode,
-        "kv_cache_memory": engine.kv_cache_memory,
-        "extra_args": list(engine.extra_args),
-    }
-
-
 def build_configmap(owner: Owner, spec: InferenceServiceSpec, max_num_seqs: int) -> dict[str, Any]:
+    """What new engine pods start with: `max_num_seqs`, the spec's or the KV retune's."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(owner, configmap_name(owner.name)),
-        "data": {
-            MAX_NUM_SEQS_KEY: str(max_num_seqs),
-            "engine.yaml": yaml.safe_dump(engine_config(spec, max_num_seqs), sort_keys=False),
-        },
+        "data": {MAX_NUM_SEQS_KEY: str(max_num_seqs)},
     }
+
+
+def build_owned(owner: Owner, spec: InferenceServiceSpec, max_num_seqs: int) -> tuple[dict[str, Any], ...]:
+    """The objects the reconcile keeps applied, in write order. Only the ConfigMap depends on
+    `max_num_seqs`: a retune never changes the Deployment, so it never rolls pods."""
+    return build_configmap(owner, spec, max_num_seqs), build_service(owner, spec), build_deployment(owner, spec)
 
 
 def build_admin_secret(owner: Owner, token: str | None = None) -> dict[str, Any]:

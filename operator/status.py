@@ -10,7 +10,17 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from iterserve.operator.models import SCALING_HISTORY_LIMIT, InferenceServiceSpec
+from iterserve.operator.models import (
+    CONDITION_TYPES,
+    DEGRADED,
+    INVALID_SPEC,
+    METRICS_AVAILABLE,
+    PROGRESSING,
+    READY,
+    SCALING_HISTORY_LIMIT,
+    SCALING_LIMITED,
+    InferenceServiceSpec,
+)
 from iterserve.operator.resources import selector_string
 
 TRUE, FALSE, UNKNOWN = "True", "False", "Unknown"
@@ -43,7 +53,7 @@ def set_condition(conditions: list[dict] | None, type_: str, status: str, reason
     return _ordered(others + [new])
 
 
-_ORDER = ("Ready", "Progressing", "Degraded", "InvalidSpec", "MetricsAvailable", "ScalingLimited")
+_ORDER = CONDITION_TYPES  # conditions are listed in the order the model declares them
 
 
 def _ordered(conditions: list[dict]) -> list[dict]:
@@ -75,34 +85,34 @@ def reconciled_status(previous: dict | None, spec: InferenceServiceSpec, name: s
                   and updated == desired and replicas == desired)
 
     conditions = previous.get("conditions") or []
-    conditions = set_condition(conditions, "InvalidSpec", FALSE, "Valid", "The spec is valid.", now, generation)
+    conditions = set_condition(conditions, INVALID_SPEC, FALSE, "Valid", "The spec is valid.", now, generation)
     if desired == 0:
-        conditions = set_condition(conditions, "Ready", FALSE, "ScaledToZero", "spec.replicas is 0.", now, generation)
+        conditions = set_condition(conditions, READY, FALSE, "ScaledToZero", "spec.replicas is 0.", now, generation)
     elif ready >= desired and rolled_out:
-        conditions = set_condition(conditions, "Ready", TRUE, "AllReplicasReady",
+        conditions = set_condition(conditions, READY, TRUE, "AllReplicasReady",
                                    f"{ready}/{desired} engine pods ready.", now, generation)
     else:
-        conditions = set_condition(conditions, "Ready", FALSE, "ReplicasNotReady",
+        conditions = set_condition(conditions, READY, FALSE, "ReplicasNotReady",
                                    f"{ready}/{desired} engine pods ready.", now, generation)
     if rolled_out:
-        conditions = set_condition(conditions, "Progressing", FALSE, "RolloutComplete",
+        conditions = set_condition(conditions, PROGRESSING, FALSE, "RolloutComplete",
                                    "The engine Deployment is rolled out.", now, generation)
     else:
-        conditions = set_condition(conditions, "Progressing", TRUE, "RollingOut",
+        conditions = set_condition(conditions, PROGRESSING, TRUE, "RollingOut",
                                    f"{updated} of {desired} engine pods updated, {replicas} exist.", now, generation)
     stuck = _deployment_condition(deployment, "Progressing")
     failure = _deployment_condition(deployment, "ReplicaFailure")
     if stuck is not None and stuck.get("reason") == "ProgressDeadlineExceeded":
-        conditions = set_condition(conditions, "Degraded", TRUE, "ProgressDeadlineExceeded",
+        conditions = set_condition(conditions, DEGRADED, TRUE, "ProgressDeadlineExceeded",
                                    stuck.get("message", ""), now, generation)
     elif failure is not None and failure.get("status") == TRUE:
-        conditions = set_condition(conditions, "Degraded", TRUE, failure.get("reason") or "ReplicaFailure",
+        conditions = set_condition(conditions, DEGRADED, TRUE, failure.get("reason") or "ReplicaFailure",
                                    failure.get("message", ""), now, generation)
     else:
-        conditions = set_condition(conditions, "Degraded", FALSE, "AsExpected", "", now, generation)
-    conditions = ensure_condition(conditions, "MetricsAvailable", "NotCollected",
+        conditions = set_condition(conditions, DEGRADED, FALSE, "AsExpected", "", now, generation)
+    conditions = ensure_condition(conditions, METRICS_AVAILABLE, "NotCollected",
                                   "The autoscaler has not read engine metrics yet.", now)
-    conditions = ensure_condition(conditions, "ScalingLimited", "NotEvaluated",
+    conditions = ensure_condition(conditions, SCALING_LIMITED, "NotEvaluated",
                                   "The autoscaler has not decided yet.", now)
     return {
         "observedGeneration": generation,
@@ -117,9 +127,9 @@ def reconciled_status(previous: dict | None, spec: InferenceServiceSpec, name: s
 
 
 def invalid_status(previous: dict | None, generation: int, field: str, message: str, now: datetime) -> dict[str, Any]:
-    conditions = set_condition((previous or {}).get("conditions"), "InvalidSpec", TRUE, "InvalidField",
+    conditions = set_condition((previous or {}).get("conditions"), INVALID_SPEC, TRUE, "InvalidField",
                                f"{field}: {message}", now, generation)
-    conditions = set_condition(conditions, "Degraded", TRUE, "InvalidSpec",
+    conditions = set_condition(conditions, DEGRADED, TRUE, INVALID_SPEC,
                                f"Not applied: {field}: {message}", now, generation)
     return {"observedGeneration": generation, "conditions": conditions}
 

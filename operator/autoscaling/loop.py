@@ -1,6 +1,11 @@
-"""One autoscaler tick for one InferenceService: find its engine pods, read their metrics, decide,
-act, record. Plugged into the operator as a tick hook of its per-InferenceService timer
-(operator/handlers.py), which has just reconciled the object.
+"""One autoscaler tick for one InferenceService: read its engine pods' metrics, decide, carry out
+the decision, and hand back what happened. Plugged into the operator as a tick hook of its
+per-InferenceService timer (operator/autoscaling/hook.py).
+
+The tick's effects, in full: `PATCH /admin/config` on engines whose max_num_seqs changes (the
+admin client, engine_admin.py: its only write to pods), and spec.replicas in Builtin mode (through
+operator/kube.py). Everything else it leaves to the reconcile, as an `AutoscalerTick`
+(report.py): status, the ConfigMap new pods start from, and the Events.
 
 Memory (recent samples, proposals, scale events, per-pod max_num_seqs) lives in this process,
 one entry per InferenceService; see memory.py for why losing it on restart is safe.
@@ -14,28 +19,25 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from iterserve.operator.autoscaling import memory as mem
-from iterserve.operator.autoscaling.actuator import (
-    EngineAdmin,
-    Event,
-    OperatorMetrics,
-    Record,
-    apply_seqs_changes,
-    config_max_num_seqs,
-    events_for,
-    seqs_by_pod,
-    status_patch,
-)
+from iterserve.operator.autoscaling.engine_admin import EngineAdmin, apply_seqs_changes
 from iterserve.operator.autoscaling.metrics_source import (
     PodEndpoint,
     PrometheusSource,
     ScrapeSource,
 )
-from iterserve.operator.autoscaling.policy import Decision, PodSample, decide
+from iterserve.operator.autoscaling.policy import PodSample, decide
+from iterserve.operator.autoscaling.report import (
+    AutoscalerTick,
+    Record,
+    seqs_by_pod,
+    start_max_num_seqs,
+)
 from iterserve.operator.autoscaling.settings import settings_from_spec
+from iterserve.operator.kube import Kube
+from iterserve.operator.metrics import OperatorMetrics
 
 logger = logging.getLogger("iterserve.autoscaler")
 
@@ -59,15 +61,6 @@ def engine_pods(pods: Sequence[dict], port: int) -> tuple[list[mem.PodInfo], dic
         if status.get("podIP"):
             urls[meta["name"]] = f"http://{status['podIP']}:{port}"
     return infos, urls
-
-
-@dataclass
-class TickResult:
-    decision: Decision
-    record: Record
-    status: dict
-    events: list[Event]
-    samples: list[PodSample]
 
 
 class Autoscaler:
@@ -104,12 +97,10 @@ class Autoscaler:
         if self.metrics:
             self.metrics.forget(namespace, name)
 
-    async def tick(self, *, namespace: str, name: str, spec, status: dict | None, replicas: int,
-                   pods: Sequence[dict], port: int, admin_token: str | None,
-                   patch_replicas: Callable[[int], None],
-                   write_config_max_num_seqs: Callable[[int], None]) -> TickResult:
-        """Reads, decides and acts. `patch_replicas` and `write_config_max_num_seqs` do the
-        Kubernetes writes (blocking; run in a thread); status and Events are returned."""
+    async def tick(self, *, namespace: str, name: str, spec, replicas: int, pods: Sequence[dict], port: int,
+                   admin_token: str | None, kube: Kube) -> AutoscalerTick:
+        """Reads, decides and acts: engines' max_num_seqs through their admin API and, in Builtin
+        mode, spec.replicas through `kube` (blocking calls, run in a thread)."""
         settings = settings_from_spec(spec)
         key = (namespace, name)
         now = self.clock()
@@ -125,7 +116,7 @@ class Autoscaler:
         record = Record()
         if settings.mode == "Builtin" and decision.replicas_changed:
             try:
-                await asyncio.to_thread(patch_replicas, decision.desired_replicas)
+                await asyncio.to_thread(kube.scale_inference_service, namespace, name, decision.desired_replicas)
                 record.replicas_applied = True
             except Exception as error:  # reported as a Warning Event; the next tick retries
                 record.replicas_error = f"{type(error).__name__}: {error}"
@@ -134,27 +125,13 @@ class Autoscaler:
         memory = mem.record_decision(memory, decision, settings, now, record.replicas_applied, record.seqs.applied)
         self._memories[key] = memory
 
-        previous_effective = (status or {}).get("effectiveMaxNumSeqs")
-        if decision.metrics.available or record.seqs.applied:
-            effective = config_max_num_seqs(decision, record.seqs.applied, settings.spec_max_num_seqs)
-        else:  # nothing read: keep what new pods start with
-            effective = previous_effective or settings.spec_max_num_seqs
-        if effective != previous_effective and settings.mode == "Builtin":
-            try:
-                await asyncio.to_thread(write_config_max_num_seqs, effective)
-            except Exception as error:
-                logger.warning("%s/%s: could not write max_num_seqs %d to the ConfigMap: %s",
-                               namespace, name, effective, error)
-
-        errors = sum(1 for s in samples if not s.ok)
         if self.metrics:
-            self.metrics.record(namespace, name, settings, decision, errors,
+            self.metrics.record(namespace, name, settings, decision, sum(1 for s in samples if not s.ok),
                                 seqs_by_pod(decision, record.seqs.applied))
-        patch = status_patch(status, settings, decision, record, effective, datetime.fromtimestamp(now, UTC))
-        events = events_for(decision, record)
         if decision.replicas_changed or record.seqs.applied or record.seqs.failed:
             logger.info("%s/%s: %s", namespace, name, decision.message)
-        return TickResult(decision, record, patch, events, samples)
+        return AutoscalerTick(settings, decision, record, datetime.fromtimestamp(now, UTC),
+                              start_max_num_seqs(decision, record, settings))
 
 
 class _Unconfigured:

@@ -18,7 +18,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from iterserve.engine import metrics as names
-from iterserve.operator.autoscaling.policy import PodSample
+from iterserve.operator.autoscaling.policy import REQUIRED_SIGNALS, PodSample
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "preemptions_total": (names.PREEMPTIONS_TOTAL, names.VLLM_PREEMPTIONS_TOTAL),
     "max_num_seqs": (names.MAX_NUM_SEQS,),
 }
-REQUIRED = ("waiting", "running", "kv_usage", "preemptions_total")
+REQUIRED = REQUIRED_SIGNALS
 
 
 class MetricsFormatError(ValueError):

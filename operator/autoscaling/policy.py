@@ -13,72 +13,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
-# ----------------------------------------------------------------------------------- settings
-
-
-@dataclass(frozen=True)
-class RatePolicy:
-    """At most `value` pods (kind "Pods") or percent of replicas ("Percent") per period."""
-
-    kind: str
-    value: int
-    period_seconds: float
-
-
-@dataclass(frozen=True)
-class DirectionRules:
-    stabilization_window_seconds: float
-    policies: tuple[RatePolicy, ...]
-    select_policy: str = "Max"  # Max | Min | Disabled
-
-
-def _default_scale_up() -> DirectionRules:
-    return DirectionRules(0, (RatePolicy("Pods", 4, 15), RatePolicy("Percent", 100, 15)))
-
-
-def _default_scale_down() -> DirectionRules:
-    return DirectionRules(300, (RatePolicy("Percent", 100, 15),))
-
-
-@dataclass(frozen=True)
-class KvRetuneSettings:
-    enabled: bool = True
-    threshold: float = 0.95
-    consecutive_samples: int = 3
-    step_factor: float = 0.75
-    floor: int = 1
-    recovery_threshold: float = 0.80
-    recovery_window_seconds: float = 300
-    recovery_step: int = 4
-
-
-@dataclass(frozen=True)
-class Settings:
-    mode: str = "Builtin"  # Builtin | External | Off
-    min_replicas: int = 1
-    max_replicas: int = 4
-    target_waiting_per_replica: float = 10
-    preemptions_per_minute_threshold: float = 1
-    tolerance: float = 0.1
-    scale_up: DirectionRules = field(default_factory=_default_scale_up)
-    scale_down: DirectionRules = field(default_factory=_default_scale_down)
-    cold_start_seconds: float = 600
-    warmup_seconds: float = 30
-    preemption_window_seconds: float = 60
-    stale_sample_seconds: float = 60
-    spec_max_num_seqs: int = 64
-    kv_retune: KvRetuneSettings = field(default_factory=KvRetuneSettings)
-
-    @property
-    def memory_seconds(self) -> float:
-        """How far back samples, recommendations and scale events still matter."""
-        periods = [p.period_seconds for r in (self.scale_up, self.scale_down) for p in r.policies]
-        return max([self.scale_up.stabilization_window_seconds,
-                    self.scale_down.stabilization_window_seconds, self.preemption_window_seconds,
-                    self.kv_retune.recovery_window_seconds, *periods]) + 60
-
+from iterserve.operator.autoscaling.settings import DirectionRules as DirectionRules
+from iterserve.operator.autoscaling.settings import KvRetuneSettings as KvRetuneSettings
+from iterserve.operator.autoscaling.settings import RatePolicy as RatePolicy
+from iterserve.operator.autoscaling.settings import Settings
 
 # -------------------------------------------------------------------------------------- inputs
 
@@ -221,11 +161,11 @@ def _usable(samples: Sequence[PodSample], pod: PodState, settings: Settings) -> 
     return [s for s in samples if s.at >= warm_from]
 
 
-_REQUIRED = ("waiting", "running", "kv_usage", "preemptions_total")
+REQUIRED_SIGNALS = ("waiting", "running", "kv_usage", "preemptions_total")  # a reading without one is unusable
 
 
 def _missing_field(sample: PodSample) -> str | None:
-    for name in _REQUIRED:
+    for name in REQUIRED_SIGNALS:
         value = getattr(sample, name)
         if value is None or (isinstance(value, float) and math.isnan(value)):
             return name
@@ -279,10 +219,7 @@ def decide(settings: Settings, state: State, history: Mapping[str, Sequence[PodS
     signals = tuple(_pod_signal(p, history.get(p.name, ()), settings, now) for p in ready)
     measured = [s for s in signals if s.state == "measured"]
     metrics = _metrics_status(signals, state)
-    # External mode only reports: the engines' config, like replicas, is left to whoever owns it
-    # (the reconcile, too, keeps the spec value in the ConfigMap outside Builtin mode).
-    retunes = measured and settings.mode == "Builtin"
-    seqs_changes = _kv_retune(settings, ready, history, now) if retunes else ()
+    seqs_changes = _kv_retune(settings, ready, history, now) if measured and settings.retunes else ()
 
     replicas = _replica_decision(settings, state, history, signals, measured, metrics, now)
     return replace(replicas, seqs_changes=seqs_changes, metrics=metrics, pods=signals)
@@ -498,9 +435,6 @@ def _rate_limit(settings: Settings, state: State, current: int, desired: int, no
 
 
 def _kv_retune(settings: Settings, ready: Sequence[PodState], history, now: float) -> tuple[SeqsChange, ...]:
-    kv = settings.kv_retune
-    if not kv.enabled:
-        return ()
     changes = []
     for pod in ready:
         samples = history.get(pod.name, ())

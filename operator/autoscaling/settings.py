@@ -1,21 +1,105 @@
-"""The policy's Settings from an InferenceService spec (the pydantic model in operator/models.py)."""
+"""The policy's settings: small frozen values that the pure policy reads, and how they are built
+from an InferenceService spec.
+
+Every default is the pydantic model's (operator/models.py), read from there: changing a default
+means changing the model only. `Settings()` with no arguments is what an InferenceService with
+an empty `autoscaling: {}` section gets; the simulator and the tests build them the same way.
+"""
 
 from __future__ import annotations
 
-from iterserve.operator.autoscaling.policy import (
-    DirectionRules,
-    KvRetuneSettings,
-    RatePolicy,
-    Settings,
+from dataclasses import dataclass, field, fields
+
+from iterserve.operator.models import (
+    AutoscalingSpec,
+    EngineSpec,
+    KvRetune,
+    ScaleDownRules,
+    ScaleUpRules,
+    ScalingPolicy,
 )
 
+_AUTOSCALING = AutoscalingSpec()  # the models' defaults, the one place they are written
+_KV = KvRetune()
+# The policy's own windows (not spec fields): samples older than this no longer describe a pod,
+# and a preemption rate is measured over this much time.
+MIN_STALE_SAMPLE_SECONDS = 60
+PREEMPTION_WINDOW_SECONDS = 60
 
-def _rules(rules) -> DirectionRules:
-    return DirectionRules(
-        rules.stabilization_window_seconds,
-        tuple(RatePolicy(p.type, p.value, p.period_seconds) for p in rules.policies),
-        rules.select_policy,
-    )
+
+@dataclass(frozen=True)
+class RatePolicy:
+    """At most `value` pods (kind "Pods") or percent of replicas ("Percent") per period."""
+
+    kind: str
+    value: int
+    period_seconds: float
+
+    @classmethod
+    def from_model(cls, policy: ScalingPolicy) -> RatePolicy:
+        return cls(policy.type, policy.value, policy.period_seconds)
+
+
+@dataclass(frozen=True)
+class DirectionRules:
+    stabilization_window_seconds: float
+    policies: tuple[RatePolicy, ...]
+    select_policy: str = _AUTOSCALING.scale_up.select_policy  # Max | Min | Disabled
+
+    @classmethod
+    def from_model(cls, rules: ScaleUpRules | ScaleDownRules) -> DirectionRules:
+        return cls(rules.stabilization_window_seconds,
+                   tuple(RatePolicy.from_model(p) for p in rules.policies),
+                   rules.select_policy)
+
+
+@dataclass(frozen=True)
+class KvRetuneSettings:
+    enabled: bool = _KV.enabled
+    threshold: float = _KV.threshold
+    consecutive_samples: int = _KV.consecutive_samples
+    step_factor: float = _KV.step_factor
+    floor: int = _KV.floor
+    recovery_threshold: float = _KV.recovery_threshold
+    recovery_window_seconds: float = _KV.recovery_window_seconds
+    recovery_step: int = _KV.recovery_step
+
+
+@dataclass(frozen=True)
+class Settings:
+    mode: str = _AUTOSCALING.mode  # Builtin | External | Off
+    min_replicas: int = _AUTOSCALING.min_replicas
+    max_replicas: int = _AUTOSCALING.max_replicas
+    target_waiting_per_replica: float = _AUTOSCALING.target_waiting_per_replica
+    preemptions_per_minute_threshold: float = _AUTOSCALING.preemptions_per_minute_threshold
+    tolerance: float = _AUTOSCALING.tolerance
+    scale_up: DirectionRules = field(default_factory=lambda: DirectionRules.from_model(_AUTOSCALING.scale_up))
+    scale_down: DirectionRules = field(default_factory=lambda: DirectionRules.from_model(_AUTOSCALING.scale_down))
+    cold_start_seconds: float = _AUTOSCALING.cold_start_seconds
+    warmup_seconds: float = _AUTOSCALING.warmup_seconds
+    preemption_window_seconds: float = PREEMPTION_WINDOW_SECONDS
+    stale_sample_seconds: float = MIN_STALE_SAMPLE_SECONDS
+    spec_max_num_seqs: int = EngineSpec().max_num_seqs
+    kv_retune: KvRetuneSettings = field(default_factory=KvRetuneSettings)
+
+    @property
+    def retunes(self) -> bool:
+        """Whether the KV retune runs. External mode only reports: the engines' config, like
+        replicas, is left to whoever owns it, and new pods start with the spec's value."""
+        return self.mode == "Builtin" and self.kv_retune.enabled
+
+    @property
+    def memory_seconds(self) -> float:
+        """How far back samples, recommendations and scale events still matter."""
+        periods = [p.period_seconds for r in (self.scale_up, self.scale_down) for p in r.policies]
+        return max([self.scale_up.stabilization_window_seconds,
+                    self.scale_down.stabilization_window_seconds, self.preemption_window_seconds,
+                    self.kv_retune.recovery_window_seconds, *periods]) + 60
+
+
+def _same_named(cls, model) -> dict:
+    """The model's values for the dataclass fields that share its names."""
+    return {f.name: getattr(model, f.name) for f in fields(cls) if f.name in type(model).model_fields}
 
 
 def settings_from_spec(spec) -> Settings:
@@ -23,23 +107,11 @@ def settings_from_spec(spec) -> Settings:
     auto = spec.autoscaling
     if auto is None:
         return Settings(mode="Off", spec_max_num_seqs=spec.engine.max_num_seqs)
-    kv = auto.kv_retune
-    return Settings(
-        mode=auto.mode,
-        min_replicas=auto.min_replicas,
-        max_replicas=auto.max_replicas,
-        target_waiting_per_replica=auto.target_waiting_per_replica,
-        preemptions_per_minute_threshold=auto.preemptions_per_minute_threshold,
-        tolerance=auto.tolerance,
-        scale_up=_rules(auto.scale_up),
-        scale_down=_rules(auto.scale_down),
-        cold_start_seconds=auto.cold_start_seconds,
-        warmup_seconds=auto.warmup_seconds,
-        stale_sample_seconds=max(60, 4 * auto.interval_seconds),
-        spec_max_num_seqs=spec.engine.max_num_seqs,
-        kv_retune=KvRetuneSettings(
-            enabled=kv.enabled, threshold=kv.threshold, consecutive_samples=kv.consecutive_samples,
-            step_factor=kv.step_factor, floor=kv.floor, recovery_threshold=kv.recovery_threshold,
-            recovery_window_seconds=kv.recovery_window_seconds, recovery_step=kv.recovery_step,
-        ),
-    )
+    return Settings(**{
+        **_same_named(Settings, auto),
+        "scale_up": DirectionRules.from_model(auto.scale_up),
+        "scale_down": DirectionRules.from_model(auto.scale_down),
+        "stale_sample_seconds": max(MIN_STALE_SAMPLE_SECONDS, 4 * auto.interval_seconds),
+        "spec_max_num_seqs": spec.engine.max_num_seqs,
+        "kv_retune": KvRetuneSettings(**_same_named(KvRetuneSettings, auto.kv_retune)),
+    })

@@ -24,7 +24,7 @@ import pytest
 
 from iterserve.engine import metrics as names
 from iterserve.operator.autoscaling import memory as mem
-from iterserve.operator.autoscaling.actuator import EngineAdmin, apply_seqs_changes
+from iterserve.operator.autoscaling.engine_admin import EngineAdmin, apply_seqs_changes
 from iterserve.operator.autoscaling.metrics_source import (
     PodEndpoint,
     PrometheusSource,

@@ -13,16 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from iterserve.engine import metrics as names
-from iterserve.operator.autoscaling.actuator import (
-    EngineAdmin,
-    OperatorMetrics,
-    Record,
-    SeqsOutcome,
-    apply_seqs_changes,
-    config_max_num_seqs,
-    events_for,
-    status_patch,
-)
+from iterserve.operator.autoscaling.engine_admin import EngineAdmin, SeqsOutcome, apply_seqs_changes
 from iterserve.operator.autoscaling.loop import engine_pods
 from iterserve.operator.autoscaling.metrics_source import (
     MetricsFormatError,
@@ -38,6 +29,13 @@ from iterserve.operator.autoscaling.policy import (
     State,
     decide,
 )
+from iterserve.operator.autoscaling.report import (
+    Record,
+    config_max_num_seqs,
+    events_for,
+    status_patch,
+)
+from iterserve.operator.metrics import OperatorMetrics
 
 ENGINE_TEXT = f"""# TYPE {names.WAITING_REQUESTS} gauge
 {names.WAITING_REQUESTS}{{model_name="m"}} 7.0

@@ -128,17 +128,17 @@ def test_service_has_http_and_metrics_ports():
 def test_configmap_holds_the_effective_max_num_seqs():
     spec = example_spec("gpu-autoscaling.yaml")
     cm = r.build_configmap(OWNER, spec, r.effective_max_num_seqs(spec, 96))
-    assert cm["data"]["max_num_seqs"] == "96"
-    config = yaml.safe_load(cm["data"]["engine.yaml"])
-    assert config["max_num_seqs"] == 96 and config["spec_max_num_seqs"] == 128
+    assert cm["data"] == {"max_num_seqs": "96"}  # nothing else: the engine reads only this
     assert r.effective_max_num_seqs(spec, None) == 128
     assert r.effective_max_num_seqs(spec, 500) == 128  # never above the spec
 
 
 def test_retune_changes_only_the_configmap_not_the_pod_template():
     spec = example_spec("gpu-autoscaling.yaml")
-    assert r.build_deployment(OWNER, spec) == r.build_deployment(OWNER, spec)
-    assert r.build_configmap(OWNER, spec, 96) != r.build_configmap(OWNER, spec, 72)
+    tuned = {o["kind"]: o for o in r.build_owned(OWNER, spec, 96)}
+    retuned = {o["kind"]: o for o in r.build_owned(OWNER, spec, 72)}
+    assert tuned["Deployment"] == retuned["Deployment"] and tuned["Service"] == retuned["Service"]
+    assert tuned["ConfigMap"] != retuned["ConfigMap"]
     raised = parse_spec({**spec.to_wire(), "engine": {**spec.to_wire()["engine"], "maxNumSeqs": 256}})
     assert (r.build_deployment(OWNER, raised)["spec"]["template"]
             != r.build_deployment(OWNER, spec)["spec"]["template"])

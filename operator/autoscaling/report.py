@@ -1,0 +1,160 @@
+"""What one autoscaler tick decided and did, as data (`AutoscalerTick`), and how it reads in the
+InferenceService's status and Events.
+
+The autoscaler never writes status, the ConfigMap or the Deployment: it hands its tick to the
+reconcile (operator/reconcile.py), the one writer of those, which merges `status_patch` into the
+status it writes, starts new pods with `max_num_seqs`, and posts `events_for`. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from iterserve.operator import status as status_rules
+from iterserve.operator.autoscaling.engine_admin import SeqsOutcome
+from iterserve.operator.autoscaling.policy import Decision, PodSignal, SeqsChange
+from iterserve.operator.autoscaling.settings import Settings
+from iterserve.operator.models import METRICS_AVAILABLE, SCALING_LIMITED
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class AutoscalerTick:
+    """One tick, handed to the reconcile to record."""
+
+    settings: Settings
+    decision: Decision
+    record: Record
+    at: datetime
+    # The value new pods should start with (the lowest now in effect on a live pod); None when
+    # nothing was read this tick: the reconcile keeps the value it recorded before.
+    max_num_seqs: int | None
+
+
+@dataclass
+class Record:
+    """What a tick carried out: spec.replicas, and each engine's max_num_seqs."""
+
+    replicas_applied: bool = False
+    seqs: SeqsOutcome = field(default_factory=lambda: SeqsOutcome((), ()))
+    replicas_error: str | None = None
+
+
+def seqs_by_pod(decision: Decision, applied: Sequence[SeqsChange]) -> dict[str, int]:
+    """max_num_seqs in effect on each read pod after this tick's changes."""
+    seqs = {p.pod: p.max_num_seqs for p in decision.pods if p.max_num_seqs is not None}
+    seqs.update({c.pod: c.to_max_num_seqs for c in applied})
+    return seqs
+
+
+def config_max_num_seqs(decision: Decision, applied: Sequence[SeqsChange], spec_max_num_seqs: int) -> int:
+    """The value new pods should start with: the lowest now in effect on a live pod."""
+    seqs = seqs_by_pod(decision, applied)
+    return min(seqs.values()) if seqs else spec_max_num_seqs
+
+
+def start_max_num_seqs(decision: Decision, record: Record, settings: Settings) -> int | None:
+    """`AutoscalerTick.max_num_seqs`: None when the tick read nothing and changed nothing."""
+    if decision.metrics.available or record.seqs.applied:
+        return config_max_num_seqs(decision, record.seqs.applied, settings.spec_max_num_seqs)
+    return None
+
+
+def tuned_max_num_seqs(settings: Settings, tick: AutoscalerTick | None, previous_status: dict) -> int | None:
+    """What the KV retune wants new pods to start with: this tick's value, else the one recorded
+    last; None (the spec's value) when the retune does not run."""
+    if not settings.retunes:
+        return None
+    if tick is not None and tick.max_num_seqs is not None:
+        return tick.max_num_seqs
+    return previous_status.get("effectiveMaxNumSeqs")
+
+
+def _scale_action(decision: Decision) -> str:
+    return "ScaleUp" if decision.direction == "up" else "ScaleDown"
+
+
+def _retune_action(change: SeqsChange) -> str:
+    return "RetuneDown" if change.to_max_num_seqs < change.from_max_num_seqs else "RetuneUp"
+
+
+def events_for(decision: Decision, record: Record) -> list[Event]:
+    events = []
+    if record.replicas_applied:
+        events.append(Event("Normal", _scale_action(decision), f"{decision.reason}: {decision.message}"))
+    if record.replicas_error:
+        events.append(Event("Warning", "ScaleFailed", f"could not set spec.replicas to "
+                                                      f"{decision.desired_replicas}: {record.replicas_error}"))
+    for change in record.seqs.applied:
+        events.append(Event("Normal", _retune_action(change), f"pod {change.pod}: {change.reason}: {change.message}"))
+    for change, error in record.seqs.failed:
+        events.append(Event("Warning", "RetuneFailed",
+                            f"pod {change.pod}: max_num_seqs {change.from_max_num_seqs} -> "
+                            f"{change.to_max_num_seqs} not applied: {error}"))
+    return events
+
+
+def _history_records(decision: Decision, record: Record, now: datetime) -> list[dict]:
+    stamp = status_rules.timestamp(now)
+    out = []
+    if record.replicas_applied:
+        out.append({"time": stamp, "action": _scale_action(decision),
+                    "reason": decision.reason, "message": decision.message[:1000],
+                    "fromReplicas": decision.current_replicas, "toReplicas": decision.desired_replicas})
+    for change in record.seqs.applied:
+        out.append({"time": stamp, "action": _retune_action(change),
+                    "reason": change.reason, "message": change.message[:1000], "pod": change.pod,
+                    "fromMaxNumSeqs": change.from_max_num_seqs, "toMaxNumSeqs": change.to_max_num_seqs})
+    return out
+
+
+def status_patch(previous: dict | None, settings: Settings, decision: Decision, record: Record,
+                 effective_max_num_seqs: int, now: datetime) -> dict:
+    """The status fields that record a tick, as a merge patch over `previous`."""
+    previous = previous or {}
+    conditions = previous.get("conditions") or []
+    metrics = decision.metrics
+    conditions = status_rules.set_condition(conditions, METRICS_AVAILABLE,
+                                            "True" if metrics.available else "False",
+                                            metrics.reason or "Unknown", metrics.message, now)
+    if decision.scaling_limited:
+        conditions = status_rules.set_condition(conditions, SCALING_LIMITED, "True",
+                                                decision.limited_reason or "Limited", decision.limited_message, now)
+    else:
+        conditions = status_rules.set_condition(conditions, SCALING_LIMITED, "False", "DesiredWithinRange",
+                                                f"desired {decision.desired_replicas} within "
+                                                f"[{settings.min_replicas}, {settings.max_replicas}]", now)
+    patch: dict = {"conditions": conditions}
+    if settings.mode == "Builtin":  # in External mode the reconcile keeps both at the spec's values
+        patch["desiredReplicas"] = decision.desired_replicas
+        patch["effectiveMaxNumSeqs"] = effective_max_num_seqs
+    history = previous.get("scalingHistory") or []
+    for entry in _history_records(decision, record, now):
+        history = status_rules.append_history(history, entry)
+    if history != (previous.get("scalingHistory") or []):
+        patch["scalingHistory"] = history
+    if record.replicas_applied:
+        patch["lastScaleTime"] = status_rules.timestamp(now)
+    measured = [p for p in decision.pods if p.state == "measured"]
+    patch["waitingRequests"] = int(sum(p.waiting for p in measured)) if measured else None
+    patch["kvCacheUsage"] = round(max(p.kv_usage for p in measured), 4) if measured else None
+    patch["pods"] = [_pod_summary(p) for p in decision.pods]
+    return patch
+
+
+def _pod_summary(signal: PodSignal) -> dict:
+    summary = {"name": signal.pod, "ready": True}
+    if signal.state == "measured":
+        summary.update(waitingRequests=int(signal.waiting), runningSeqs=int(signal.running),
+                       kvCacheUsage=round(signal.kv_usage, 4), maxNumSeqs=signal.max_num_seqs)
+        if signal.preemptions_per_minute is not None:
+            summary["preemptionsPerMinute"] = round(signal.preemptions_per_minute, 3)
+    return summary

@@ -1,0 +1,113 @@
+"""One writer per value: the autoscaler's tick writes only engines (admin API) and spec.replicas;
+the reconcile alone writes the ConfigMap and status, recording the tick it is handed."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from datetime import UTC, datetime
+
+from iterserve.operator.autoscaling import policy
+from iterserve.operator.autoscaling.engine_admin import SeqsOutcome
+from iterserve.operator.autoscaling.loop import Autoscaler
+from iterserve.operator.autoscaling.report import AutoscalerTick, Record
+from iterserve.operator.reconcile import Reconciler
+
+
+class MemoryKube:
+    """The Kube methods the reconcile and the autoscaler call, on dicts, recording every write."""
+
+    def __init__(self, spec: dict, status: dict | None = None):
+        self.objects: dict[tuple[str, str], dict] = {}
+        self.body = {"apiVersion": "iterserve.dev/v1alpha1", "kind": "InferenceService",
+                     "metadata": {"namespace": "ns", "name": "llm", "uid": "u1", "generation": 1,
+                                  "resourceVersion": "1"},
+                     "spec": spec, "status": status or {}}
+        self.writes: list[tuple[str, str]] = []
+        self.events: list[str] = []
+        self.version = 1
+
+    def _bump(self, obj: dict) -> dict:
+        self.version += 1
+        obj["metadata"]["resourceVersion"] = str(self.version)
+        return obj
+
+    def get_inference_service(self, namespace, name):
+        return copy.deepcopy(self.body)
+
+    def patch_status(self, namespace, name, status, resource_version):
+        self.writes.append(("status", ",".join(sorted(status))))
+        self.body["status"] = {**self.body["status"], **status}
+        return copy.deepcopy(self._bump(self.body))
+
+    def scale_inference_service(self, namespace, name, replicas):
+        self.writes.append(("spec.replicas", str(replicas)))
+        self.body["spec"]["replicas"] = replicas
+        return copy.deepcopy(self._bump(self.body))
+
+    def get(self, kind, namespace, name):
+        found = self.objects.get((kind, name))
+        return copy.deepcopy(found) if found else None
+
+    def apply(self, manifest, dry_run=False):
+        if dry_run:
+            return manifest
+        self.writes.append((manifest["kind"], manifest["metadata"]["name"]))
+        obj = self._bump(copy.deepcopy(manifest))
+        if manifest["kind"] == "Deployment":
+            obj["status"] = {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1, "observedGeneration": 1}
+            obj["metadata"]["generation"] = 1
+        self.objects[(manifest["kind"], manifest["metadata"]["name"])] = obj
+        return copy.deepcopy(obj)
+
+    def create_secret(self, manifest):
+        self.writes.append(("Secret", manifest["metadata"]["name"]))
+        self.objects[("Secret", manifest["metadata"]["name"])] = self._bump(copy.deepcopy(manifest))
+        return manifest
+
+    def post_event(self, owner, type_, reason, message):
+        self.events.append(reason)
+
+
+SPEC = {"model": {"uri": "m"}, "engine": {"maxNumSeqs": 16}, "replicas": 1,
+        "autoscaling": {"mode": "Builtin", "minReplicas": 1, "maxReplicas": 3}}
+
+
+def _tick(settings: policy.Settings) -> AutoscalerTick:
+    samples = {"llm-a": [policy.PodSample("llm-a", 100, 30, 16, 0.99, 5, 16)]}
+    decision = policy.decide(settings, policy.State(1, (policy.PodState("llm-a", 0, 1),)), samples, 100)
+    change = policy.SeqsChange("llm-a", 16, 12, "kv_pressure", "KV usage 0.99")
+    record = Record(replicas_applied=True, seqs=SeqsOutcome((change,), ()))
+    return AutoscalerTick(settings, decision, record, datetime(2026, 1, 1, tzinfo=UTC), 12)
+
+
+def test_the_reconcile_records_a_tick_in_status_configmap_and_events():
+    kube = MemoryKube(copy.deepcopy(SPEC))
+    reconciler = Reconciler(kube)
+    reconciler.reconcile("ns", "llm")
+    assert kube.objects[("ConfigMap", "llm-engine")]["data"] == {"max_num_seqs": "16"}
+    kube.writes.clear()
+
+    reconciler.reconcile("ns", "llm", tick=_tick(policy.Settings(warmup_seconds=0, max_replicas=3, spec_max_num_seqs=16)))
+    assert kube.objects[("ConfigMap", "llm-engine")]["data"] == {"max_num_seqs": "12"}
+    status = kube.body["status"]
+    assert status["effectiveMaxNumSeqs"] == 12 and status["desiredReplicas"] == 3
+    assert [h["action"] for h in status["scalingHistory"]] == ["ScaleUp", "RetuneDown"]
+    assert [w for w, _ in kube.writes] == ["ConfigMap", "status"]  # one status write, with the tick in it
+    assert kube.events[-2:] == ["ScaleUp", "RetuneDown"]
+
+    kube.writes.clear()  # later reconciles keep the recorded value and write nothing
+    reconciler.reconcile("ns", "llm")
+    assert kube.writes == [] and kube.objects[("ConfigMap", "llm-engine")]["data"] == {"max_num_seqs": "12"}
+
+
+def test_the_autoscaler_tick_writes_only_spec_replicas():
+    kube = MemoryKube(copy.deepcopy(SPEC))
+    from iterserve.operator.validation import parse_spec
+
+    spec = parse_spec({**SPEC, "autoscaling": {**SPEC["autoscaling"], "minReplicas": 2}})
+    tick = asyncio.run(Autoscaler().tick(namespace="ns", name="llm", spec=spec, replicas=1, pods=[], port=8000,
+                                         admin_token=None, kube=kube))
+    assert tick.decision.desired_replicas == 2 and tick.record.replicas_applied
+    assert kube.writes == [("spec.replicas", "2")] and kube.events == []
+    assert tick.max_num_seqs is None  # nothing read: the reconcile keeps what it recorded
