@@ -1,0 +1,386 @@
+"""The fleet of one InferenceService on a simulated clock: pods, routing, metrics, the autoscaler.
+
+Pods go Pending (asked for, not created) -> Starting (created, loading the model: a start-up delay
+drawn from a distribution) -> Ready -> Draining (deleted: no new requests, in-flight ones get
+drainSeconds, then the rest are aborted) -> gone. A sampler reads each ready pod's engine stats
+every scrape interval; the autoscaler ticks every `intervalSeconds` on samples at least `lag`
+seconds old, through the operator's own pieces (settings_from_spec, memory, policy.decide,
+config_max_num_seqs, the reconcile's effective_max_num_seqs) and applies max_num_seqs changes
+with the engine's own set_max_num_seqs, the call the admin API makes.
+
+Everything happens in one event queue ordered by (time, kind, sequence number), so a run is a
+pure function of trace, spec, profile and seed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from iterserve.operator.autoscaling import memory as mem
+from iterserve.operator.autoscaling.policy import PodSample, decide
+from iterserve.operator.autoscaling.report import config_max_num_seqs
+from iterserve.operator.autoscaling.settings import settings_from_spec
+from iterserve.operator.resources import effective_max_num_seqs
+from iterserve.simulate.profile import StepProfile
+from iterserve.simulate.replica import Replica, RequestRecord, engine_config_for
+from iterserve.simulate.traces import TraceRequest
+
+# Event kinds, in the order they run when due at the same instant.
+POD_CREATE, POD_READY, ARRIVAL, STEP, SCRAPE, TICK, DRAIN_DEADLINE, TIMELINE = range(8)
+
+
+@dataclass(frozen=True)
+class Delay:
+    """A start-up delay distribution: 'fixed:30' (or '30'), 'uniform:20:40', 'normal:60:10',
+    'lognormal:60:20' (mean and standard deviation of the delay itself, in seconds)."""
+
+    kind: str = "fixed"
+    a: float = 30.0
+    b: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str | float) -> Delay:
+        parts = str(text).split(":")
+        try:
+            if len(parts) == 1:
+                return cls("fixed", float(parts[0]))
+            if parts[0] == "fixed" and len(parts) == 2:
+                return cls("fixed", float(parts[1]))
+            if parts[0] in ("uniform", "normal", "lognormal") and len(parts) == 3:
+                return cls(parts[0], float(parts[1]), float(parts[2]))
+        except ValueError:
+            pass
+        raise ValueError(f"cannot read start-up delay {text!r}: write 30, uniform:20:40, normal:60:10 or lognormal:60:20")
+
+    def draw(self, rng: random.Random) -> float:
+        if self.kind == "fixed":
+            return self.a
+        if self.kind == "uniform":
+            return rng.uniform(self.a, self.b)
+        if self.kind == "normal":
+            return max(0.0, rng.gauss(self.a, self.b))
+        sigma2 = math.log(1 + (self.b / self.a) ** 2)
+        return rng.lognormvariate(math.log(self.a) - sigma2 / 2, math.sqrt(sigma2))
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    seed: int = 0
+    startup: Delay = field(default_factory=Delay)
+    create_delay_s: float = 1.0  # spec.replicas raised -> the pod exists (controllers, scheduling)
+    scrape_interval_s: float | None = None  # default: the autoscaler's interval
+    metrics_lag_s: float = 0.0  # the autoscaler sees samples at least this old (Prometheus: ~scrape interval)
+    router: str = "round-robin"  # round-robin | least-load (the router's pick())
+    timeline_interval_s: float | None = None  # default: the autoscaler's interval, at least 1 s
+    tail_s: float = 0.0  # keep the fleet (and the autoscaler) running this long after the last request
+    initial_pods_ready: bool = True  # the spec's replicas are up at t=0 (False: they start then)
+
+
+@dataclass
+class Pod:
+    name: str
+    created_at: float
+    starts_with_seqs: int
+    replica: Replica
+    ready_at: float | None = None
+    deleted_at: float | None = None
+    gone_at: float | None = None
+    stepping: bool = False  # a STEP event is queued
+    samples: deque = field(default_factory=lambda: deque(maxlen=64))
+
+    @property
+    def accepting(self) -> bool:
+        return self.ready_at is not None and self.deleted_at is None
+
+
+@dataclass
+class Result:
+    requests: list[RequestRecord]
+    pods: list[Pod]
+    timeline: list[dict]
+    scale_events: list[dict]
+    retunes: list[dict]
+    decisions: dict[str, int]
+    end: float
+    gaps: list[float]
+    preemptions: int
+    steps: int
+
+
+Picker = Callable[[Sequence[Pod], int, random.Random], "Pod | None"]
+
+
+def round_robin(pods: Sequence[Pod], counter: int, rng: random.Random) -> Pod:
+    return pods[counter % len(pods)]
+
+
+def least_load(pods: Sequence[Pod], counter: int, rng: random.Random) -> Pod | None:
+    """The router's own picking function (iterserve/router/picking.py), fed what the router sees:
+    its in-flight count per replica and the replica's queue and batch (its 0.2 s scrape taken as
+    current). None: every replica saturated (the router answers 429)."""
+    from iterserve.router.picking import EndpointLoad, pick
+
+    loads = []
+    for pod in pods:
+        stats = pod.replica.engine.stats()
+        loads.append(EndpointLoad(pod.name, len(pod.replica.in_flight), stats.num_waiting, stats.num_running,
+                                  stats.max_num_seqs))
+    chosen = pick(loads, rng).url
+    return next((p for p in pods if p.name == chosen), None)
+
+
+PICKERS: dict[str, Picker] = {"round-robin": round_robin, "least-load": least_load}
+
+
+class ClusterSim:
+    def __init__(self, spec, profile: StepProfile, trace: Sequence[TraceRequest], options: SimOptions,
+                 progress: Callable[[float], None] | None = None):
+        self.spec, self.profile, self.options = spec, profile, options
+        self.settings = settings_from_spec(spec)
+        auto = spec.autoscaling
+        self.interval = float(auto.interval_seconds) if auto is not None else 15.0
+        self.scrape_interval = options.scrape_interval_s or self.interval
+        self.rng = random.Random(options.seed)  # start-up delays
+        self.route_rng = random.Random(options.seed + 1)  # the router's tie breaks
+        self.picker = PICKERS[options.router]
+        self.progress = progress
+        self.records = [RequestRecord(i, r.arrival_s, r.prompt_tokens, r.output_tokens) for i, r in enumerate(trace)]
+        self.events: list[tuple] = []
+        self._order = itertools.count()
+        self._names = itertools.count(1)
+        self._rr = itertools.count()
+        self.pods: list[Pod] = []
+        self.replicas = spec.replicas
+        self.configmap_seqs = spec.engine.max_num_seqs  # what new pods start with
+        self.memory = mem.fresh_memory(spec.replicas, 0.0)
+        self.router_queue: deque[RequestRecord] = deque()
+        self.timeline: list[dict] = []
+        self.scale_events: list[dict] = []
+        self.retunes: list[dict] = []
+        self.decisions: dict[str, int] = {}
+        self.open_requests = 0
+        self.now = 0.0
+        # Fail early on a spec whose engine could not start.
+        engine_config_for(spec, spec.engine.max_num_seqs)
+
+    # -- events -------------------------------------------------------------------------------
+    def _at(self, when: float, kind: int, payload=None) -> None:
+        heapq.heappush(self.events, (when, kind, next(self._order), payload))
+
+    def run(self) -> Result:
+        for _ in range(self.spec.replicas):
+            self._create_pod(0.0, ready=self.options.initial_pods_ready)
+        for record in self.records:
+            self._at(record.arrival, ARRIVAL, record)
+        self.open_requests = len(self.records)
+        if self.settings.mode != "Off":
+            self._at(0.0, TICK)
+        self._at(0.0, SCRAPE)
+        timeline_every = self.options.timeline_interval_s or max(1.0, self.interval)
+        self._at(0.0, TIMELINE, timeline_every)
+        end = None
+        while self.events:
+            when, kind, _, payload = heapq.heappop(self.events)
+            if end is None and self.open_requests == 0:
+                end = self.now + self.options.tail_s
+            if end is not None and when > end:
+                break
+            self.now = when
+            if self.progress is not None:
+                self.progress(when)
+            self._handle(kind, payload)
+        end = self.now if end is None else end
+        for pod in self.pods:
+            if pod.gone_at is None:
+                pod.gone_at = end
+        replicas = [p.replica for p in self.pods]
+        gaps = [g for r in replicas for g in r.gaps]
+        return Result(self.records, self.pods, self.timeline, self.scale_events, self.retunes, self.decisions,
+                      end, gaps, sum(r.engine.scheduler.num_preemptions for r in replicas),
+                      sum(r.steps for r in replicas))
+
+    def _handle(self, kind: int, payload) -> None:
+        if kind == ARRIVAL:
+            self._route(payload)
+        elif kind == STEP:
+            self._step(payload)
+        elif kind == POD_CREATE:
+            if self.replicas > self._live_count():
+                self._create_pod(self.now, ready=False)
+        elif kind == POD_READY:
+            self._ready(payload)
+        elif kind == SCRAPE:
+            self._scrape()
+            self._at(self.now + self.scrape_interval, SCRAPE)
+        elif kind == TICK:
+            self._tick()
+            self._at(self.now + self.interval, TICK)
+        elif kind == DRAIN_DEADLINE:
+            self._drain_deadline(payload)
+        elif kind == TIMELINE:
+            self._timeline_row(payload)
+            self._at(self.now + payload, TIMELINE, payload)
+
+    # -- pods ---------------------------------------------------------------------------------
+    def _live(self) -> list[Pod]:
+        return [p for p in self.pods if p.deleted_at is None]
+
+    def _live_count(self) -> int:
+        return sum(1 for p in self.pods if p.deleted_at is None)
+
+    def _create_pod(self, now: float, ready: bool) -> None:
+        seqs = effective_max_num_seqs(self.spec, self.configmap_seqs)
+        config, server = engine_config_for(self.spec, seqs)
+        name = f"pod-{next(self._names)}"
+        pod = Pod(name, now, seqs, Replica(name, config, self.profile, server))
+        self.pods.append(pod)
+        if ready:
+            pod.ready_at = now
+        else:
+            self._at(now + self.options.startup.draw(self.rng), POD_READY, pod)
+
+    def _ready(self, pod: Pod) -> None:
+        if pod.deleted_at is not None:
+            return
+        pod.ready_at = self.now
+        while self.router_queue:
+            self._route(self.router_queue.popleft())
+
+    def _set_replicas(self, desired: int) -> None:
+        """The Deployment follows spec.replicas: new pods, or deletions (not-ready pods first,
+        then the newest, as a ReplicaSet picks)."""
+        previous, self.replicas = self.replicas, desired
+        live = self._live()
+        if desired > len(live):
+            for _ in range(desired - len(live)):
+                self._at(self.now + self.options.create_delay_s, POD_CREATE)
+        elif desired < len(live):
+            victims = sorted(live, key=lambda p: (p.ready_at is not None, -p.created_at, p.name))
+            for pod in victims[: len(live) - desired]:
+                self._delete(pod)
+        return previous
+
+    def _delete(self, pod: Pod) -> None:
+        pod.deleted_at = self.now
+        if not pod.replica.busy:
+            pod.gone_at = self.now
+            return
+        self._at(self.now + pod.replica.server.drain_timeout, DRAIN_DEADLINE, pod)
+
+    def _drain_deadline(self, pod: Pod) -> None:
+        if pod.gone_at is not None:
+            return
+        aborted = pod.replica.abort_all("drain timeout")
+        self.open_requests -= len(aborted)
+        pod.gone_at = self.now
+
+    # -- requests -----------------------------------------------------------------------------
+    def _route(self, record: RequestRecord) -> None:
+        ready = [p for p in self.pods if p.accepting]
+        if not ready:
+            self.router_queue.append(record)  # no endpoint yet: the client waits for one
+            return
+        pod = self.picker(ready, next(self._rr), self.route_rng)
+        if pod is None:
+            record.status, record.error = "rejected", "429: every replica saturated (router)"
+            self.open_requests -= 1
+            return
+        if not pod.replica.submit(record, self.now):
+            self.open_requests -= 1
+            return
+        if not pod.stepping:
+            pod.stepping = True
+            self._at(self.now, STEP, pod)
+
+    def _step(self, pod: Pod) -> None:
+        replica = pod.replica
+        before = len(replica.in_flight)
+        end = replica.step(self.now)
+        self.open_requests -= before - len(replica.in_flight)
+        if replica.busy and end > self.now:
+            self._at(end, STEP, pod)
+            return
+        pod.stepping = False  # idle, or nothing schedulable until something changes
+        if pod.deleted_at is not None and not replica.busy and pod.gone_at is None:
+            pod.gone_at = self.now
+
+    def _kick(self, pod: Pod) -> None:
+        if not pod.stepping and pod.replica.busy and pod.gone_at is None:
+            pod.stepping = True
+            self._at(self.now, STEP, pod)
+
+    # -- metrics and the autoscaler -----------------------------------------------------------
+    def _scrape(self) -> None:
+        for pod in self.pods:
+            if not pod.accepting:
+                continue
+            stats = pod.replica.engine.stats()
+            pod.samples.append(PodSample(pod.name, self.now, waiting=float(stats.num_waiting),
+                                         running=float(stats.num_running), kv_usage=stats.kv_usage,
+                                         preemptions_total=float(stats.num_preemptions),
+                                         max_num_seqs=float(stats.max_num_seqs)))
+
+    def _tick(self) -> None:
+        """Autoscaler.tick (operator/autoscaling/loop.py) with the pods, the scrape and the
+        writes simulated: the same memory, decision and max_num_seqs bookkeeping."""
+        settings, now = self.settings, self.now
+        live = self._live()
+        infos = [mem.PodInfo(p.name, p.created_at, p.ready_at) for p in live]
+        seen_until = now - self.options.metrics_lag_s
+        samples = []
+        for pod in live:
+            if pod.ready_at is None:
+                continue
+            latest = next((s for s in reversed(pod.samples) if s.at <= seen_until + 1e-9), None)
+            if latest is not None and not any(s is latest for s in self.memory.history.get(pod.name, ())):
+                samples.append(latest)
+        self.memory = mem.record_samples(self.memory, samples, [p.name for p in infos], settings, now)
+        decision = decide(settings, mem.state_for(self.memory, self.replicas, infos), self.memory.history, now)
+        self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
+
+        replicas_applied = False
+        if settings.mode == "Builtin" and decision.replicas_changed:
+            self._set_replicas(decision.desired_replicas)
+            replicas_applied = True
+            self.scale_events.append({"t": round(now, 6), "from": decision.current_replicas,
+                                      "to": decision.desired_replicas, "reason": decision.reason})
+        applied = []
+        by_name = {p.name: p for p in live}
+        for change in decision.seqs_changes:
+            pod = by_name.get(change.pod)
+            if pod is None or not pod.accepting:
+                continue
+            pod.replica.engine.set_max_num_seqs(change.to_max_num_seqs)  # what PATCH /admin/config calls
+            applied.append(change)
+            self.retunes.append({"t": round(now, 6), "pod": change.pod, "from": change.from_max_num_seqs,
+                                 "to": change.to_max_num_seqs, "reason": change.reason})
+            self._kick(pod)
+        self.memory = mem.record_decision(self.memory, decision, settings, now, replicas_applied, applied)
+        if settings.mode == "Builtin" and (decision.metrics.available or applied):
+            self.configmap_seqs = config_max_num_seqs(decision, applied, settings.spec_max_num_seqs)
+
+    def _timeline_row(self, every: float) -> None:
+        pods = {}
+        for pod in self.pods:
+            if pod.gone_at is not None or pod.ready_at is None:
+                continue
+            stats = pod.replica.engine.stats()
+            pods[pod.name] = {"waiting": stats.num_waiting, "running": stats.num_running,
+                              "kv_usage": round(stats.kv_usage, 4), "max_num_seqs": stats.max_num_seqs,
+                              "preemptions": stats.num_preemptions, "draining": pod.deleted_at is not None}
+        live = self._live()
+        self.timeline.append({
+            "t": round(self.now, 6),
+            "replicas_desired": self.replicas,
+            "pods_starting": sum(1 for p in live if p.ready_at is None),
+            "replicas_ready": sum(1 for p in live if p.ready_at is not None),
+            "pods_draining": sum(1 for p in self.pods if p.deleted_at is not None and p.gone_at is None),
+            "router_queue": len(self.router_queue),
+            "pods": pods,
+        })

@@ -1,0 +1,247 @@
+"""The autoscaling simulator: trace loaders and generators, the step-time fit, the replica model's
+KV sizing, the fleet's autoscaling through the operator's decide(), and byte-for-byte determinism."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from iterserve.cli import main as iterserve_main
+from iterserve.engine.config import EngineConfig
+from iterserve.engine.llm_engine import LLMEngine
+from iterserve.operator.models import InferenceServiceSpec
+from iterserve.simulate import profile as profiles
+from iterserve.simulate import traces
+from iterserve.simulate.cluster import ClusterSim, Delay, SimOptions
+from iterserve.simulate.replica import Replica, engine_config_for, fake_model_profile
+from iterserve.simulate.report import Slo, to_json
+
+# ------------------------------------------------------------------------------------- traces
+
+
+def test_loaders_read_each_format(tmp_path):
+    azure = tmp_path / "azure.csv"
+    azure.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                     "2023-11-16 18:15:46.6805900,374,44\n"
+                     "2023-11-16 18:15:46.1805900,100,7\n"
+                     "2023-11-16 18:15:50.0000000,2000,0\n")
+    burst = tmp_path / "burst.csv"
+    burst.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                     "5,ChatGPT,472,18,490,Conversation log\n"
+                     "45,ChatGPT,1087,0,1087,Conversation log\n"
+                     "47,GPT-4,417,276,693,API log\n")
+    mooncake = tmp_path / "mooncake.jsonl"
+    mooncake.write_text('{"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47]}\n'
+                        '{"timestamp": 30535, "input_length": 6472, "output_length": 26, "hash_ids": [46]}\n')
+    plain = tmp_path / "plain.csv"
+    plain.write_text("timestamp_s,prompt_tokens,output_tokens\n0.5,10,20\n1.25,30,40\n")
+
+    a = traces.load_trace(azure)
+    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in a] == [
+        (0.0, 100, 7), (0.5, 374, 44), (3.819410, 2000, 1)]  # sorted, relative, at least one output token
+    b = traces.load_trace(burst)
+    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in b] == [(0.0, 472, 18), (42.0, 417, 276)]
+    m = traces.load_trace(mooncake)
+    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in m] == [(0.0, 6955, 52), (3.053, 6472, 26)]
+    p = traces.load_trace(plain)
+    assert [(r.arrival_s, r.prompt_tokens) for r in p] == [(0.0, 10), (0.75, 30)]
+    assert [traces.detect_format(f) for f in (azure, burst, mooncake, plain)] == ["azure", "burstgpt", "mooncake", "csv"]
+
+
+def test_loader_errors_name_the_line(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("timestamp_s,prompt_tokens,output_tokens\n0,ten,5\n")
+    with pytest.raises(traces.TraceError, match=r"bad.csv:2: bad prompt_tokens 'ten'"):
+        traces.load_trace(bad)
+    unknown = tmp_path / "what.csv"
+    unknown.write_text("a,b,c\n1,2,3\n")
+    with pytest.raises(traces.TraceError, match="cannot tell the trace format"):
+        traces.load_trace(unknown)
+
+
+def test_generators_are_seeded_and_shaped():
+    fixed, zipf = traces.Lengths("fixed", 32), traces.Lengths.parse("zipf:256")
+    a = traces.poisson(5.0, 400, fixed, zipf, seed=3)
+    assert a == traces.poisson(5.0, 400, fixed, zipf, seed=3)
+    assert a != traces.poisson(5.0, 400, fixed, zipf, seed=4)
+    assert 1800 < len(a) < 2200
+    outputs = [r.output_tokens for r in a]
+    assert max(outputs) <= 256 and np.median(outputs) < 20 < max(outputs)  # Zipf: mostly short, long tail
+
+    def cv(trace):
+        gaps = np.diff([r.arrival_s for r in trace])
+        return gaps.std() / gaps.mean()
+
+    assert 0.9 < cv(a) < 1.1
+    assert cv(traces.gamma(5.0, 3.0, 400, fixed, fixed, seed=1)) > 2.0
+    day = traces.diurnal(2.0, 5.0, period=1000, duration=1000, prompt=fixed, output=fixed, seed=2)
+    arrivals = [r.arrival_s for r in day]
+    trough = sum(1 for t in arrivals if t < 100 or t > 900)
+    peak = sum(1 for t in arrivals if 400 < t < 600)
+    assert peak > 2.5 * trough
+
+
+# ------------------------------------------------------------------------------------ the fit
+
+
+def test_nnls_matches_the_known_answer():
+    rng = np.random.default_rng(0)
+    a = rng.random((50, 4))
+    x = np.array([2.0, 0.0, 0.5, 3.0])
+    assert np.allclose(profiles._lawson_hanson(a, a @ x), x, atol=1e-8)
+    # A negative unconstrained answer is clamped to zero, and the residual is no worse than any
+    # other non-negative point nearby.
+    b = a @ np.array([1.0, -2.0, 1.0, 1.0])
+    solved = profiles._lawson_hanson(a, b)
+    assert (solved >= 0).all() and solved[1] == 0
+    for _ in range(20):
+        other = np.clip(solved + rng.normal(0, 0.05, 4), 0, None)
+        assert np.linalg.norm(a @ solved - b) <= np.linalg.norm(a @ other - b) + 1e-9
+
+
+def _synthetic_log(path, coefficients, steps=400, noise=0.02, seed=0):
+    rng = random.Random(seed)
+    with open(path, "w") as handle:
+        for i in range(steps):
+            decode = rng.randint(0, 32)
+            prefill = rng.choice([0, 0, 0, rng.randint(1, 512)])
+            seqs = decode + (1 if prefill else 0)
+            if seqs == 0:
+                continue
+            context = decode * rng.randint(20, 400) + prefill
+            t = (coefficients["const"] + coefficients["prefill_tokens"] * prefill
+                 + coefficients["decode_seqs"] * decode + coefficients["context_tokens"] * context)
+            t *= 1 + rng.gauss(0, noise)
+            handle.write(json.dumps({"step": i, "duration_s": t, "prefill_tokens": prefill, "decode_tokens": decode,
+                                     "num_seqs": seqs, "context_tokens": context,
+                                     "max_context_tokens": 400}) + "\n")
+
+
+def test_fit_recovers_the_coefficients_and_the_cli_writes_the_profile(tmp_path, capsys):
+    truth = {"const": 0.05, "prefill_tokens": 0.004, "decode_seqs": 0.003, "context_tokens": 2e-6}
+    log = tmp_path / "steps.jsonl"
+    _synthetic_log(log, truth)
+    out = tmp_path / "profile.json"
+    assert iterserve_main(["simulate", "fit", "--step-log", str(log), "--out", str(out), "--name", "synthetic"]) == 0
+    printed = capsys.readouterr().out
+    assert "decode_only" in printed and "mixed" in printed
+    fitted = profiles.load_profile(str(out))
+    for term, value in truth.items():
+        assert fitted.coefficients[term] == pytest.approx(value, rel=0.15), term
+    errors = fitted.fit["test_errors"]
+    assert errors["decode_only"]["mean"] < 0.05 and errors["mixed"]["mean"] < 0.05
+
+
+def test_shipped_profiles_load():
+    cpu = profiles.load_profile("smollm2-135m-cpu")
+    assert not cpu.modelled and cpu.kv_bytes_per_token == 30 * 2 * 3 * 64 * 4
+    accel = profiles.load_profile("modelled-accelerator")
+    assert accel.modelled and accel.citations
+    flat = [accel.step_seconds(profiles.StepFeatures(0, b, 0, b, 0)) for b in (1, 16, 64, 128)]
+    assert max(flat) == min(flat)  # flat in the batch until compute-bound
+    assert accel.step_seconds(profiles.StepFeatures(0, 512, 0, 512, 0)) > 2 * flat[0]
+
+
+# ------------------------------------------------------------------------------- replica model
+
+
+def test_replica_kv_pool_matches_the_fake_engines():
+    spec = InferenceServiceSpec.model_validate({"model": {"uri": "x"}, "engine": {
+        "maxNumSeqs": 8, "maxModelLen": 512, "kvCacheMemory": "29MiB", "extraArgs": ["--fake-model"]}})
+    config, server = engine_config_for(spec, 6)
+    assert config.max_num_seqs == 6 and config.model == "fake" and server.drain_timeout == 30
+    replica = Replica("p", config, fake_model_profile())
+    real = LLMEngine.from_config(EngineConfig(model="fake", kv_cache_memory="29MiB", max_model_len=512))
+    assert replica.num_kv_blocks == real.block_manager.num_blocks == 41
+
+
+# ----------------------------------------------------------------------------------- the fleet
+
+SPEC = {  # the whole loop's InferenceService (e2e/wholeloop/scenario.py), fake model
+    "model": {"uri": "smollm2-135m"},
+    "engine": {"maxNumSeqs": 8, "maxModelLen": 512, "kvCacheMemory": "29MiB", "drainSeconds": 30,
+               "extraArgs": ["--fake-model", "--max-waiting-requests", "1000"]},
+    "replicas": 1,
+    "autoscaling": {"mode": "Builtin", "minReplicas": 1, "maxReplicas": 3, "targetWaitingPerReplica": 4,
+                    "intervalSeconds": 1, "warmupSeconds": 3, "coldStartSeconds": 120,
+                    "scaleDown": {"stabilizationWindowSeconds": 10},
+                    "kvRetune": {"threshold": 0.95, "consecutiveSamples": 3, "stepFactor": 0.75, "floor": 4,
+                                 "recoveryWindowSeconds": 600}},
+}
+
+
+def _run(spec_dict, trace, **options):
+    spec = InferenceServiceSpec.model_validate(spec_dict)
+    profile = fake_model_profile(options.pop("scale", 1.0))
+    result = ClusterSim(spec, profile, trace, SimOptions(**options)).run()
+    return to_json(result, Slo(), {})
+
+
+@pytest.mark.slow
+def test_heavy_load_scales_up_after_startup_and_back_down():
+    heavy = traces.poisson(30.0, 40, traces.Lengths("fixed", 32), traces.Lengths("fixed", 128), seed=0)
+    light = [traces.TraceRequest(40 + i, 32, 16) for i in range(60)]
+    doc = _run(SPEC, heavy + light, startup=Delay.parse(10), tail_s=60, scale=4.0)
+    summary = doc["summary"]
+    assert len(doc["requests"]) == len(heavy) + len(light)
+    ups = [e for e in summary["scale_events"] if e["to"] > e["from"]]
+    downs = [e for e in summary["scale_events"] if e["to"] < e["from"]]
+    assert ups and ups[0]["reason"] in ("waiting_above_target", "preemptions")
+    assert max(e["to"] for e in ups) <= 3 and downs and downs[-1]["to"] == 1
+    # A new pod is ready no sooner than the start-up delay after the scale-up that asked for it.
+    rows = doc["timeline"]
+    first_ready = next(r["t"] for r in rows if r["replicas_ready"] >= 2)
+    assert first_ready >= ups[0]["t"] + 10
+    # The KV pool is thrashed at max_num_seqs 8 (41 blocks, 10 per request): the retune lowers it.
+    assert summary["preemptions"] > 0
+    assert any(r["reason"] == "kv_pressure" and r["to"] < r["from"] for r in summary["retunes"])
+    assert summary["statuses"].get("ok", 0) == len(doc["requests"])
+    assert summary["replica_seconds"] > doc["summary"]["simulated_seconds"]
+
+
+def test_requests_wait_for_a_cold_replica_and_ttft_counts_it():
+    trace = [traces.TraceRequest(0.0, 16, 4), traces.TraceRequest(1.0, 16, 4)]
+    spec = dict(SPEC, autoscaling=None)
+    doc = _run(spec, trace, startup=Delay.parse(20), initial_pods_ready=False)
+    assert [r["status"] for r in doc["requests"]] == ["ok", "ok"]
+    assert doc["requests"][0]["ttft_s"] >= 20 and doc["requests"][1]["ttft_s"] >= 19
+
+
+def test_same_seed_same_bytes(tmp_path):
+    trace_path = tmp_path / "t.csv"
+    traces.write_csv(traces.gamma(20.0, 2.0, 20, traces.Lengths("fixed", 32), traces.Lengths.parse("zipf:128"),
+                                  seed=5), trace_path)
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(json.dumps({"apiVersion": "iterserve.dev/v1alpha1", "kind": "InferenceService",
+                                     "metadata": {"name": "chat"}, "spec": SPEC}))
+    outputs = []
+    for seed in (1, 1, 2):
+        out = tmp_path / f"out{len(outputs)}.json"
+        argv = ["simulate", "--trace", str(trace_path), "--spec", str(spec_path), "--json", str(out),
+                "--seed", str(seed), "--startup-delay", "lognormal:10:5", "--tail", "20", "--no-progress"]
+        assert iterserve_main(argv) == 0
+        outputs.append(out.read_bytes())
+    assert outputs[0] == outputs[1]
+    assert outputs[0] != outputs[2]  # the seed draws the start-up delays
+    document = json.loads(outputs[0])
+    assert len(document["requests"]) == len(traces.load_trace(trace_path))
+    assert {"ttft_s", "itl_mean_s", "e2e_s"} <= set(document["requests"][0])
+    assert document["summary"]["slo"]["attainment"] is not None
+
+
+def test_least_load_routing_uses_the_routers_pick():
+    # Two replicas; long requests every second and short ones in between: round robin alternates
+    # blindly, the router's pick sends each request to the replica with less in flight.
+    trace = []
+    for i in range(20):
+        trace.append(traces.TraceRequest(i * 1.0, 16, 400))
+        trace.append(traces.TraceRequest(i * 1.0 + 0.5, 16, 2))
+    spec = dict(SPEC, replicas=2, autoscaling=None)
+    rr = _run(spec, trace, router="round-robin")
+    ll = _run(spec, trace, router="least-load")
+    assert {r["pod"] for r in rr["requests"][::2]} == {"pod-1"}  # round robin: every long one on pod 1
+    assert {r["pod"] for r in ll["requests"][::2]} == {"pod-1", "pod-2"}
+    assert ll["summary"]["statuses"] == rr["summary"]["statuses"] == {"ok": 40}
