@@ -54,6 +54,9 @@ class EngineConfig:
     seed: int = 0
     step_log: str | None = None
     watermark: float = 0.01
+    # Reuse the KV blocks of cached prompt prefixes (engine/prefix_cache.py). None: on, except for the
+    # static-batching baseline and the fake model, which stay as they were.
+    enable_prefix_caching: bool | None = None
     # The fake model's modelled step time is multiplied by this (2.0: a replica twice as slow).
     fake_step_time_scale: float = 1.0
 
@@ -72,6 +75,8 @@ class EngineConfig:
             )
         if self.long_prefill_token_threshold is None:
             self.long_prefill_token_threshold = max(16, self.max_num_batched_tokens // 8) if self.chunked_prefill else 0
+        if self.enable_prefix_caching is None:
+            self.enable_prefix_caching = self.scheduling == "continuous" and self.model != "fake"
         self.validate()
         return self
 
@@ -84,6 +89,9 @@ class EngineConfig:
             raise ConfigError(f"--block-size must be a power of two up to 256, got {self.block_size}")
         _choice("--preemption-mode", self.preemption_mode, ("recompute", "swap"))
         _choice("--scheduling", self.scheduling, ("continuous", "static"))
+        if self.enable_prefix_caching and self.scheduling == "static":
+            raise ConfigError("prefix caching needs --scheduling continuous (the static baseline recomputes "
+                              "every prompt); drop --enable-prefix-caching or use continuous scheduling")
         _choice("--attention-backend", self.attention_backend, ("auto", "torch", "triton"))
         _choice("--device", self.device, ("auto", "cpu", "cuda"))
         _choice("--dtype", self.dtype, ("auto", "float32", "float16", "bfloat16"))

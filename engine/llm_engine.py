@@ -44,6 +44,12 @@ class EngineStats:
     num_kv_blocks: int
     block_size: int
     num_steps: int
+    # Prefix caching: cached blocks nobody holds (free, not in kv_usage, KV kept until evicted),
+    # prompt tokens looked up and found cached since start, and the hit rate over recent admissions.
+    num_cached_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_hit_rate: float = 0.0
 
 
 @dataclass(slots=True)
@@ -68,7 +74,8 @@ class LLMEngine:
         self.clock = clock
         self.model_name = model_name or config.model
         self.block_manager = BlockManager(
-            executor.num_kv_blocks, config.block_size, executor.num_cpu_blocks, config.watermark
+            executor.num_kv_blocks, config.block_size, executor.num_cpu_blocks, config.watermark,
+            enable_prefix_caching=bool(config.enable_prefix_caching),
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self._sequences: dict[str, Sequence] = {}
@@ -168,6 +175,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         sched = self.scheduler
+        cache = self.block_manager.prefix_cache
         return EngineStats(
             num_waiting=len(sched.waiting) + len(self._inbox),
             num_running=len(sched.running),
@@ -178,6 +186,10 @@ class LLMEngine:
             num_kv_blocks=self.block_manager.num_blocks,
             block_size=self.config.block_size,
             num_steps=self.num_steps,
+            num_cached_blocks=self.block_manager.num_cached_blocks,
+            prefix_cache_queries=cache.queries if cache else 0,
+            prefix_cache_hits=cache.hits if cache else 0,
+            prefix_cache_hit_rate=cache.hit_rate() if cache else 0.0,
         )
 
     # -- the engine thread ----------------------------------------------------------------------
@@ -276,6 +288,7 @@ class LLMEngine:
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
                 "kv_blocks_used": self.block_manager.gpu.num_used,
+                "kv_blocks_cached": self.block_manager.num_cached_blocks,
                 "preemptions": len(out.preempted),
             }
         )

@@ -24,6 +24,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Prefix caching, per request: skip it (neither reuse cached blocks nor offer this request's),
+    # or salt it (only requests with the same salt share cached blocks).
+    skip_prefix_cache: bool = False
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,6 +47,8 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", "must be non-negative integers")
+        _check(isinstance(self.skip_prefix_cache, bool), "skip_prefix_cache", "must be true or false")
+        _check(self.cache_salt is None or isinstance(self.cache_salt, str), "cache_salt", "must be a string")
 
     @property
     def greedy(self) -> bool:

@@ -6,6 +6,9 @@ When the KV pool runs out, the most recently admitted sequence is preempted: its
 (recompute) or copied to the CPU pool (swap). In a step without preemption, swapped sequences are
 resumed and then waiting requests admitted while the budget and max_num_seqs allow.
 
+With prefix caching, an admitted request starts with the cached blocks of its longest cached
+prefix and prefills only the rest; blocks become shareable once a step has computed them.
+
 The scheduler knows nothing of time, torch or HTTP.
 """
 
@@ -134,12 +137,15 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_new = self._chunk_size(seq, budget, len(self.waiting) > 1)
-            if num_new == 0 or not self.block_manager.can_allocate(seq, num_new, keep_watermark=True):
+            prefix = self.block_manager.match_prefix(seq)
+            num_cached = len(prefix) * self.block_manager.block_size
+            num_new = self._chunk_size(seq, budget, len(self.waiting) > 1, num_cached)
+            if num_new == 0 or not self.block_manager.can_allocate(seq, num_new, keep_watermark=True, prefix=prefix):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self.block_manager.start_with_prefix(seq, prefix)
             self._schedule(seq, num_new, out)
             budget -= num_new
 
@@ -150,12 +156,14 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
 
-    def _chunk_size(self, seq: Sequence, budget: int, others_waiting: bool) -> int:
-        remaining = seq.num_uncomputed_tokens
+    def _chunk_size(self, seq: Sequence, budget: int, others_waiting: bool, computed: int | None = None) -> int:
+        """Tokens seq computes this step; `computed` overrides its progress (a cached prefix)."""
+        computed = seq.num_computed_tokens if computed is None else computed
+        remaining = seq.num_tokens - computed
         if not self.config.chunked_prefill:
             return remaining if remaining <= budget else 0
         cap = self.config.long_prefill_token_threshold
-        if cap and others_waiting and seq.num_computed_tokens < seq.num_prompt_tokens:
+        if cap and others_waiting and computed < seq.num_prompt_tokens:
             budget = min(budget, cap)
         return min(remaining, budget)
 
@@ -191,6 +199,7 @@ class Scheduler:
             if seq.is_finished:  # aborted while the step ran
                 continue
             seq.num_computed_tokens += chunk.num_tokens
+            self.block_manager.cache_computed_blocks(seq)
             if token is None:
                 continue
             seq.output_token_ids.append(token)

@@ -29,6 +29,10 @@ class Sequence:
     # Tokens whose KV is in the cache; the step computes tokens[num_computed_tokens:].
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Prefix caching: chained hashes of the full blocks of the tokens so far (tokens only grow, so
+    # they are computed once), and how many leading block_table entries were offered to the cache.
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0
     cpu_block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     num_preemptions: int = 0
