@@ -75,3 +75,16 @@ ROUTER_METRIC_NAMES = [
     ROUTER_PICKS_TOTAL, ROUTER_RETRIES_TOTAL, ROUTER_EJECTIONS_TOTAL, ROUTER_REQUESTS_TOTAL,
     ROUTER_STALE_ENDPOINTS, ROUTER_ENDPOINT_LOAD, ROUTER_ENDPOINT_IN_FLIGHT, ROUTER_ENDPOINT_ROUTABLE,
 ]
+
+# Prefix caching (issue 18). Queries and hits count prompt tokens, looked up and found cached when a
+# request is admitted (vLLM's meaning); the hit rate is hits/queries over the last 1000 admissions.
+# The KV breakdown: KV_CACHE_USAGE counts only blocks that sequences hold; KV_CACHE_CACHED_FRACTION
+# the cached blocks no sequence holds (free for allocation, their KV kept for reuse until evicted).
+PREFIX_CACHE_QUERIES_TOTAL = "llm_prefix_cache_queries_total"
+PREFIX_CACHE_HITS_TOTAL = "llm_prefix_cache_hits_total"
+PREFIX_CACHE_HIT_RATE = "llm_prefix_cache_hit_rate"
+KV_CACHE_CACHED_FRACTION = "llm_gpu_kv_cache_cached_fraction"
+VLLM_PREFIX_CACHE_QUERIES_TOTAL = "vllm:prefix_cache_queries_total"
+VLLM_PREFIX_CACHE_HITS_TOTAL = "vllm:prefix_cache_hits_total"
+ENGINE_METRIC_NAMES += [PREFIX_CACHE_QUERIES_TOTAL, PREFIX_CACHE_HITS_TOTAL, PREFIX_CACHE_HIT_RATE,
+                        KV_CACHE_CACHED_FRACTION]

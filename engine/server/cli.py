@@ -62,6 +62,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="token budget per step (default 512 with chunked prefill, else max-model-len)")
     engine.add_argument("--max-model-len", type=int, help="context length (default: the model's, at most 2048)")
     engine.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="reuse the KV blocks of cached prompt prefixes (default: on, except with "
+                             "--scheduling static or --fake-model)")
     engine.add_argument("--long-prefill-token-threshold", type=int,
                         help="most prompt tokens one sequence prefills per step while others wait "
                              "(default: an eighth of the step budget, at least 16; 0: no cap)")
@@ -87,6 +90,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_kv_blocks=args.num_kv_blocks,
         swap_space=args.swap_space,
         chunked_prefill=args.chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         preemption_mode=args.preemption_mode,
         scheduling=args.scheduling,

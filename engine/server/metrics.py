@@ -147,19 +147,32 @@ class _SchedulerCollector(Collector):
         label = [self.model_name]
         yield _gauge(names.WAITING_REQUESTS, "Requests waiting to be scheduled.", label, waiting)
         yield _gauge(names.RUNNING_SEQS, "Sequences in the running batch.", label, running)
-        yield _gauge(names.KV_CACHE_USAGE, "Fraction of KV cache blocks in use (0..1).", label, kv)
+        yield _gauge(names.KV_CACHE_USAGE, "Fraction of KV cache blocks running sequences hold (0..1); "
+                     "cached blocks nobody holds do not count.", label, kv)
         yield _gauge(names.THROUGHPUT_TOKENS_PER_SECOND,
                      f"Generated tokens per second over the last {THROUGHPUT_WINDOW_S:g} s.", label,
                      self.throughput.per_second())
         if s is not None:
             yield _gauge(names.MAX_NUM_SEQS, "The effective cap on running sequences.", label, s.max_num_seqs)
         yield _counter(names.PREEMPTIONS_TOTAL, "Sequences preempted for lack of KV blocks.", label, preemptions)
+        queries, hits = (s.prefix_cache_queries, s.prefix_cache_hits) if s else (0, 0)
+        yield _counter(names.PREFIX_CACHE_QUERIES_TOTAL, "Prompt tokens looked up in the prefix cache.", label,
+                       queries)
+        yield _counter(names.PREFIX_CACHE_HITS_TOTAL, "Prompt tokens found in the prefix cache.", label, hits)
+        yield _gauge(names.PREFIX_CACHE_HIT_RATE, "Prefix cache hit rate in tokens over the last 1000 admissions.",
+                     label, s.prefix_cache_hit_rate if s else 0.0)
+        yield _gauge(names.KV_CACHE_CACHED_FRACTION, "Fraction of KV cache blocks cached but held by no sequence "
+                     "(free for allocation, kept for prefix reuse).", label,
+                     s.num_cached_blocks / s.num_kv_blocks if s and s.num_kv_blocks else 0.0)
         if not self.vllm_names:
             return
         yield _gauge(names.VLLM_WAITING, "Requests waiting (vLLM name).", label, waiting)
         yield _gauge(names.VLLM_RUNNING, "Requests running (vLLM name).", label, running)
         yield _gauge(names.VLLM_KV_USAGE, "KV cache usage, 0..1 (vLLM name).", label, kv)
         yield _counter(names.VLLM_PREEMPTIONS_TOTAL, "Preemptions (vLLM name).", label, preemptions)
+        yield _counter(names.VLLM_PREFIX_CACHE_QUERIES_TOTAL, "Prefix cache queries in tokens (vLLM name).", label,
+                       queries)
+        yield _counter(names.VLLM_PREFIX_CACHE_HITS_TOTAL, "Prefix cache hits in tokens (vLLM name).", label, hits)
         if s is not None:
             info = GaugeMetricFamily(names.VLLM_CACHE_CONFIG_INFO, "KV cache configuration (vLLM name).",
                                      labels=[names.MODEL_LABEL, "block_size", "num_gpu_blocks"])

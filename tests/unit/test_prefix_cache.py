@@ -170,3 +170,36 @@ def test_defaults_on_for_the_real_model_off_for_static_and_fake():
     assert EngineConfig(model="some-model", enable_prefix_caching=False).resolve().enable_prefix_caching is False
     with pytest.raises(ConfigError, match="continuous"):
         EngineConfig(model="some-model", scheduling="static", enable_prefix_caching=True).resolve()
+
+
+def test_metrics_export_queries_hits_rate_and_the_cached_share_beside_usage():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from iterserve.engine import metrics as names
+    from iterserve.engine.server.metrics import ServerMetrics
+
+    engine = cached_engine(num_blocks=20)
+    prompt = tokens(40)
+    admit(engine, prompt, "a")
+    admit(engine, prompt, "b")
+    run_to_completion(engine)
+    exposition = ServerMetrics("m", engine.stats).exposition().decode()
+    s = {f.name if f.type != "counter" else f"{f.name}_total": f.samples[0].value
+         for f in text_string_to_metric_families(exposition) if f.samples}
+    assert s[names.PREFIX_CACHE_QUERIES_TOTAL] == s[names.VLLM_PREFIX_CACHE_QUERIES_TOTAL] == 80
+    assert s[names.PREFIX_CACHE_HITS_TOTAL] == s[names.VLLM_PREFIX_CACHE_HITS_TOTAL] == 32
+    assert s[names.PREFIX_CACHE_HIT_RATE] == 0.4
+    assert s[names.KV_CACHE_USAGE] == 0.0  # idle: the cached blocks are not "in use"
+    assert s[names.KV_CACHE_CACHED_FRACTION] == 2 / 20
+
+
+@pytest.mark.parametrize(("argv", "expected"), [([], None), (["--no-enable-prefix-caching"], False),
+                                                (["--enable-prefix-caching"], True)])
+def test_serve_flag(argv, expected):
+    import argparse
+
+    from iterserve.engine.server.cli import configure, engine_config
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    assert engine_config(parser.parse_args(argv)).enable_prefix_caching is expected
