@@ -175,3 +175,17 @@ def test_probes_dial_the_pod_ip_whatever_host_they_name():
         assert not check({"tcpSocket": {"host": "127.0.0.1", "port": port}}, "127.0.0.2", {}, 2)
     finally:
         server.shutdown()
+
+
+def test_every_serve_flag_is_either_allowed_or_refused():
+    """A new `serve` flag must be classified here before pods may use it."""
+    import argparse
+
+    from iterserve.devcluster.podrunner.launch import REFUSED_SERVE_FLAGS, SERVE_FLAGS
+    from iterserve.engine.server.cli import configure
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    flags = {o: a.nargs != 0 for a in parser._actions for o in a.option_strings if o.startswith("--")}
+    assert set(flags) == set(SERVE_FLAGS) | set(REFUSED_SERVE_FLAGS)
+    assert {f: v for f, v in flags.items() if f in SERVE_FLAGS} == SERVE_FLAGS  # and whether each takes a value

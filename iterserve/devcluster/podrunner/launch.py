@@ -33,8 +33,11 @@ SERVE_FLAGS = {
     "--max-num-seqs": True, "--max-num-batched-tokens": True, "--max-model-len": True,
     "--no-chunked-prefill": False, "--long-prefill-token-threshold": True, "--preemption-mode": True,
     "--scheduling": True, "--attention-backend": True, "--kv-cache-memory": True, "--num-kv-blocks": True,
-    "--block-size": True, "--swap-space": True,
+    "--block-size": True, "--swap-space": True, "--enable-prefix-caching": False, "--no-enable-prefix-caching": False,
+    "--max-request-body": True,
 }
+# `serve` flags a pod may not pass: they name a file of this machine to write or read.
+REFUSED_SERVE_FLAGS = ("--step-log", "--admin-token-file", "--help")
 # Variables that change which code the interpreter, the dynamic loader, libc or the engine's
 # libraries load, or where they read and write; a pod that sets one is refused.
 REFUSED_ENV_PREFIXES = ("PYTHON", "LD_", "DYLD_", "GCONV_", "MALLOC_", "GLIBC_", "TORCH", "TRITON_", "CUDA_",
