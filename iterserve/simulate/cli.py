@@ -55,6 +55,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     fit.add_argument("--step-log", action="append", default=[], help="engine --step-log file (repeatable)")
     fit.add_argument("--test-step-log", action="append", default=[],
                      help="held-out step log to report errors on (default: every 4th step of --step-log)")
+    fit.add_argument("--timing", default="step", choices=["step", "interval"],
+                     help="step: each step's own duration; interval: end-to-end between back-to-back "
+                          "steps (adds the server loop's per-step cost)")
     fit.add_argument("--out", help="fit: the profile JSON to write; gen: the trace CSV to write")
     fit.add_argument("--name", default="fitted")
     fit.add_argument("--kv-bytes-per-token", type=int, default=SMOLLM2_KV_BYTES_PER_TOKEN,
@@ -173,9 +176,9 @@ def _run(args) -> int:
 def _fit(args) -> int:
     if not args.step_log:
         raise ValueError("give --step-log FILE (an engine started with --step-log wrote it)")
-    records = profiles.step_log_records(args.step_log)
+    records = profiles.step_log_records(args.step_log, args.timing)
     if args.test_step_log:
-        train, test = records, profiles.step_log_records(args.test_step_log)
+        train, test = records, profiles.step_log_records(args.test_step_log, args.timing)
     else:
         train, test = profiles.split(records)
     profile = profiles.fit_profile(train, test, args.name, args.kv_bytes_per_token, args.model_context_len,
