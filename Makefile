@@ -44,8 +44,9 @@ test: install cluster-tools system-packages  ## the whole test suite, as CI runs
 test-unit: install  ## fast tests only (no cluster, no slow ones)
 	$(VENV)/bin/pytest -q -m 'not slow and not cluster and not e2e' $(PYTEST_ARGS)
 
-crds: install  ## regenerate crds/ and the chart's CRD from the pydantic models
+crds: install  ## regenerate crds/ and the chart's CRD from the pydantic models, and its admission policy from operator/podsecurity.py
 	$(VENV)/bin/iterserve crd > crds/inferenceservice.yaml
+	$(VENV)/bin/iterserve operator admission-policy -o charts/iterserve/templates/admission-policy.yaml
 
 chart-test: install cluster-tools system-packages  ## helm lint/template, promtool rule tests, RBAC coverage
 	$(VENV)/bin/pytest -q tests -k chart $(PYTEST_ARGS)

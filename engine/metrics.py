@@ -88,3 +88,8 @@ VLLM_PREFIX_CACHE_QUERIES_TOTAL = "vllm:prefix_cache_queries_total"
 VLLM_PREFIX_CACHE_HITS_TOTAL = "vllm:prefix_cache_hits_total"
 ENGINE_METRIC_NAMES += [PREFIX_CACHE_QUERIES_TOTAL, PREFIX_CACHE_HITS_TOTAL, PREFIX_CACHE_HIT_RATE,
                         KV_CACHE_CACHED_FRACTION]
+
+# The autoscaler's trust (issue 15): pods carrying an InferenceService's engine labels that are
+# not its Deployment's (look-alikes), ignored at its last tick: never read, never sent the token.
+AUTOSCALER_UNTRUSTED_PODS = "iterserve_autoscaler_untrusted_pods"
+OPERATOR_METRIC_NAMES += [AUTOSCALER_UNTRUSTED_PODS]

@@ -11,7 +11,12 @@ import time
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    from iterserve.operator.podsecurity import ADMISSION_POLICY_FILE, RULE_NAMES
+
     commands = parser.add_subparsers(dest="operator_command", metavar="COMMAND", required=True)
+    policy = commands.add_parser("admission-policy", help="print the chart's ValidatingAdmissionPolicy template "
+                                                          f"(make crds writes {ADMISSION_POLICY_FILE})")
+    policy.add_argument("-o", "--output", metavar="FILE", help="write it here instead of stdout")
     run = commands.add_parser("run", help="reconcile InferenceServices into engine Deployments")
     scope = run.add_mutually_exclusive_group()
     scope.add_argument("-n", "--namespace", action="append", default=[], metavar="NS",
@@ -31,6 +36,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                           "(default: $ITERSERVE_PROMETHEUS_URL)")
     run.add_argument("--crd-wait-seconds", type=float, default=60,
                      help="wait this long for the InferenceService CRD to be served (default 60)")
+    run.add_argument("--allow-pod-security", action="append", default=[], choices=RULE_NAMES, metavar="RULE",
+                     help="let InferenceServices ask for what this rule of operator/podsecurity.py refuses "
+                          f"(repeat for several; one of {', '.join(RULE_NAMES)}); the chart sets it from "
+                          "admissionPolicy.allow")
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -55,6 +64,16 @@ def _wait_for_crd(kube, namespaces: list[str], seconds: float) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.operator_command == "admission-policy":
+        from iterserve.operator.podsecurity import admission_policy_template
+
+        text = admission_policy_template()
+        if args.output:
+            with open(args.output, "w", encoding="utf-8") as out:
+                out.write(text)
+        else:
+            sys.stdout.write(text)
+        return 0
     if args.kubeconfig:
         # Before the kubernetes package is imported: it reads $KUBECONFIG once, at import.
         os.environ["KUBECONFIG"] = args.kubeconfig
@@ -78,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"iterserve operator run: the API server does not serve {PLURAL}.{GROUP}/{VERSION}; "
               "install the CRD first: kubectl apply -f crds/inferenceservice.yaml", file=sys.stderr)
         return 1
-    reconciler = Reconciler(kube)
+    reconciler = Reconciler(kube, allowed_pod_security=frozenset(args.allow_pod_security))
     registry = kopf.OperatorRegistry()
     autoscaler = AutoscalerHook(prometheus_url=args.prometheus_url, metrics=OperatorMetrics())
     register(registry, reconciler, resync_seconds=args.resync_seconds, tick_hooks=[autoscaler])

@@ -3,17 +3,25 @@
 - InferenceService created, updated, or found at operator start (resume) -> reconcile it.
 - An owned Deployment, Service or ConfigMap changed or deleted -> reconcile its owner (drift is
   repaired, a deleted object recreated, status follows the Deployment).
-- A timer per InferenceService (every `resync_seconds`) -> reconcile, then the tick hooks: the
+- A resync per InferenceService (every `resync_seconds`) -> reconcile, then the tick hooks: the
   seam where the autoscaler plugs in its decision loop (it hands its decisions back to
   `reconciler.reconcile(..., tick=)`, the one writer of status and the owned objects).
+- An InferenceService deleted -> its resync stops and the reconciler and hooks forget it (locks,
+  autoscaler memory, metric series).
+
+No finalizer: nothing has to happen before an InferenceService goes (the owned objects carry
+owner references, so Kubernetes' garbage collector deletes them), and a finalizer would make
+deleting it, or its namespace, hang whenever the operator is not running. That is why the
+resync is a task of our own and not a kopf timer (kopf timers always add a finalizer).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import kopf
 from kubernetes.client.exceptions import ApiException
@@ -23,7 +31,7 @@ from iterserve.operator.models import GROUP, KIND, PLURAL, VERSION, InferenceSer
 from iterserve.operator.reconcile import Outcome, Reconciler
 from iterserve.operator.resources import MANAGED_BY
 
-FINALIZER = f"{GROUP}/finalizer"
+FINALIZER = f"{GROUP}/finalizer"  # never added now; kopf removes it from objects of older versions
 OWNED = (("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "configmaps"))
 RETRY_DELAY_SECONDS = 2.0
 
@@ -41,7 +49,10 @@ class TickContext:
     logger: logging.Logger | logging.LoggerAdapter
 
 
-TickHook = Callable[[TickContext], None]
+class TickHook(Protocol):
+    def __call__(self, context: TickContext) -> None: ...
+
+    def forget(self, namespace: str, name: str) -> None: ...
 
 
 def configure_settings(settings: kopf.OperatorSettings) -> None:
@@ -106,19 +117,67 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, resync_sec
             return
         try:
             run_reconcile(namespace, owner, logger)
-        except Exception as exc:  # watch-event handlers are not retried: the timer will be
+        except Exception as exc:  # watch-event handlers are not retried: the resync will be
             logger.warning("reconcile of %s/%s after a %s event failed: %s", namespace, owner, type, exc)
 
     for group, version, plural in OWNED:
         kopf.on.event(group, version, plural, labels={"app.kubernetes.io/managed-by": MANAGED_BY},
                       id=f"owned-{plural}", registry=registry)(owned_object_event)
 
-    @kopf.timer(GROUP, VERSION, PLURAL, id="resync", interval=resync_seconds, initial_delay=resync_seconds,
-                registry=registry)
-    def resync(namespace, name, logger, **_):
+    def resync(namespace: str, name: str, logger) -> bool:
+        """One resync; False when the object is gone (nothing more to do for it)."""
         outcome = run_reconcile(namespace, name, logger)
+        if outcome.result == "gone":  # deleted, or being deleted (then kept until it is gone)
+            return reconciler.kube.get_inference_service(namespace, name) is not None
         if outcome.result not in ("applied", "unchanged") or not tick_hooks:
-            return
+            return True
         context = TickContext(namespace, name, outcome.body, outcome.spec, reconciler, reconciler.kube, logger)
         for hook in tick_hooks:
             hook(context)
+        return True
+
+    def drop_state(namespace: str, name: str) -> None:
+        reconciler.forget(namespace, name)
+        for hook in tick_hooks:
+            hook.forget(namespace, name)
+
+    def forget(namespace: str, name: str) -> None:
+        task = resyncs.pop((namespace, name), None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        drop_state(namespace, name)
+
+    async def resync_forever(namespace: str, name: str, logger) -> None:
+        delay = resync_seconds
+        while True:
+            await asyncio.sleep(delay)
+            run = asyncio.ensure_future(asyncio.to_thread(resync, namespace, name, logger))
+            try:
+                alive = await asyncio.shield(run)
+            except asyncio.CancelledError:  # deleted meanwhile: what the resync in flight
+                await asyncio.wait([run])   # records (autoscaler memory, series) must go too
+                drop_state(namespace, name)
+                raise
+            except Exception as exc:  # retried sooner than the next resync, like a kopf TemporaryError
+                logger.warning("resync of %s/%s failed: %s", namespace, name, exc)
+                delay = min(RETRY_DELAY_SECONDS, resync_seconds)
+                continue
+            if not alive:
+                forget(namespace, name)
+                return
+            delay = resync_seconds
+
+    resyncs: dict[tuple[str, str], asyncio.Task] = {}
+
+    @kopf.on.event(GROUP, VERSION, PLURAL, id="track", registry=registry)
+    async def inference_service_event(type, namespace, name, logger, **_):
+        if type == "DELETED":
+            forget(namespace, name)
+        elif (namespace, name) not in resyncs:
+            resyncs[(namespace, name)] = asyncio.create_task(resync_forever(namespace, name, logger))
+
+    @kopf.on.cleanup(id="stop-resyncs", registry=registry)
+    async def stop_resyncs(**_):
+        for task in resyncs.values():
+            task.cancel()
+        resyncs.clear()

@@ -130,6 +130,11 @@ class Kube:
         return _json(self.core.list_namespaced_pod(namespace, label_selector=label_selector,
                                                    _preload_content=False))["items"]
 
+    # apps replicasets: list
+    def list_replica_sets(self, namespace: str, label_selector: str) -> list[dict]:
+        return _json(self.apps.list_namespaced_replica_set(namespace, label_selector=label_selector,
+                                                           _preload_content=False))["items"]
+
     # core secrets: get, create
     def create_secret(self, manifest: dict) -> dict:
         return _json(self.core.create_namespaced_secret(

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 RECONCILES = Counter(
     names.OPERATOR_RECONCILES_TOTAL.removesuffix("_total"),
-    "InferenceService reconciles by result (applied, unchanged, invalid, gone, error)", ["result"])
+    "InferenceService reconciles by result (applied, unchanged, invalid, conflict, gone, error)", ["result"])
 RECONCILE_SECONDS = Histogram(
     names.OPERATOR_RECONCILE_SECONDS, "Time one reconcile takes",
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
@@ -43,13 +43,18 @@ class OperatorMetrics:
         self.effective_max_num_seqs = Gauge(names.EFFECTIVE_MAX_NUM_SEQS,
                                             "max_num_seqs in effect on each engine pod",
                                             labels + ["pod"], registry=registry)
+        self.untrusted_pods = Gauge(names.AUTOSCALER_UNTRUSTED_PODS,
+                                    "Pods with the engine labels that are not the InferenceService's own (ignored)",
+                                    labels, registry=registry)
         self._pods: dict[tuple[str, str], set[str]] = {}
+        self._decision_labels: dict[tuple[str, str], set[tuple[str, str]]] = {}
 
     def record(self, namespace: str, name: str, settings: Settings, decision: Decision,
                scrape_errors: int, seqs_by_pod: dict[str, int]) -> None:
         self.desired_replicas.labels(namespace, name).set(decision.desired_replicas)
         self.max_replicas.labels(namespace, name).set(settings.max_replicas)
         self.decisions.labels(namespace, name, decision.direction, decision.reason).inc()
+        self._decision_labels.setdefault((namespace, name), set()).add((decision.direction, decision.reason))
         if scrape_errors:
             self.scrape_errors.labels(namespace, name).inc(scrape_errors)
         for pod, value in seqs_by_pod.items():
@@ -58,11 +63,17 @@ class OperatorMetrics:
             self.effective_max_num_seqs.remove(namespace, name, gone)
         self._pods[(namespace, name)] = set(seqs_by_pod)
 
+    def record_untrusted(self, namespace: str, name: str, count: int) -> None:
+        self.untrusted_pods.labels(namespace, name).set(count)
+
     def forget(self, namespace: str, name: str) -> None:
-        for gauge in (self.desired_replicas, self.max_replicas):
+        """Every series of a deleted (or no longer autoscaled) InferenceService goes."""
+        for series in (self.desired_replicas, self.max_replicas, self.scrape_errors, self.untrusted_pods):
             try:
-                gauge.remove(namespace, name)
+                series.remove(namespace, name)
             except KeyError:
                 pass
         for pod in self._pods.pop((namespace, name), set()):
             self.effective_max_num_seqs.remove(namespace, name, pod)
+        for direction, reason in self._decision_labels.pop((namespace, name), set()):
+            self.decisions.remove(namespace, name, direction, reason)

@@ -85,7 +85,9 @@ class ModelSpec(WireModel):
     persistent_volume_claim: PersistentVolumeClaimRef | None = Field(
         None, description="Mount this PVC (read-only) at mountPath.")
     volume: FreeForm | None = Field(
-        None, description="Any Kubernetes volume source (e.g. {hostPath: {path: /models}}), mounted read-only at mountPath.")
+        None, description=("A Kubernetes volume source of a type the restricted Pod Security profile allows "
+                           "(e.g. {csi: ...}, {ephemeral: ...}), mounted read-only at mountPath. hostPath and "
+                           "other types only where the cluster admin allows them (chart value admissionPolicy.allow)."))
     mount_path: str = Field("/models", pattern=r"^/", description="Where the model volume is mounted in the engine container.")
 
     @model_validator(mode="after")
@@ -265,7 +267,10 @@ class InferenceServiceSpec(WireModel):
     autoscaling: AutoscalingSpec | None = Field(None, description="Absent: no autoscaling (mode Off).")
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
     pod_template_patch: FreeForm | None = Field(
-        None, description="Merged into the generated pod template last (maps by key, lists of named items by name).")
+        None, description=("Merged into the generated pod template last (maps by key, lists of named items by "
+                           "name). Nothing that weakens the restricted Pod Security profile (privileged, host "
+                           "namespaces, hostPath, added capabilities, root, another ServiceAccount, a removed "
+                           "securityContext) unless the cluster admin allows it."))
 
     @model_validator(mode="after")
     def _floor(self):
@@ -280,15 +285,16 @@ class InferenceServiceSpec(WireModel):
 
 # -------------------------------------------------------------------------------------- status
 
-# Condition types, defined here only. The reconcile sets the first four (and Conflict), and
-# records the autoscaler's MetricsAvailable and ScalingLimited; status.py lists them in this order.
+# Condition types, defined here only. The reconcile sets the first five, and records the
+# autoscaler's MetricsAvailable and ScalingLimited; status.py lists them in this order.
 READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
 INVALID_SPEC = "InvalidSpec"
+CONFLICT = "Conflict"  # an object of an owned object's name exists and is not this InferenceService's
 METRICS_AVAILABLE = "MetricsAvailable"
 SCALING_LIMITED = "ScalingLimited"
-CONDITION_TYPES = (READY, PROGRESSING, DEGRADED, INVALID_SPEC, METRICS_AVAILABLE, SCALING_LIMITED)
+CONDITION_TYPES = (READY, PROGRESSING, DEGRADED, INVALID_SPEC, CONFLICT, METRICS_AVAILABLE, SCALING_LIMITED)
 
 
 class Condition(WireModel):

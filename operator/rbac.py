@@ -21,7 +21,8 @@ class Rule:
 # On namespaced resources: a ClusterRole (cluster-wide mode) or a Role in each watched namespace.
 RULES: tuple[Rule, ...] = (
     Rule("iterserve.dev", "inferenceservices", ("get", "list", "watch", "patch"),
-         "kopf watches them and patches its annotations and finalizer; the reconcile reads them fresh"),
+         "kopf watches them and patches its annotations; the reconcile reads them fresh; the builtin "
+         "autoscaler sets spec.replicas"),
     Rule("iterserve.dev", "inferenceservices/status", ("patch",),
          "the reconcile writes status (conditions, replicas, selector)"),
     Rule("iterserve.dev", "inferenceservices/finalizers", ("update",),
@@ -38,6 +39,8 @@ RULES: tuple[Rule, ...] = (
          "an Event on the InferenceService for every change"),
     Rule("", "pods", ("list",),
          "the autoscaler finds the engine pods, their readiness and addresses, to read their metrics"),
+    Rule("apps", "replicasets", ("list",),
+         "the autoscaler trusts only pods of its Deployment's current ReplicaSet"),
 )
 
 # Only with kopf peering on (`iterserve operator run --peering NAME`, several operator replicas).

@@ -31,16 +31,18 @@ from iterserve.operator.autoscaling.report import (
 )
 from iterserve.operator.autoscaling.settings import settings_from_spec
 from iterserve.operator.kube import Kube, conflict, invalid, server_message
-from iterserve.operator.models import DEGRADED, INVALID_SPEC, READY, InferenceServiceSpec
+from iterserve.operator.models import CONFLICT, DEGRADED, INVALID_SPEC, READY, InferenceServiceSpec
 from iterserve.operator.resources import (
     Owner,
     build_admin_secret,
     build_owned,
+    controlled_by,
     effective_max_num_seqs,
     secret_name,
 )
 from iterserve.operator.status import (
     changed_fields,
+    conflict_status,
     find_condition,
     invalid_status,
     reconciled_status,
@@ -54,7 +56,7 @@ STATUS_WRITE_ATTEMPTS = 5
 
 @dataclass
 class Outcome:
-    result: str  # "applied", "unchanged", "invalid", "gone"
+    result: str  # "applied", "unchanged", "invalid", "conflict", "gone"
     changes: list[str] = field(default_factory=list)
     body: dict | None = None
     spec: InferenceServiceSpec | None = None
@@ -94,15 +96,23 @@ def first_difference(desired: Any, actual: Any, path: str = "") -> str | None:
 
 
 class Reconciler:
-    def __init__(self, kube: Kube, clock: Callable[[], datetime] = utcnow):
+    def __init__(self, kube: Kube, clock: Callable[[], datetime] = utcnow,
+                 allowed_pod_security: frozenset[str] = frozenset()):
+        """`allowed_pod_security`: operator/podsecurity.py rules the cluster admin allows."""
         self.kube = kube
         self.clock = clock
+        self.allowed_pod_security = allowed_pod_security
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
 
     def lock(self, namespace: str, name: str) -> threading.Lock:
         with self._locks_guard:
             return self._locks.setdefault((namespace, name), threading.Lock())
+
+    def forget(self, namespace: str, name: str) -> None:
+        """The object is gone: drop what this process kept for it."""
+        with self._locks_guard:
+            self._locks.pop((namespace, name), None)
 
     def reconcile(self, namespace: str, name: str, tick: AutoscalerTick | None = None) -> Outcome:
         """`tick`: what the autoscaler just decided and did, to record."""
@@ -116,6 +126,8 @@ class Reconciler:
         finally:
             metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
         metrics.RECONCILES.labels(result=outcome.result).inc()
+        if outcome.result == "gone":
+            self.forget(namespace, name)
         return outcome
 
     def _reconcile(self, namespace: str, name: str, tick: AutoscalerTick | None) -> Outcome:
@@ -124,7 +136,7 @@ class Reconciler:
             return Outcome("gone")
         generation = body["metadata"].get("generation")
         try:
-            spec = parse_spec(body.get("spec"))
+            spec = parse_spec(body.get("spec"), self.allowed_pod_security)
         except SpecError as error:
             return self._report_invalid(body, generation, error)
 
@@ -134,6 +146,10 @@ class Reconciler:
         max_num_seqs = effective_max_num_seqs(spec, tuned)
         manifests = build_owned(owner, spec, max_num_seqs)
         live = {m["kind"]: self.kube.get(m["kind"], namespace, m["metadata"]["name"]) for m in manifests}
+        secret = self.kube.get("Secret", namespace, secret_name(name))
+        taken = [obj for obj in (*live.values(), secret) if obj is not None and not controlled_by(obj, owner)]
+        if taken:
+            return self._report_conflict(body, generation, taken[0])
         stale = [(m, first_difference(m, live[m["kind"]]) if live[m["kind"]] else None) for m in manifests]
         stale = [(m, difference) for m, difference in stale if live[m["kind"]] is None or difference]
         refused = self._refused_by_server([m for m, _ in stale])
@@ -141,7 +157,7 @@ class Reconciler:
             return self._report_invalid(body, generation, refused)
 
         changes = []
-        if self._ensure_secret(body, owner):
+        if secret is None and self._create_secret(body, owner):
             changes.append(f"created Secret {secret_name(owner.name)}")
         for manifest, difference in stale:
             applied, change = self._write(body, manifest, live[manifest["kind"]], difference)
@@ -166,10 +182,8 @@ class Reconciler:
                 self._event(written, event.type, event.reason, event.message)
         return Outcome("applied" if changes else "unchanged", changes, written, spec)
 
-    def _ensure_secret(self, owner_body: dict, owner: Owner) -> bool:
+    def _create_secret(self, owner_body: dict, owner: Owner) -> bool:
         """The admin token is generated once; an existing Secret is never rewritten."""
-        if self.kube.get("Secret", owner.namespace, secret_name(owner.name)) is not None:
-            return False
         try:
             self.kube.create_secret(build_admin_secret(owner))
         except Exception as exc:
@@ -241,6 +255,21 @@ class Reconciler:
                        body and body["metadata"]["name"], error)
         return Outcome("invalid", [str(error)], body)
 
+    def _report_conflict(self, body: dict, generation: int | None, taken: dict) -> Outcome:
+        """Never adopt: an object of an owned object's name that is not this InferenceService's
+        is left exactly as it is, and so is everything else; the condition and Event name it."""
+        meta = taken["metadata"]
+        owners = [f"{r.get('kind')} {r.get('name')}" for r in meta.get("ownerReferences") or [] if r.get("controller")]
+        message = (f"{taken['kind']} {meta['namespace']}/{meta['name']} already exists and is not this "
+                   f"InferenceService's (controlled by {owners[0] if owners else 'nothing'}); nothing was "
+                   f"changed. Delete or rename it, or choose another InferenceService name.")
+        previous = find_condition((body.get("status") or {}).get("conditions"), CONFLICT)
+        written, _ = self.write_status(body, lambda prev: conflict_status(prev, generation, message, self.clock()))
+        if written is not None and (previous is None or (previous["status"], previous["message"]) != ("True", message)):
+            self._event(written, "Warning", CONFLICT, message)
+        logger.warning("%s/%s: %s", meta["namespace"], body["metadata"]["name"], message)
+        return Outcome("conflict", [message], written)
+
     def _announce_transitions(self, body: dict, previous_status: dict) -> None:
         conditions = (body.get("status") or {}).get("conditions") or []
         before = {c["type"]: c["status"] for c in previous_status.get("conditions") or []}
@@ -254,6 +283,8 @@ class Reconciler:
                 self._event(body, "Warning", condition["reason"], condition["message"] or DEGRADED)
             elif kind == INVALID_SPEC and condition["status"] == "False" and before.get(kind) == "True":
                 self._event(body, "Normal", "SpecValid", "The spec is valid again and has been applied.")
+            elif kind == CONFLICT and condition["status"] == "False" and before.get(kind) == "True":
+                self._event(body, "Normal", "ConflictResolved", "No other object holds an owned object's name now.")
 
     def _event(self, owner_body: dict, type_: str, reason: str, message: str) -> None:
         try:

@@ -40,6 +40,10 @@ MANAGED_FLAGS = (
     "--drain-timeout",
 )
 RESERVED_ENV = (MAX_NUM_SEQS_ENV, ADMIN_TOKEN_ENV)
+# What the restricted Pod Security profile asks of every container; containers a podTemplatePatch
+# adds get what they leave out (operator/podsecurity.py refuses patches that loosen it).
+def restricted_container() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,13 @@ def common_labels(name: str) -> dict[str, str]:
 def owner_reference(owner: Owner) -> dict[str, Any]:
     return {"apiVersion": API_VERSION, "kind": KIND, "name": owner.name, "uid": owner.uid,
             "controller": True, "blockOwnerDeletion": True}
+
+
+def controlled_by(obj: dict, owner: Owner) -> bool:
+    """Whether `obj` carries this InferenceService's controller reference (the operator's mark:
+    objects without it are never patched, whatever their name)."""
+    return any(ref.get("controller") and ref.get("uid") == owner.uid and ref.get("kind") == KIND
+               for ref in (obj.get("metadata") or {}).get("ownerReferences") or [])
 
 
 def _metadata(owner: Owner, name: str) -> dict[str, Any]:
@@ -176,10 +187,7 @@ def engine_container(spec: InferenceServiceSpec, name: str) -> dict[str, Any]:
         "livenessProbe": _probe("/health", 10, 3),
         "readinessProbe": _probe("/ready", 5, 2),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
-        "securityContext": {
-            "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": {"readOnlyRootFilesystem": True, **restricted_container()},
         "volumeMounts": mounts,
     }
     resources = container_resources(spec)
@@ -248,6 +256,8 @@ def pod_template(spec: InferenceServiceSpec, name: str) -> dict[str, Any]:
     if spec.pod_template_patch:
         template = merge_patch(template, spec.pod_template_patch)
         template["metadata"]["labels"].update(selector_labels(name))  # the selector must keep matching
+        for container in template["spec"].get("containers", []) + template["spec"].get("initContainers", []):
+            container["securityContext"] = {**restricted_container(), **(container.get("securityContext") or {})}
     return template
 
 

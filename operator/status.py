@@ -12,6 +12,7 @@ from typing import Any
 
 from iterserve.operator.models import (
     CONDITION_TYPES,
+    CONFLICT,
     DEGRADED,
     INVALID_SPEC,
     METRICS_AVAILABLE,
@@ -86,6 +87,8 @@ def reconciled_status(previous: dict | None, spec: InferenceServiceSpec, name: s
 
     conditions = previous.get("conditions") or []
     conditions = set_condition(conditions, INVALID_SPEC, FALSE, "Valid", "The spec is valid.", now, generation)
+    conditions = set_condition(conditions, CONFLICT, FALSE, "NoConflict",
+                               "Every owned object is this InferenceService's own.", now, generation)
     if desired == 0:
         conditions = set_condition(conditions, READY, FALSE, "ScaledToZero", "spec.replicas is 0.", now, generation)
     elif ready >= desired and rolled_out:
@@ -131,6 +134,14 @@ def invalid_status(previous: dict | None, generation: int, field: str, message: 
                                f"{field}: {message}", now, generation)
     conditions = set_condition(conditions, DEGRADED, TRUE, INVALID_SPEC,
                                f"Not applied: {field}: {message}", now, generation)
+    return {"observedGeneration": generation, "conditions": conditions}
+
+
+def conflict_status(previous: dict | None, generation: int, message: str, now: datetime) -> dict[str, Any]:
+    """An object of an owned object's name belongs to someone else: nothing was written."""
+    conditions = set_condition((previous or {}).get("conditions"), CONFLICT, TRUE, "NameTaken", message, now,
+                               generation)
+    conditions = set_condition(conditions, DEGRADED, TRUE, CONFLICT, f"Not applied: {message}", now, generation)
     return {"observedGeneration": generation, "conditions": conditions}
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from iterserve.operator.models import InferenceServiceSpec
+from iterserve.operator.podsecurity import violations
 from iterserve.operator.resources import MANAGED_FLAGS, RESERVED_ENV
 
 
@@ -38,12 +39,16 @@ def _from_validation_error(exc: ValidationError) -> SpecError:
     return SpecError(_field_path(error["loc"]), message)
 
 
-def parse_spec(raw: dict[str, Any] | None) -> InferenceServiceSpec:
+def parse_spec(raw: dict[str, Any] | None, allowed_pod_security: frozenset[str] = frozenset()) -> InferenceServiceSpec:
+    """`allowed_pod_security`: names of operator/podsecurity.py rules the cluster admin allows."""
     try:
         spec = InferenceServiceSpec.model_validate(dict(raw or {}))
     except ValidationError as exc:
         raise _from_validation_error(exc) from None
     check_semantics(spec)
+    found = violations(dict(raw or {}), allowed_pod_security)
+    if found:
+        raise SpecError(found[0].field, found[0].message.removeprefix(f"{found[0].field}: "))
     return spec
 
 

@@ -48,6 +48,39 @@ def _epoch(stamp: str | None) -> float | None:
     return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
 
 
+REVISION_ANNOTATION = "deployment.kubernetes.io/revision"
+TEMPLATE_HASH_LABEL = "pod-template-hash"
+
+
+def _controller_uid(obj: dict) -> str | None:
+    return next((r.get("uid") for r in obj["metadata"].get("ownerReferences") or [] if r.get("controller")), None)
+
+
+def trusted_pods(pods: Sequence[dict], deployment: dict | None,
+                 replica_sets: Sequence[dict]) -> tuple[list[dict], list[str]]:
+    """The pods of the Deployment's current ReplicaSet (owned through it, same pod-template-hash),
+    and the names of the other pods that carry the engine labels. Labels alone prove nothing:
+    anyone who may create pods in the namespace can copy them, and such a pod must neither steer
+    the replica count nor receive the admin token. Pods of an older revision are left out too
+    (not counted as look-alikes): they are on their way out."""
+    if deployment is None:
+        return [], []
+    revision = (deployment["metadata"].get("annotations") or {}).get(REVISION_ANNOTATION)
+    ours = [rs for rs in replica_sets if _controller_uid(rs) == deployment["metadata"]["uid"]]
+    current = next((rs for rs in ours if revision is not None
+                    and (rs["metadata"].get("annotations") or {}).get(REVISION_ANNOTATION) == revision), None)
+    by_uid = {rs["metadata"]["uid"]: rs for rs in ours}
+    trusted, strangers = [], []
+    for pod in pods:
+        owner = by_uid.get(_controller_uid(pod))
+        template_hash = (pod["metadata"].get("labels") or {}).get(TEMPLATE_HASH_LABEL)
+        if owner is None or template_hash != (owner["metadata"].get("labels") or {}).get(TEMPLATE_HASH_LABEL):
+            strangers.append(pod["metadata"]["name"])
+        elif owner is current:
+            trusted.append(pod)
+    return trusted, strangers
+
+
 def engine_pods(pods: Sequence[dict], port: int) -> tuple[list[mem.PodInfo], dict[str, str]]:
     """Live engine pods (not terminating, not finished) and the base URL of each one with an IP."""
     infos, urls = [], {}

@@ -199,3 +199,28 @@ def test_external_mode_status_leaves_desired_replicas_alone():
     patch = status_patch({}, Settings(mode="External"), decision, Record(), 4, datetime(2026, 1, 1, tzinfo=UTC))
     assert "desiredReplicas" not in patch and "scalingHistory" not in patch
     assert events_for(decision, Record()) == []
+
+
+def _owned(kind: str, name: str, uid: str, owner_uid: str | None, **meta) -> dict:
+    refs = [{"kind": kind, "uid": owner_uid, "controller": True}] if owner_uid else []
+    return {"metadata": {"name": name, "uid": uid, "ownerReferences": refs, **meta}}
+
+
+def test_only_pods_of_the_current_replica_set_are_trusted():
+    from iterserve.operator.autoscaling.loop import trusted_pods
+
+    revision = {"annotations": {"deployment.kubernetes.io/revision": "2"}}
+    deployment = _owned("InferenceService", "llm", "dep", "isvc", **revision)
+    current = _owned("Deployment", "llm-new", "rs2", "dep", labels={"pod-template-hash": "new"}, **revision)
+    old = _owned("Deployment", "llm-old", "rs1", "dep", labels={"pod-template-hash": "old"},
+                 annotations={"deployment.kubernetes.io/revision": "1"})
+    foreign = _owned("Deployment", "other", "rs9", "someone-elses", labels={"pod-template-hash": "new"}, **revision)
+    pods = [_owned("ReplicaSet", "own", "p1", "rs2", labels={"pod-template-hash": "new"}),
+            _owned("ReplicaSet", "leaving", "p2", "rs1", labels={"pod-template-hash": "old"}),
+            _owned("ReplicaSet", "hash-mismatch", "p3", "rs2", labels={"pod-template-hash": "forged"}),
+            _owned("ReplicaSet", "foreign", "p4", "rs9", labels={"pod-template-hash": "new"}),
+            _owned("Pod", "hand-made", "p5", None, labels={"pod-template-hash": "new"})]
+    trusted, strangers = trusted_pods(pods, deployment, [current, old, foreign])
+    assert [p["metadata"]["name"] for p in trusted] == ["own"]
+    assert strangers == ["hash-mismatch", "foreign", "hand-made"]  # an older revision's pods are not strangers
+    assert trusted_pods(pods, None, [current]) == ([], [])

@@ -36,14 +36,16 @@ def test_chart_renders_named_objects_with_recommended_labels(values):
 def test_chart_default_objects():
     objects = render()
     kinds = sorted(obj["kind"] for obj in objects)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount"]
+    assert kinds == ["ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount",
+                     "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
 
 
 def test_chart_namespaced_objects():
     objects = render(NAMESPACED)
     kinds = sorted({obj["kind"] for obj in objects})
-    assert kinds == ["ConfigMap", "Deployment", "InferenceService", "PodMonitor", "PrometheusRule",
-                     "Role", "RoleBinding", "Service", "ServiceAccount", "ServiceMonitor"]
+    assert kinds == ["ClusterRole", "ConfigMap", "Deployment", "InferenceService", "PodMonitor", "PrometheusRule",
+                     "Role", "RoleBinding", "Service", "ServiceAccount", "ServiceMonitor",
+                     "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     roles = of_kind(objects, "Role")
     assert sorted(role["metadata"]["namespace"] for role in roles) == ["team-a", "team-b"]
     for binding in of_kind(objects, "RoleBinding"):
@@ -141,3 +143,24 @@ def test_chart_operator_args_parse_with_the_real_cli():
         args = parser.parse_args(container["args"])
         assert args.operator_command == "run"
         assert args.metrics_port == 9090
+
+
+def test_chart_admission_policy_binds_where_the_operator_watches_and_honours_allow():
+    objects = render(sets=("operator.watch.mode=namespaced", "operator.watch.namespaces={team-a,team-b}",
+                           "admissionPolicy.allow={hostPath,serviceAccount}"))
+    [policy] = of_kind(objects, "ValidatingAdmissionPolicy")
+    [binding] = of_kind(objects, "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    assert binding["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"] == [
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["team-a", "team-b"]}]
+    messages = " ".join(v["message"] for v in policy["spec"]["validations"])
+    assert "hostNetwork" in messages and "privileged" in messages
+    assert "hostPath" not in messages and "serviceAccountName" not in messages
+    [deployment] = of_kind(objects, "Deployment")
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--allow-pod-security=hostPath" in args and "--allow-pod-security=serviceAccount" in args
+    assert not of_kind(render(sets=("admissionPolicy.enabled=false",)), "ValidatingAdmissionPolicy")
+    everything = "{privileged,hostNamespaces,hostPath,volumeTypes,capabilities,runAsRoot,serviceAccount,securityContext}"
+    refused = helm("template", "x", str(CHART), "--set", f"admissionPolicy.allow={everything}", check=False)
+    assert refused.returncode != 0 and "admissionPolicy.enabled=false" in refused.output

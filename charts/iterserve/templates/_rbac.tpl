@@ -29,6 +29,9 @@ The operator's API calls, as RBAC rules: exactly the calls listed in operator/rb
 - apiGroups: [""]
   resources: [pods]
   verbs: [list]
+- apiGroups: [apps]
+  resources: [replicasets]
+  verbs: [list]
 {{- if and .Values.operator.peering.enabled (eq .Values.operator.watch.mode "namespaced") }}
 - apiGroups: [kopf.dev]
   resources: [kopfpeerings]
