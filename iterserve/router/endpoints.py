@@ -41,6 +41,7 @@ class Endpoint:
         self.running: int | None = None
         self.max_num_seqs: int | None = None
         self.scraped_at: float | None = None
+        self.in_flight_at_scrape = 0
         self.ejected_until: float | None = None
         self.backoff_s = 0.0
         self.recovered_at: float | None = None
@@ -58,6 +59,7 @@ class Endpoint:
             url=self.url, in_flight=self.in_flight,
             waiting=self.waiting if fresh else None, running=self.running if fresh else None,
             max_num_seqs=self.max_num_seqs, routable=self.ejected_until is None,
+            since_scrape=self.in_flight - self.in_flight_at_scrape if fresh else 0,
         )
 
     def eject(self, why: str, base_backoff_s: float, max_backoff_s: float) -> bool:
@@ -147,6 +149,7 @@ async def scrape_once(endpoint: Endpoint, conn: Conn | None, timeout_s: float) -
     if conn is None or conn.closing:
         conn = await endpoint.connect(timeout_s)
     conn.writer.write(b"GET /metrics HTTP/1.1\r\nhost: " + endpoint.host_header + b"\r\n\r\n")
+    in_flight = endpoint.in_flight
     try:
         head = await asyncio.wait_for(conn.read_head(), timeout_s)
         if head is None:
@@ -168,6 +171,7 @@ async def scrape_once(endpoint: Endpoint, conn: Conn | None, timeout_s: float) -
     if cap is not None:
         endpoint.max_num_seqs = cap
     endpoint.scraped_at = endpoint.clock()
+    endpoint.in_flight_at_scrape = in_flight
     return conn
 
 

@@ -155,46 +155,75 @@ async def read_body(conn: Conn, headers: list[tuple[bytes, bytes]], max_bytes: i
     return await conn.read_exactly(n)
 
 
-async def relay_body(upstream: Conn, client: asyncio.StreamWriter, headers, status: int,
+def _complete_chunks(buf: bytearray) -> tuple[int, bool]:
+    """How many leading bytes of buf are whole chunks, and whether they end with the last one
+    (the zero-size chunk and its trailer)."""
+    at = 0
+    while True:
+        eol = buf.find(b"\r\n", at)
+        if eol < 0:
+            return at, False
+        size = int(bytes(buf[at:eol]).split(b";")[0].strip() or b"0", 16)
+        if size == 0:
+            end = buf.find(b"\r\n\r\n", eol)
+            if end < 0:
+                return at, False
+            return end + 4, True
+        end = eol + 2 + size + 2
+        if len(buf) < end:
+            return at, False
+        at = end
+
+
+async def relay_body(upstream: Conn, client: asyncio.StreamWriter, head: bytes, headers, status: int,
                      head_only: bool, before_last) -> bool:
-    """Copies a response body from upstream to client as it arrives, framing unchanged. Calls
-    before_last() just before the last bytes go out (so the caller can stop its disconnect
+    """Sends head, then copies the response body from upstream to client as it arrives, framing
+    unchanged; whatever has arrived goes out in one write (one event of a stream, usually).
+    Calls before_last() just before the last bytes go out (so the caller can stop its disconnect
     watcher before the client can send its next request). Returns whether the upstream
     connection can be reused (False: the body ran to EOF)."""
     if head_only or status in (204, 304) or 100 <= status < 200:
         before_last()
+        client.write(head)
         return True
     if is_chunked(headers):
+        out = bytearray(head)
         while True:
-            line = await upstream.read_line()
-            size = int(line.split(b";")[0].strip() or b"0", 16)
-            if size == 0:
-                trailer = [line]
-                while (part := await upstream.read_line()) != b"\r\n":
-                    trailer.append(part)
-                trailer.append(b"\r\n")
+            n, last = _complete_chunks(upstream.buf)
+            out += upstream.buf[:n]
+            del upstream.buf[:n]
+            if last:
                 before_last()
-                client.write(b"".join(trailer))
+                client.write(bytes(out))
                 await client.drain()
                 return True
-            client.write(line + await upstream.read_exactly(size + 2))
-            await client.drain()
+            if out:
+                client.write(bytes(out))
+                out.clear()
+                await client.drain()
+            if not await upstream.fill():
+                raise asyncio.IncompleteReadError(bytes(upstream.buf), None)
     length = header(headers, b"content-length")
     if length is not None:
         remaining = int(length)
-        while remaining > 0:
-            if not upstream.buf and not await upstream.fill():
-                raise asyncio.IncompleteReadError(b"", remaining)
-            chunk = bytes(upstream.buf[:remaining])
+        out = bytearray(head)
+        while True:
+            chunk = upstream.buf[:remaining]
             del upstream.buf[:remaining]
             remaining -= len(chunk)
+            out += chunk
             if remaining == 0:
                 before_last()
-            client.write(chunk)
-            await client.drain()
-        if int(length) == 0:
-            before_last()
-        return True
+                client.write(bytes(out))
+                await client.drain()
+                return True
+            if out:
+                client.write(bytes(out))
+                out.clear()
+                await client.drain()
+            if not await upstream.fill():
+                raise asyncio.IncompleteReadError(b"", remaining)
+    client.write(head)
     while True:
         if upstream.buf:
             client.write(bytes(upstream.buf))

@@ -8,8 +8,10 @@ predicts is what the router does.
 
 An endpoint's load is max(waiting + running as last scraped, requests this router has in flight
 to it): the scrape sees other routers' traffic, the local count sees what was sent since the
-scrape (so one snapshot cannot send a burst to the same replica). A stale scrape counts as
-absent: the endpoint stays routable on local counts alone. Least load wins; ties are broken at
+scrape (so one snapshot cannot send a burst to the same replica). The scraped count is brought
+forward by this router's own changes since the scrape (`since_scrape`: sent minus finished), so
+a replica that just finished requests does not look busy until the next scrape. A stale scrape
+counts as absent: the endpoint stays routable on local counts alone. Least load wins; ties are broken at
 random. With `affinity` (the endpoint that recently served this prompt prefix) that endpoint wins
 while its load is within `policy.affinity_tolerance` of the least. An endpoint whose load reached
 its capacity (max_num_seqs + policy.max_queue) is saturated and never picked.
@@ -42,10 +44,13 @@ class EndpointLoad:
     running: int | None = None  # last scrape's running sequences; None: no fresh scrape
     max_num_seqs: int | None = None  # last scrape's batch cap; None: unknown
     routable: bool = True  # False while ejected after a connection error
+    since_scrape: int = 0  # in_flight now minus in_flight when the scrape was taken
 
     @property
     def load(self) -> int:
-        scraped = (self.waiting or 0) + (self.running or 0)
+        if self.waiting is None and self.running is None:
+            return self.in_flight
+        scraped = (self.waiting or 0) + (self.running or 0) + self.since_scrape
         return max(scraped, self.in_flight)
 
     def capacity(self, max_queue: int) -> int:

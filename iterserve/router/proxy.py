@@ -330,8 +330,8 @@ class Router:
                 raise _Retry
             upstream_close = b"close" in (header(headers, b"connection") or b"").lower()
             self.metrics.requests.labels(str(status)).inc()
-            client.writer.write(response_head(status, headers, close))
-            reusable = await relay_body(conn, client.writer, headers, status, head_only, watcher.cancel)
+            reusable = await relay_body(conn, client.writer, response_head(status, headers, close), headers,
+                                        status, head_only, watcher.cancel)
         except _Retry:
             raise
         except (*CONNECTION_ERRORS, ProtocolError, ValueError) as error:
