@@ -77,6 +77,9 @@ class EngineConfig:
             self.long_prefill_token_threshold = max(16, self.max_num_batched_tokens // 8) if self.chunked_prefill else 0
         if self.enable_prefix_caching is None:
             self.enable_prefix_caching = self.scheduling == "continuous" and self.model != "fake"
+        elif self.enable_prefix_caching and self.scheduling == "static":
+            logger.info("prefix caching is off with --scheduling static (the baseline recomputes every prompt)")
+            self.enable_prefix_caching = False
         self.validate()
         return self
 
@@ -89,9 +92,6 @@ class EngineConfig:
             raise ConfigError(f"--block-size must be a power of two up to 256, got {self.block_size}")
         _choice("--preemption-mode", self.preemption_mode, ("recompute", "swap"))
         _choice("--scheduling", self.scheduling, ("continuous", "static"))
-        if self.enable_prefix_caching and self.scheduling == "static":
-            raise ConfigError("prefix caching needs --scheduling continuous (the static baseline recomputes "
-                              "every prompt); drop --enable-prefix-caching or use continuous scheduling")
         _choice("--attention-backend", self.attention_backend, ("auto", "torch", "triton"))
         _choice("--device", self.device, ("auto", "cpu", "cuda"))
         _choice("--dtype", self.dtype, ("auto", "float32", "float16", "bfloat16"))
