@@ -46,21 +46,21 @@ class Conversation:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     common.add_common_args(parser)
-    parser.add_argument("--conversations", type=int, help="chat conversations per run (default 8; quick: 3)")
+    parser.add_argument("--conversations", type=int, help="chat conversations per run (default 6; quick: 3)")
     parser.add_argument("--turns", type=int, help="turns per conversation (default 4; quick: 2)")
     parser.add_argument("--rounds", type=int, help="runs per configuration, alternating order (default 2; quick: 1)")
     parser.add_argument("--random-requests", type=int,
-                        help="requests of the no-sharing workload (default 32; quick: 8)")
+                        help="requests of the no-sharing workload (default 24; quick: 8)")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     configure(parser)
     args = parser.parse_args(argv)
-    num_conversations = args.conversations or (3 if args.quick else 8)
+    num_conversations = args.conversations or (3 if args.quick else 6)
     turns = args.turns or (2 if args.quick else 4)
     rounds = args.rounds or (1 if args.quick else 2)
-    num_random = args.random_requests or (8 if args.quick else 32)
+    num_random = args.random_requests or (8 if args.quick else 24)
     common.set_threads(args.threads)
     machine = common.machine(args.threads)
 
