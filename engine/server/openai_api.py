@@ -128,7 +128,7 @@ def _sampling_params(body: _SamplingFields, max_tokens: int | None, prompt_len: 
         return SamplingParams(
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
             max_tokens=max_tokens or default_max_tokens, stop=stop, stop_token_ids=body.stop_token_ids or [],
-            ignore_eos=body.ignore_eos,
+            ignore_eos=body.ignore_eos, cache_salt=body.cache_salt, skip_prefix_cache=body.skip_prefix_cache,
         )
     except InvalidRequestError as error:
         raise invalid(str(error), error.param) from None

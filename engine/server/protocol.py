@@ -42,6 +42,10 @@ class _SamplingFields(_Request):
     # vLLM's extensions, which load generators and benchmarks rely on.
     top_k: int = Field(-1, ge=-1)
     ignore_eos: bool = False
+    # Prefix caching per request: vLLM's cache_salt (only requests with the same salt share cached KV
+    # blocks) and an opt-out (the request neither reuses cached blocks nor offers its own).
+    cache_salt: str | None = None
+    skip_prefix_cache: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
 
     @field_validator("n")
