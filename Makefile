@@ -52,7 +52,7 @@ chart-test: install cluster-tools system-packages  ## helm lint/template, promto
 	$(VENV)/bin/pytest -q tests -k chart $(PYTEST_ARGS)
 
 BENCH_OUT ?= bench/results
-BENCHES := throughput online_latency chunked_prefill scheduler_overhead kv_waste
+BENCHES := throughput online_latency chunked_prefill scheduler_overhead kv_waste prefix_caching
 
 bench: install  ## run the benchmarks (full mode; tens of minutes on 2 cores): JSON + PNG under $(BENCH_OUT)/
 	@for b in $(BENCHES); do $(PY) bench/$$b.py --json $(BENCH_OUT)/$$b.json --plot $(BENCH_OUT)/$$b.png $(ARGS) || exit 1; done
