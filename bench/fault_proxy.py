@@ -1,9 +1,13 @@
-"""A fault-injecting TCP proxy in front of one engine, for the routing bench and tests:
-every connection whose first request is `GET /metrics` gets a 500; every other connection is
-piped to the engine unchanged (a router scrapes on its own connection, so this breaks only the
-scrapes). Standard library only; run as a script:
+"""A fault-injecting TCP proxy in front of one engine, for the routing bench and tests. A router
+scrapes on connections of their own, so the fault is chosen per connection by its first request:
 
-    python bench/fault_proxy.py LISTEN_PORT UPSTREAM_PORT
+- metrics-500 (default): `GET /metrics` gets a 500; everything else is piped to the engine;
+- reset-requests: `GET /metrics` is piped to the engine (the replica looks healthy and idle);
+  every other connection is closed before a byte is answered.
+
+Standard library only; run as a script:
+
+    python bench/fault_proxy.py LISTEN_PORT UPSTREAM_PORT [metrics-500|reset-requests]
 """
 
 from __future__ import annotations
@@ -26,13 +30,17 @@ async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> No
         writer.close()
 
 
-async def main(listen_port: int, upstream_port: int) -> None:
+async def main(listen_port: int, upstream_port: int, mode: str = "metrics-500") -> None:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         first = await reader.read(65536)
-        if first.startswith(b"GET /metrics"):
+        scrape = first.startswith(b"GET /metrics")
+        if scrape and mode == "metrics-500":
             writer.write(ANSWER_500)
             await writer.drain()
             writer.close()
+            return
+        if not scrape and mode == "reset-requests":
+            writer.transport.abort()
             return
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", upstream_port)
@@ -48,4 +56,4 @@ async def main(listen_port: int, upstream_port: int) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(int(sys.argv[1]), int(sys.argv[2])))
+    asyncio.run(main(int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:4]))

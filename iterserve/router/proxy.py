@@ -257,14 +257,9 @@ class Router:
             if choice.reason == NONE_READY or now >= deadline:
                 self.metrics.picks[choice.reason].inc()
             if choice.reason == NONE_READY:
-                if tried:
-                    self._reply(client, error_json(502, "the replica failed before answering and no other "
-                                                   "is ready", "service_unavailable", "upstream_failed",
-                                                   retry_after=o.retry_after_s, close=close), 502)
-                else:
-                    self._reply(client, error_json(503, "no replica is ready", "service_unavailable",
-                                                   "no_ready_replica", retry_after=o.retry_after_s,
-                                                   close=close), 503)
+                why = "the replica failed before answering and no other is ready" if tried else "no replica is ready"
+                self._reply(client, error_json(503, why, "service_unavailable", "no_ready_replica",
+                                               retry_after=o.retry_after_s, close=close), 503)
                 return None
             if now >= deadline:
                 self._reply(client, error_json(429, f"every replica is saturated (waited {o.queue_timeout_s:g} s); "
