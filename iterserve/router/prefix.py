@@ -1,38 +1,32 @@
 """Prefix affinity: which replica recently served a prompt's prefix, by block-aligned hashes.
 
-A prompt's first N tokens are cut into blocks of the engines' block size; block i's key hashes
-block i's tokens together with block i-1's key (a chain, as a paged prefix cache keys its
-blocks), so a key names a whole prefix. The router records every full block's key against the
-replica it sent the request to and, for the next request, looks up its longest recorded prefix.
+A prompt's first N tokens are cut into blocks of the engines' block size and named by the
+engine's own chained block hashes (engine/prefix_cache.py: block i's name covers blocks 0..i),
+so a key names a whole prefix. The router records every full block's key against the replica it
+sent the request to and, for the next request, looks up its longest recorded prefix.
 
-The router has no tokenizer: a prompt given as token ids is blocked on the ids; text (a string
-prompt, or chat messages) on its UTF-8 bytes, CHARS_PER_TOKEN bytes to a token, which lines up
-with the engine's blocks only approximately but keeps the same prefix on the same replica.
-(engine/prefix_cache.py was not there when this was written; this is a small hash of its own.)
+The router has no tokenizer: a prompt given as token ids is blocked on the ids (the same names
+the replica's prefix cache uses); text (a string prompt, or chat messages) on its UTF-8 bytes,
+CHARS_PER_TOKEN bytes to a token, which lines up with the engine's blocks only approximately but
+keeps the same prefix on the same replica. A request's cache_salt enters the first block.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import OrderedDict
+
+from iterserve.engine.prefix_cache import prefix_block_hashes
 
 CHARS_PER_TOKEN = 4
 
 
-def block_hashes(tokens: list[int] | bytes, block_size: int, max_tokens: int) -> list[bytes]:
+def block_hashes(tokens: list[int] | bytes, block_size: int, max_tokens: int, extra: tuple = ()) -> list[int]:
     """The chained keys of the full blocks among the first max_tokens tokens (or bytes)."""
-    keys, previous = [], b""
-    usable = min(len(tokens), max_tokens)
-    for start in range(0, usable - block_size + 1, block_size):
-        block = tokens[start:start + block_size]
-        data = block if isinstance(block, bytes) else b",".join(str(t).encode() for t in block)
-        previous = hashlib.blake2b(previous + b"|" + data, digest_size=12).digest()
-        keys.append(previous)
-    return keys
+    return prefix_block_hashes(tokens[:max_tokens], block_size, extra)
 
 
-def prompt_keys(body: bytes, block_size: int, max_tokens: int) -> list[bytes]:
+def prompt_keys(body: bytes, block_size: int, max_tokens: int) -> list[int]:
     """The prefix keys of an OpenAI completions or chat request body ([] if it has no prompt)."""
     try:
         request = json.loads(body)
@@ -43,15 +37,17 @@ def prompt_keys(body: bytes, block_size: int, max_tokens: int) -> list[bytes]:
     prompt = request.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
+    salt = request.get("cache_salt")
+    extra = (salt,) if isinstance(salt, str) and salt else ()
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return block_hashes(prompt, block_size, max_tokens)
+        return block_hashes(prompt, block_size, max_tokens, extra)
     if isinstance(prompt, str):
         text = prompt.encode()
     elif isinstance(request.get("messages"), list):
         text = json.dumps(request["messages"], separators=(",", ":"), sort_keys=True).encode()
     else:
         return []
-    return block_hashes(text, block_size * CHARS_PER_TOKEN, max_tokens * CHARS_PER_TOKEN)
+    return block_hashes(text, block_size * CHARS_PER_TOKEN, max_tokens * CHARS_PER_TOKEN, extra)
 
 
 class PrefixTable:
@@ -59,16 +55,16 @@ class PrefixTable:
 
     def __init__(self, capacity: int = 100_000):
         self.capacity = capacity
-        self._owner: OrderedDict[bytes, str] = OrderedDict()
+        self._owner: OrderedDict[int, str] = OrderedDict()
 
-    def lookup(self, keys: list[bytes]) -> str | None:
+    def lookup(self, keys: list[int]) -> str | None:
         for key in reversed(keys):
             url = self._owner.get(key)
             if url is not None:
                 return url
         return None
 
-    def record(self, keys: list[bytes], url: str) -> None:
+    def record(self, keys: list[int], url: str) -> None:
         for key in keys:
             self._owner[key] = url
             self._owner.move_to_end(key)

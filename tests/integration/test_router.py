@@ -198,3 +198,15 @@ def test_help_and_bad_arguments():
     assert out.returncode == 0 and "--endpoints" in out.stdout and "--infsvc" in out.stdout
     out = subprocess.run([*iterserve_command(), "router"], capture_output=True, text=True, cwd="/")
     assert out.returncode == 2 and "exactly one of" in out.stderr
+
+
+def test_prefix_affinity_keeps_a_prefix_on_one_replica(two_engines, tmp_path):
+    a, b = two_engines
+    with router([a.url, b.url], tmp_path, "--prefix-affinity") as (url, _):
+        before = [engine_requests(e.url) for e in (a, b)]
+        body = {"model": "fake", "prompt": list(range(100, 164)), "max_tokens": 2, "ignore_eos": True}
+        for _ in range(5):
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+        served = sorted(engine_requests(e.url) - n for e, n in zip((a, b), before, strict=True))
+        assert served == [0, 5]
+        assert metric(url, names.ROUTER_PICKS_TOTAL, reason="prefix_affinity") == 4

@@ -87,10 +87,12 @@ def test_prefix_keys_are_block_aligned_chains():
     assert len(block_hashes(list(range(1000)), 16, 256)) == 16  # only the first N tokens
     assert prompt_keys(b'{"prompt": [1, 2, 3]}', 16, 256) == []
     assert len(prompt_keys(b'{"prompt": "' + b"x" * 130 + b'"}', 16, 256)) == 2  # 64 bytes a block
+    salted = prompt_keys(b'{"prompt": "' + b"x" * 130 + b'", "cache_salt": "s"}', 16, 256)
+    assert len(salted) == 2 and not set(salted) & set(prompt_keys(b'{"prompt": "' + b"x" * 130 + b'"}', 16, 256))
     table = PrefixTable()
     keys = prompt_keys(b'{"messages": [{"role": "user", "content": "' + b"y" * 300 + b'"}]}', 16, 256)
     table.record(keys, A)
-    assert table.lookup(keys[:2]) == A and table.lookup([b"other"]) is None
+    assert table.lookup(keys[:2]) == A and table.lookup([12345]) is None
     table.forget(A)
     assert table.lookup(keys) is None
 
