@@ -35,12 +35,12 @@ POLICIES = {
 }
 
 
-def workload(minutes: float, seed: int) -> list[TraceRequest]:
-    """Quiet, a burst at ~2.5x one replica's capacity, quiet again (each part gamma, cv 2)."""
+def workload(minutes: float, seed: int, burst_rate: float) -> list[TraceRequest]:
+    """Quiet (0.4 req/s), a burst, quiet again (each part gamma-distributed gaps, cv 2)."""
     prompt, output = Lengths("uniform", 96, 32), Lengths("zipf", 128)
     part = minutes * 60 / 4
     quiet1 = gamma(0.4, 2.0, part, prompt, output, seed)
-    burst = gamma(4.0, 2.0, 1.5 * part, prompt, output, seed + 1)
+    burst = gamma(burst_rate, 2.0, 1.5 * part, prompt, output, seed + 1)
     quiet2 = gamma(0.4, 2.0, 1.5 * part, prompt, output, seed + 2)
     return ([r for r in quiet1] + [TraceRequest(r.arrival_s + part, r.prompt_tokens, r.output_tokens) for r in burst]
             + [TraceRequest(r.arrival_s + 2.5 * part, r.prompt_tokens, r.output_tokens) for r in quiet2])
@@ -52,11 +52,12 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=20)
     parser.add_argument("--quick", action="store_true", help="8 simulated minutes")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--burst-rate", type=float, default=2.5, help="requests/s during the burst")
     parser.add_argument("--json")
     args = parser.parse_args()
     minutes = 8 if args.quick else args.minutes
     profile = load_profile(args.profile)
-    trace = workload(minutes, args.seed)
+    trace = workload(minutes, args.seed, args.burst_rate)
     slo = Slo(ttft_s=2.0, itl_s=0.5)
     rows = []
     started = time.perf_counter()
@@ -78,7 +79,7 @@ def main() -> int:
                          "simulated_s": s["simulated_seconds"], "wall_s": round(wall, 2)})
             print(f"  {name:<22} start-up {startup:>3} s: {rows[-1]}", flush=True)
     print(f"\nprofile {profile.name}{' (MODELLED)' if profile.modelled else ''}; {len(trace)} requests over "
-          f"{minutes:g} min; SLO TTFT <= {slo.ttft_s} s and mean ITL <= {slo.itl_s} s; "
+          f"{minutes:g} min (burst {args.burst_rate:g} req/s); SLO TTFT <= {slo.ttft_s} s and mean ITL <= {slo.itl_s} s; "
           f"bench wall {time.perf_counter() - started:.0f} s\n")
     print("| policy | start-up | SLO attainment | TTFT p95 (s) | replica-seconds | scale events | retunes | preemptions | max ready |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -88,7 +89,7 @@ def main() -> int:
               f"{r['replica_seconds']:.0f} | {r['scale_events']} | {r['retunes']} | {r['preemptions']} | {r['max_ready']} |")
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"profile": profile.name, "minutes": minutes, "requests": len(trace),
+            json.dump({"profile": profile.name, "minutes": minutes, "burst_rate": args.burst_rate, "requests": len(trace),
                        "slo": vars(slo), "engine": ENGINE, "rows": rows}, handle, indent=2)
     return 0
 

@@ -33,6 +33,7 @@ def main() -> int:
     from iterserve.engine.config import EngineConfig
     from iterserve.engine.llm_engine import LLMEngine
     from iterserve.engine.sampling_params import SamplingParams
+    from iterserve.simulate.replica import prompt_tokens
     from iterserve.simulate.traces import load_trace
 
     torch.set_num_threads(args.threads)
@@ -71,7 +72,8 @@ def main() -> int:
         added = []
         while next_index < len(requests) and requests[next_index]["arrival_s"] <= now:
             r = requests[next_index]
-            engine.add_request(prompt_token_ids=[100 + (i % 150) for i in range(r["prompt_tokens"])],
+            # The simulator's prompts: no two share a KV block, so no prefix-cache hits on either side.
+            engine.add_request(prompt_token_ids=prompt_tokens(int(r["id"]), r["prompt_tokens"]),
                                params=SamplingParams(max_tokens=r["output_tokens"], ignore_eos=True, temperature=0),
                                request_id=r["id"], arrival_time=r["arrival_s"])
             r["added_s"] = now

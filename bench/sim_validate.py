@@ -54,6 +54,11 @@ def parity(run: dict, profile: profiles.StepProfile) -> dict:
         captured[-1] = [[c.seq.request_id, c.start, c.num_tokens] for c in out.chunks]
         return real_execute(out)
 
+    # The recorder's warm-up request went first (its KV blocks stay in the prefix cache).
+    replica.engine.add_request(prompt_token_ids=[100] * 32, params=SamplingParams(max_tokens=4, ignore_eos=True),
+                               request_id="warmup")
+    while replica.engine.has_unfinished_requests():
+        replica.engine.step()
     replica.engine.executor.execute = capture
     same = 0
     first_diff = None
