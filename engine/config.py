@@ -116,12 +116,15 @@ class EngineConfig:
             raise ConfigError(f"watermark must be in [0, 0.5), got {self.watermark}")
 
     def check_kv_capacity(self, num_blocks: int, num_cpu_blocks: int) -> None:
-        """Called once the pool is sized: a max-length sequence must fit in it."""
-        if num_blocks * self.block_size < self.max_model_len:
+        """Called once the pool is sized: a max-length sequence must fit in it, beside the watermark
+        (the blocks admission keeps free), or it could never be admitted."""
+        usable = num_blocks - int(self.watermark * num_blocks)
+        if usable * self.block_size < self.max_model_len:
             raise ConfigError(
-                f"the KV cache holds {num_blocks} blocks x {self.block_size} = "
-                f"{num_blocks * self.block_size} tokens, fewer than --max-model-len ({self.max_model_len}): "
-                "a full-length sequence could never run. Raise --kv-cache-memory or lower --max-model-len."
+                f"the KV cache holds {num_blocks} blocks x {self.block_size} tokens, of which {usable} blocks = "
+                f"{usable * self.block_size} tokens are usable beyond the {self.watermark:g} watermark, fewer than "
+                f"--max-model-len ({self.max_model_len}): a full-length sequence could never run. "
+                "Raise --kv-cache-memory or lower --max-model-len."
             )
         if self.preemption_mode == "swap" and num_cpu_blocks == 0:
             raise ConfigError("--preemption-mode swap needs a CPU swap pool; set --swap-space above 0")

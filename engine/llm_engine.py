@@ -24,6 +24,7 @@ from iterserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.engine.scheduler import Scheduler, SchedulerOutput
 from iterserve.engine.sequence import Sequence
 from iterserve.engine.step_log import StepLog
+from iterserve.engine.step_result import RequestFailed, StepToken
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,10 @@ class LLMEngine:
         self._aborts: deque[str] = deque()
         self._request_counter = itertools.count()
         self._step_log = StepLog(config.step_log) if config.step_log else None
+        self._errors: dict[str, str] = {}  # request id -> why it failed, until its output is made
         self.num_steps = 0
+        self.last_step_was_idle = False
+        self.num_request_failures = 0
         self.last_timing = StepTiming()
 
     @classmethod
@@ -148,6 +152,22 @@ class LLMEngine:
                 "one generated token must fit); shorten the prompt",
                 param="prompt",
             )
+        # A prompt the pool can never hold (less the watermark admission keeps free) would sit at the
+        # head of the queue forever: refuse it now.
+        manager = self.block_manager
+        usable = manager.num_blocks - manager.watermark_blocks
+        if manager.blocks_for(len(token_ids)) > usable:
+            raise InvalidRequestError(
+                f"prompt has {len(token_ids)} tokens, but the KV cache can admit at most {usable * manager.block_size} "
+                f"({usable} blocks of {manager.block_size} beyond the watermark); shorten the prompt",
+                param="prompt",
+            )
+        if not self.config.chunked_prefill and len(token_ids) > self.config.max_num_batched_tokens:
+            raise InvalidRequestError(
+                f"prompt has {len(token_ids)} tokens, more than max_num_batched_tokens "
+                f"({self.config.max_num_batched_tokens}) with chunked prefill off; shorten the prompt",
+                param="prompt",
+            )
         vocab = getattr(self.tokenizer, "vocab_size", None)
         if vocab is not None and any(not 0 <= t < vocab for t in token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
@@ -205,10 +225,12 @@ class LLMEngine:
         t_scheduled = time.perf_counter()
         sampled = self.executor.execute(out) if not out.is_empty else []
         t_model = time.perf_counter()
+        sampled = self._finish_failed(out, sampled, finished_now)
         progressed = self.scheduler.update(out, sampled)
         outputs = self._make_outputs(progressed, finished_now)
         t_end = time.perf_counter()
         self.num_steps += 1
+        self.last_step_was_idle = out.is_empty and not outputs
         self.last_timing = StepTiming(t_scheduled - t_start, t_model - t_scheduled, t_end - t_model)
         if self._step_log is not None and not out.is_empty:
             self._log_step(out, t_end - t_start)
@@ -224,6 +246,31 @@ class LLMEngine:
                 self.scheduler.finish(seq, "abort")
                 finished_now.append(seq)
 
+    def _finish_failed(self, out: SchedulerOutput, sampled: list[StepToken],
+                       finished_now: list[Sequence]) -> list[int | None]:
+        """Finish, with an error, each request whose own part of the step failed (see step_result)."""
+        if not any(isinstance(token, RequestFailed) for token in sampled):
+            return sampled
+        tokens: list[int | None] = []
+        for chunk, token in zip(out.chunks, sampled, strict=True):
+            if isinstance(token, RequestFailed):
+                self._fail_request(chunk.seq, token.message, finished_now)
+                token = None
+            tokens.append(token)
+        return tokens
+
+    def _fail_request(self, seq: Sequence, message: str, finished_now: list[Sequence]) -> None:
+        """One request failed: it finishes with an error and frees its KV; the others go on."""
+        if seq.finish_reason in ("error", "abort"):
+            return
+        logger.error("request %s failed and was finished with an error: %s", seq.request_id, message)
+        self._errors[seq.request_id] = message
+        self.num_request_failures += 1
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "error")
+        seq.finish_reason = "error"
+        finished_now.append(seq)
+
     def _make_outputs(self, progressed: list[Sequence], finished_now: list[Sequence]) -> list[RequestOutput]:
         now = self.clock()
         outputs = []
@@ -232,13 +279,13 @@ class LLMEngine:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
-            new_text = append_new_text(seq, self.tokenizer) if self.tokenizer is not None else ""
-            if seq.params.stop and new_text:
-                cut = find_stop_string(seq, len(new_text))
-                if cut != -1:
-                    new_text = new_text[: max(0, len(new_text) - (len(seq.output_text) - cut))]
-                    seq.output_text = seq.output_text[:cut]
-                    self.scheduler.finish(seq, "stop")
+            try:
+                new_text = self._new_text(seq)
+            except Exception as error:  # noqa: BLE001 - detokenizing or a stop check failed for this request
+                logger.exception("post-processing request %s failed", seq.request_id)
+                self._fail_request(seq, f"processing the output failed: {type(error).__name__}: {error}",
+                                   finished_now)
+                continue
             outputs.append(self._output(seq, [seq.output_token_ids[-1]], new_text))
         outputs.extend(self._output(seq, [], "") for seq in finished_now)
         finished_ids = [o.request_id for o in outputs if o.finished]
@@ -249,6 +296,17 @@ class LLMEngine:
                     del self._sequences[request_id]
             self.executor.release(finished_ids)
         return outputs
+
+    def _new_text(self, seq: Sequence) -> str:
+        """Detokenize seq's new token and apply its stop strings; returns the text to stream."""
+        new_text = append_new_text(seq, self.tokenizer) if self.tokenizer is not None else ""
+        if seq.params.stop and new_text:
+            cut = find_stop_string(seq, len(new_text))
+            if cut != -1:
+                new_text = new_text[: max(0, len(new_text) - (len(seq.output_text) - cut))]
+                seq.output_text = seq.output_text[:cut]
+                self.scheduler.finish(seq, "stop")
+        return new_text
 
     def _output(self, seq: Sequence, new_token_ids: list[int], new_text: str) -> RequestOutput:
         completion = CompletionOutput(
@@ -266,6 +324,7 @@ class LLMEngine:
             outputs=[completion],
             finished=seq.is_finished,
             metrics=seq.metrics,
+            error=self._errors.pop(seq.request_id, None),
         )
 
     def _log_step(self, out: SchedulerOutput, duration: float) -> None:

@@ -89,6 +89,12 @@ VLLM_PREFIX_CACHE_HITS_TOTAL = "vllm:prefix_cache_hits_total"
 ENGINE_METRIC_NAMES += [PREFIX_CACHE_QUERIES_TOTAL, PREFIX_CACHE_HITS_TOTAL, PREFIX_CACHE_HIT_RATE,
                         KV_CACHE_CACHED_FRACTION]
 
+# Fault isolation (issue 14). A request that failed on its own finished with an error while the
+# engine carried on; an engine failure means the engine loop died (GET /health then answers 503).
+REQUEST_FAILURES_TOTAL = "iterserve_request_failures_total"
+ENGINE_FAILURES_TOTAL = "iterserve_engine_failures_total"
+ENGINE_METRIC_NAMES += [REQUEST_FAILURES_TOTAL, ENGINE_FAILURES_TOTAL]
+
 # The autoscaler's trust (issue 15): pods carrying an InferenceService's engine labels that are
 # not its Deployment's (look-alikes), ignored at its last tick: never read, never sent the token.
 AUTOSCALER_UNTRUSTED_PODS = "iterserve_autoscaler_untrusted_pods"

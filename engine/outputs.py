@@ -32,3 +32,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # Set when the request failed on its own (finish_reason "error"); the engine carried on.
+    error: str | None = None

@@ -3,13 +3,21 @@
 Greedy rows are one argmax over the batch; the rest share one temperature/top-k/top-p pass and
 then draw one token each from their own generator. A request with a seed owns a generator seeded
 from it (so its tokens do not depend on what else is in the batch); the rest share the engine's.
+
+A failure is kept to the request it belongs to: if sampling the batch raises, each row is sampled
+on its own, and a row that still raises yields a RequestFailed for its request instead of a token.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from iterserve.engine.sequence import Sequence
+from iterserve.engine.step_result import RequestFailed
+
+logger = logging.getLogger(__name__)
 
 
 class Sampler:
@@ -19,8 +27,24 @@ class Sampler:
         self._shared.manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """logits: float32 [N, vocab], one row per sequence in seqs."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | RequestFailed]:
+        """logits: float32 [N, vocab], one row per sequence in seqs; a token (or the failure) per row."""
+        try:
+            return self.sample_batch(logits, seqs)
+        except Exception:  # noqa: BLE001 - find the request at fault, row by row
+            if len(seqs) > 1:
+                logger.warning("sampling a batch of %d failed; sampling its rows one by one", len(seqs))
+        results: list[int | RequestFailed] = []
+        for row, seq in enumerate(seqs):
+            try:
+                results.append(self.sample_batch(logits[row : row + 1], [seq])[0])
+            except Exception as error:  # noqa: BLE001 - this request fails, the batch goes on
+                logger.exception("sampling failed for request %s (%s)", seq.request_id, seq.params)
+                results.append(RequestFailed(f"sampling failed: {type(error).__name__}: {error}"))
+        return results
+
+    def sample_batch(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """Sample every row at once; raises if any row cannot be sampled."""
         random_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         tokens = logits.argmax(dim=-1)
         if not random_rows:

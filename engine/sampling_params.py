@@ -1,9 +1,26 @@
-"""Per-request sampling settings, validated where they enter the engine."""
+"""Per-request sampling settings, validated where they enter the engine.
+
+Every value the sampler, the stop checks and the detokenizer will see is checked here, so a request
+the engine accepts can only fail later through a bug, never through a value: temperatures below
+SAMPLING_EPS sample greedily (as in vLLM), seeds lie in the range torch's generators take, and the
+stop lists are bounded (stop_token_ids is checked in O(1) per token through a frozenset).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
+
+# Below this temperature, sampling is greedy: dividing logits by 1e-39 overflows to inf/NaN.
+SAMPLING_EPS = 1e-5
+MAX_TEMPERATURE = 2.0
+# torch.Generator.manual_seed accepts [-2**63, 2**64).
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_TOKEN_ID = 2**31 - 1
 
 
 class InvalidRequestError(ValueError):
@@ -28,31 +45,42 @@ class SamplingParams:
     # or salt it (only requests with the same salt share cached blocks).
     skip_prefix_cache: bool = False
     cache_salt: str | None = None
+    # stop_token_ids as a set, for the per-token check.
+    stop_token_set: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        _check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool),
-               "max_tokens", "must be an integer")
+        _check(_is_int(self.max_tokens), "max_tokens", "must be an integer")
         _check(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
-        _check(isinstance(self.temperature, (int, float)), "temperature", "must be a number")
-        _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
-        _check(isinstance(self.top_p, (int, float)), "top_p", "must be a number")
+        _check(_is_number(self.temperature), "temperature", "must be a finite number")
+        _check(0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
+               f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
+        _check(_is_number(self.top_p), "top_p", "must be a finite number")
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(isinstance(self.top_k, int), "top_k", "must be an integer")
+        _check(_is_int(self.top_k), "top_k", "must be an integer")
         _check(self.top_k == -1 or self.top_k >= 1, "top_k", f"must be -1 (off) or >= 1, got {self.top_k}")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        _check(self.seed is None or _is_int(self.seed), "seed", "must be an integer")
+        _check(self.seed is None or MIN_SEED <= self.seed <= MAX_SEED, "seed",
+               f"must be in [{MIN_SEED}, {MAX_SEED}], got {self.seed}")
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be true or false")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"may hold at most {MAX_STOP_STRINGS} strings")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-               "stop_token_ids", "must be non-negative integers")
+        _check(all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), "stop",
+               f"strings may be at most {MAX_STOP_STRING_CHARS} characters long")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+               f"may hold at most {MAX_STOP_TOKEN_IDS} token ids")
+        _check(all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids),
+               "stop_token_ids", f"must be integers in [0, {MAX_TOKEN_ID}]")
+        self.stop_token_set = frozenset(self.stop_token_ids)
         _check(isinstance(self.skip_prefix_cache, bool), "skip_prefix_cache", "must be true or false")
         _check(self.cache_salt is None or isinstance(self.cache_salt, str), "cache_salt", "must be a string")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     @classmethod
     def from_dict(cls, values: dict) -> SamplingParams:
@@ -64,6 +92,16 @@ class SamplingParams:
                 param=unknown[0],
             )
         return cls(**values)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
 
 
 def _check(ok: bool, param: str, problem: str) -> None:

@@ -213,7 +213,7 @@ class Scheduler:
         params = seq.params
         if not params.ignore_eos and token == seq.eos_token_id:
             return "stop"
-        if token in params.stop_token_ids:
+        if token in params.stop_token_set:
             return "stop"
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return "length"

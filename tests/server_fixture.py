@@ -15,6 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from iterserve.devcluster.waiting import free_port  # noqa: F401  (re-exported to tests)
 
+FAULT_SERVER = Path(__file__).with_name("fault_server.py")
+
 
 def iterserve_command() -> list[str]:
     script = Path(sys.executable).parent / "iterserve"
@@ -22,11 +24,14 @@ def iterserve_command() -> list[str]:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, log_path: Path | None = None):
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, log_path: Path | None = None,
+                 fault: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        command = [*iterserve_command(), "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        # fault: serve with a planted fault (tests/fault_server.py), for the fault-isolation tests.
+        program = [sys.executable, str(FAULT_SERVER), fault] if fault else iterserve_command()
+        command = [*program, "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
         self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
         # Not run from the repository root: its folder operator/ must not shadow the stdlib module.
         self.proc = subprocess.Popen(command, cwd=log_path.parent if log_path else "/", env={**os.environ, **(env or {})},
@@ -85,8 +90,8 @@ class ServerProcess:
 
 @contextmanager
 def running_server(args: list[str], env: dict[str, str] | None = None, log_path: Path | None = None,
-                   ready_timeout: float = 60.0):
-    server = ServerProcess(args, env, log_path)
+                   ready_timeout: float = 60.0, fault: str | None = None):
+    server = ServerProcess(args, env, log_path, fault)
     try:
         server.wait_ready(ready_timeout)
         yield server

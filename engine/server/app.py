@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from iterserve import __version__
 from iterserve.engine.server import admin, openai_api
-from iterserve.engine.server.errors import install_error_handlers
+from iterserve.engine.server.errors import BodySizeLimit, install_error_handlers
 from iterserve.engine.server.state import ServerState
 
 
@@ -29,13 +29,19 @@ def build_app(state: ServerState) -> FastAPI:
                   description="OpenAI-compatible LLM serving with continuous batching.")
     app.state.server = state
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=state.options.max_request_body_bytes)
     app.include_router(openai_api.router)
     app.include_router(admin.router)
 
     @app.get("/health")
-    async def health() -> dict:
-        """Alive: the process answers (the model may still be loading)."""
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        """Alive: the process answers and the engine loop runs (the model may still be loading).
+        503 once the engine loop has died or the model failed to load: the liveness probe then
+        restarts the server."""
+        failure = state.failure
+        if failure is not None:
+            return JSONResponse({"status": "failed", "reason": failure}, 503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/ready")
     async def ready(request: Request) -> JSONResponse:

@@ -1,12 +1,17 @@
 """The engine loop in its own thread, and an asyncio stream per request.
 
 The event loop only validates, enqueues and reads streams; all model work happens on the engine
-thread, which sleeps on a condition while there is nothing to do. After each step the thread
+thread, which sleeps on a condition while there is nothing to do, or while nothing can be scheduled
+until something changes (a new request, an abort, a new max_num_seqs), so an idle engine never spins. After each step the thread
 hands that step's outputs to the event loop in one `call_soon_threadsafe`, which routes them to
 the requests' streams.
 
 Admission control lives here too: a bounded waiting queue (beyond it, QueueFull -> 429) and
 draining (NotAccepting -> 503).
+
+A request that fails on its own (see engine/step_result.py) ends its stream with RequestError; the
+engine carries on. If the engine loop itself dies, every stream ends with EngineFailed, `failed`
+is set and `alive` turns false, which GET /health reports as 503.
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ class EngineFailed(Exception):
     pass
 
 
+class RequestError(Exception):
+    """This request failed on its own (its output carries the error); the engine carried on."""
+
+
 class RequestStream:
     """One request's outputs, in order; iteration ends after the finished output."""
 
@@ -53,6 +62,9 @@ class RequestStream:
             if isinstance(item, Exception):
                 self.finished = True
                 raise item
+            if item.error is not None:
+                self.finished = True
+                raise RequestError(item.error)
             self.finished = item.finished
             yield item
 
@@ -63,16 +75,19 @@ class AsyncEngine:
         engine: LLMEngine,
         max_waiting_requests: int,
         on_step: Callable[[list[RequestOutput]], None] | None = None,
+        on_failure: Callable[[BaseException], None] | None = None,
     ):
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.on_step = on_step
+        self.on_failure = on_failure
         self.draining = False
         self.failed: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = threading.Condition()
         self._stopping = False
+        self._changes = 0  # bumped on every notify, so the thread never misses a wake-up
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._ids = 0
 
@@ -123,6 +138,11 @@ class AsyncEngine:
         self._notify()
 
     @property
+    def alive(self) -> bool:
+        """False once the engine loop has died (or was stopped): what GET /health reports."""
+        return self.failed is None and (self._thread.is_alive() or not self._thread.ident)
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
@@ -151,6 +171,7 @@ class AsyncEngine:
 
     def _notify(self) -> None:
         with self._wake:
+            self._changes += 1
             self._wake.notify()
 
     # -- the engine thread -----------------------------------------------------------------------
@@ -162,19 +183,35 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        # After a step that did nothing (requests wait for room that only an abort, a new request or
+        # a new max_num_seqs can make), the next step waits for such a change instead of spinning.
+        stalled_at: int | None = None
         try:
             while True:
                 with self._wake:
-                    while not self._stopping and not engine.has_unfinished_requests():
-                        self._wake.wait()
+                    while not self._stopping and (
+                        not engine.has_unfinished_requests() or stalled_at == self._changes
+                    ):
+                        if not self._wake.wait(timeout=1.0 if stalled_at is not None else None):
+                            stalled_at = None  # a periodic retry, in case a change came unannounced
                     if self._stopping:
                         return
+                    changes = self._changes
                 outputs = engine.step()
+                stalled_at = changes if engine.last_step_was_idle else None
                 if self.on_step is not None:
                     self._observe(outputs)
                 if outputs:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
         except BaseException as error:  # noqa: BLE001 - the thread must report, not vanish
-            logger.exception("engine step failed; the server stops accepting requests")
+            logger.exception("the engine loop died (%s: %s), a fault no single request caused; GET /health "
+                             "now answers 503 so that the liveness probe restarts this server",
+                             type(error).__name__, error)
+            self.failed = self.failed or error
+            if self.on_failure is not None:
+                try:
+                    self.on_failure(error)
+                except Exception:  # noqa: BLE001
+                    logger.exception("recording the engine failure failed")
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(self._fail_all, error)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import uvicorn
 
-from iterserve.engine.config import DEFAULT_MODEL, ConfigError, EngineConfig
+from iterserve.engine.config import DEFAULT_MODEL, ConfigError, EngineConfig, parse_size
 from iterserve.engine.llm_engine import FAKE_MODEL
 
 logger = logging.getLogger("iterserve.server")
@@ -47,6 +47,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--port", type=int, default=8000)
     http.add_argument("--max-waiting-requests", type=int, default=256,
                       help="bound on the waiting queue; beyond it requests get 429 with Retry-After")
+    http.add_argument("--max-request-body", default="8MiB",
+                      help="largest request body accepted, e.g. 8MiB (default); larger bodies get 413")
     http.add_argument("--drain-timeout", type=float, default=30.0,
                       help="seconds in-flight requests get to finish after SIGTERM (default 30)")
     http.add_argument("--admin-token-file",
@@ -140,6 +142,9 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--max-waiting-requests must be a positive integer")
         if args.drain_timeout < 0:
             raise ConfigError("--drain-timeout must be >= 0 seconds")
+        max_body = parse_size(args.max_request_body, "--max-request-body")
+        if max_body < 1024:
+            raise ConfigError("--max-request-body must be at least 1KiB")
     except (ConfigError, OSError) as error:
         print(f"iterserve serve: {error}", file=sys.stderr)
         return 2
@@ -155,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         admin_token=token,
         loopback_only=is_loopback(args.host),
         drain_timeout_s=args.drain_timeout,
+        max_request_body_bytes=max_body,
     )
     state = ServerState(options)
     server = DrainingServer(
@@ -168,6 +174,14 @@ def run(args: argparse.Namespace) -> int:
     if token is None and not options.loopback_only:
         logger.warning("no admin token set: the admin API is refused; set ITERSERVE_ADMIN_TOKEN to enable it")
     server.run()
+    if state.engine is None and state.load_error is None:
+        # Stopped while the model was loading: the loader thread cannot be interrupted, and
+        # waiting for it would ignore the SIGTERM for as long as loading takes.
+        logger.info("stopped while the model was still loading; exiting now")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(server.exit_code)
     return server.exit_code
 
 

@@ -50,12 +50,21 @@ def overloaded(message: str, retry_after_s: int) -> APIError:
     return APIError(429, message, "rate_limit_error", None, "queue_full", {"Retry-After": str(retry_after_s)})
 
 
+def request_failed(reason: str) -> APIError:
+    """This request failed inside the engine (the server's fault, not the client's); the engine
+    and every other request carried on, so a retry is served normally."""
+    return APIError(500, f"the request failed in the engine and was stopped; the server carries on: {reason}",
+                    "server_error", None, "request_failed")
+
+
 def unavailable(message: str, code: str) -> APIError:
     return APIError(503, message, "service_unavailable", None, code, {"Retry-After": "1"})
 
 
 def _describe_validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
-    first = exc.errors()[0]
+    errors = exc.errors()
+    # A string that is not valid Unicode fails every alternative of a union; say that, not the union.
+    first = next((e for e in errors if "not valid Unicode" in str(e.get("msg", ""))), errors[0])
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     kind = first.get("type", "")
     if kind == "json_invalid":
@@ -72,6 +81,8 @@ def _describe_validation_error(exc: RequestValidationError) -> tuple[str, str | 
         return f"unknown field {param!r}: remove it (see the API reference for the accepted fields)", param
     if kind == "missing":
         return f"{param} is required", param
+    if "not valid Unicode" in str(first.get("msg", "")):
+        return f"{param} {first['msg'].removeprefix('Value error, ')}", param
     if len(field_path) < len(loc) and field_path[-1] in _UNION_HINTS:
         return f"{param} must be {_UNION_HINTS[field_path[-1]]}", param
     return f"{param}: {first.get('msg', 'invalid value').removeprefix('Value error, ')}", param
@@ -87,6 +98,63 @@ _UNION_HINTS = {
     "content": 'a string or a list of {"type": "text", "text": ...} parts',
 }
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "literal"}
+
+
+class BodySizeLimit:
+    """ASGI middleware: a request body over max_bytes gets 413 before the app parses any of it
+    (by its Content-Length, or as soon as a chunked body passes the limit)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._refuse(send, int(length))
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                await self.app(scope, _replay(message, receive), send)
+                return
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                await self._refuse(send, None)
+                return
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay({"type": "http.request", "body": bytes(body), "more_body": False}, receive),
+                       send)
+
+    async def _refuse(self, send, length: int | None) -> None:
+        size = f"{length} bytes" if length is not None else f"over {self.max_bytes} bytes"
+        response = JSONResponse(
+            error_body(f"the request body is {size}; this server accepts at most {self.max_bytes} bytes "
+                       "(--max-request-body)", "invalid_request_error", None, "request_too_large"),
+            413, headers={"Connection": "close"})
+        await response({"type": "http"}, _never, send)
+
+
+def _replay(first: dict, receive):
+    sent = False
+
+    async def replayed() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return first
+        return await receive()
+
+    return replayed
+
+
+async def _never() -> dict:
+    raise RuntimeError("not reached: the response reads no body")
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -35,7 +35,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0)
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 THROUGHPUT_WINDOW_S = 10.0
 
 
@@ -97,6 +97,12 @@ class ServerMetrics:
         requests = Counter(names.REQUESTS_TOTAL, "Finished requests by reason.", [names.MODEL_LABEL, "finished_reason"],
                            registry=h)
         self.requests = {reason: requests.labels(model_name, reason) for reason in FINISH_REASONS}
+        self.request_failures = Counter(names.REQUEST_FAILURES_TOTAL,
+                                        "Requests finished with an error of their own; the engine carried on.",
+                                        labels, registry=h).labels(model_name)
+        self.engine_failures = Counter(names.ENGINE_FAILURES_TOTAL,
+                                       "Times the engine loop died (GET /health then answers 503).", labels,
+                                       registry=h).labels(model_name)
         self.registry.register(_SchedulerCollector(model_name, stats, self.throughput, vllm_names))
         self._last_token_time: dict[str, float] = {}
 
@@ -121,11 +127,16 @@ class ServerMetrics:
                 self._last_token_time.pop(out.request_id, None)
                 reason = out.outputs[0].finish_reason or "abort"
                 self.requests.get(reason, self.requests["abort"]).inc()
+                if out.error is not None:
+                    self.request_failures.inc()
                 if m.finished_time is not None:
                     self.e2e.observe(m.finished_time - m.arrival_time)
         if generated:
             self.generation_tokens.inc(generated)
             self.throughput.add(generated)
+
+    def observe_engine_failure(self, error: BaseException) -> None:
+        self.engine_failures.inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

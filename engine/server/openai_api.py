@@ -1,7 +1,10 @@
 """POST /v1/completions, POST /v1/chat/completions and GET /v1/models.
 
 Streaming answers are server-sent events shaped exactly like OpenAI's, ending with
-`data: [DONE]`. Whether streaming or not, a client that disconnects has its request aborted at
+`data: [DONE]`. Tokenizing and rendering the chat template run in a worker thread, so a huge
+prompt never stalls other requests' streams. A request that fails on its own (its sampling, say)
+gets a 500 error body, or an error event on its stream; the other requests go on. Whether
+streaming or not, a client that disconnects has its request aborted at
 the engine's next step, which frees the request's KV blocks.
 """
 
@@ -23,9 +26,17 @@ from iterserve.engine.server.async_engine import (
     EngineFailed,
     NotAccepting,
     QueueFull,
+    RequestError,
     RequestStream,
 )
-from iterserve.engine.server.errors import APIError, error_body, invalid, overloaded, unavailable
+from iterserve.engine.server.errors import (
+    APIError,
+    error_body,
+    invalid,
+    overloaded,
+    request_failed,
+    unavailable,
+)
 from iterserve.engine.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -38,7 +49,7 @@ from iterserve.engine.server.protocol import (
 )
 from iterserve.engine.server.state import ServerState
 
-ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 429, 503)}
+ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 413, 429, 500, 503)}
 router = APIRouter()
 
 
@@ -62,7 +73,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        text, token_ids = prompt, engine.engine.tokenizer.encode(prompt)
+        text, token_ids = prompt, await asyncio.to_thread(engine.engine.tokenizer.encode, prompt)
     else:
         text, token_ids = None, list(prompt)
     params = _sampling_params(body, body.max_tokens, len(token_ids), engine, "prompt", default_max_tokens=16)
@@ -88,11 +99,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state.check_model(body.model)
     tokenizer = engine.engine.tokenizer
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except Exception as error:  # noqa: BLE001 - a template that rejects the conversation
-        raise invalid(f"messages: the model's chat template rejected them: {error}", "messages") from None
-    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    text, token_ids = await asyncio.to_thread(_render_chat, tokenizer, messages)
     max_tokens = body.max_completion_tokens or body.max_tokens
     max_model_len = engine.engine.config.max_model_len
     params = _sampling_params(body, max_tokens, len(token_ids), engine, "messages",
@@ -113,6 +120,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
 
 
 # -- request -> engine -----------------------------------------------------------------------
+def _render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[int]]:
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as error:  # noqa: BLE001 - a template that rejects the conversation
+        raise invalid(f"messages: the model's chat template rejected them: {error}", "messages") from None
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
 def _sampling_params(body: _SamplingFields, max_tokens: int | None, prompt_len: int, engine: AsyncEngine,
                      prompt_field: str, default_max_tokens: int) -> SamplingParams:
     max_model_len = engine.engine.config.max_model_len
@@ -175,6 +190,8 @@ async def _final_output(request: Request, engine: AsyncEngine, stream: RequestSt
             final = out
     except EngineFailed as error:
         raise unavailable(str(error), "engine_failed") from None
+    except RequestError as error:
+        raise request_failed(str(error)) from None
     except ClientDisconnected:
         raise APIError(499, "client closed the request", "client_closed_request") from None
     return final
@@ -201,7 +218,10 @@ def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
         except ClientDisconnected:
             return
         except EngineFailed as error:
-            yield f"data: {json.dumps(error_body(str(error), 'server_error'))}\n\n"
+            yield f"data: {json.dumps(error_body(str(error), 'server_error', None, 'engine_failed'))}\n\n"
+        except RequestError as error:
+            failed = request_failed(str(error))
+            yield f"data: {json.dumps(error_body(failed.message, failed.type, None, failed.code))}\n\n"
         finally:
             await events.aclose()  # at once, not at garbage collection: it aborts an unfinished request
         yield "data: [DONE]\n\n"

@@ -10,7 +10,32 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+from iterserve.engine.sampling_params import (
+    MAX_SEED,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    MAX_TOKEN_ID,
+    MIN_SEED,
+)
+
+MAX_MESSAGES = 1024  # per chat request
+
+
+def _valid_unicode(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("is not valid Unicode (it holds a lone surrogate such as \\ud800)") from None
+    return value
+
+
+# Every string a request carries: JSON allows "\ud800", which no tokenizer can encode.
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
 class _Request(BaseModel):
@@ -21,32 +46,35 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-StopStrings = str | Annotated[list[str], Field(max_length=16)] | None
+StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+StopStrings = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None
 
 
 class _SamplingFields(_Request):
     """Fields both endpoints share; the names and ranges are OpenAI's."""
 
-    model: str | None = Field(None, description="The served model's id (GET /v1/models); defaults to it.")
+    model: Text | None = Field(None, description="The served model's id (GET /v1/models); defaults to it.")
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE,
+                               description="Below 1e-5 the choice is greedy (the most likely token).")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, description="Only 1 is supported.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: StopStrings = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     presence_penalty: float = Field(0.0, description="Not supported: only 0.")
     frequency_penalty: float = Field(0.0, description="Not supported: only 0.")
-    user: str | None = None
+    user: Text | None = Field(None, max_length=256)
     # vLLM's extensions, which load generators and benchmarks rely on.
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(-1, ge=-1, le=MAX_TOKEN_ID,
+                       description="-1: off (0 is refused); above the vocabulary size: the whole vocabulary.")
     ignore_eos: bool = False
     # Prefix caching per request: vLLM's cache_salt (only requests with the same salt share cached KV
     # blocks) and an opt-out (the request neither reuses cached blocks nor offers its own).
     cache_salt: str | None = None
     skip_prefix_cache: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
 
     @field_validator("n")
     @classmethod
@@ -63,11 +91,11 @@ class _SamplingFields(_Request):
         return value
 
 
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[
+    prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1, max_length=1)] | Annotated[
         list[TokenIds], Field(min_length=1, max_length=1)
     ] = Field(description="One prompt: a string or a list of token ids (batched prompts are not supported).")
     echo: Literal[False] = False
@@ -77,13 +105,13 @@ class CompletionRequest(_SamplingFields):
 
 class TextPart(_Request):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+    content: Text | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)]
+    name: Text | None = Field(None, max_length=256)
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -92,7 +120,7 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: Literal[False] = False
 

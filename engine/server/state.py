@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ class ServerOptions:
     admin_token: str | None = None
     loopback_only: bool = True
     drain_timeout_s: float = 30.0
+    max_request_body_bytes: int = 8 * 1024**2
 
 
 class ServerState:
@@ -48,12 +50,13 @@ class ServerState:
         logger.info("loading model %s", config.model)
         started = time.monotonic()
         try:
-            engine = await asyncio.to_thread(self.engine_factory, config)
+            engine = await _in_daemon_thread(self.engine_factory, config)
         except Exception as error:  # noqa: BLE001 - reported, and the process exits non-zero
             logger.error("could not start the engine: %s", error)
             self.load_error = error
             return
-        self.engine = AsyncEngine(engine, self.options.max_waiting_requests, on_step=self.metrics.observe_step)
+        self.engine = AsyncEngine(engine, self.options.max_waiting_requests, on_step=self.metrics.observe_step,
+                                  on_failure=self.metrics.observe_engine_failure)
         self.engine.draining = self.draining
         self.engine.start(asyncio.get_running_loop())
         stats, config = engine.stats(), engine.config
@@ -71,7 +74,17 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and self.engine.failed is None and not self.draining
+        return self.engine is not None and self.engine.alive and not self.draining
+
+    @property
+    def failure(self) -> str | None:
+        """Why this server can no longer serve (GET /health answers 503), or None."""
+        if self.load_error is not None:
+            return f"the model failed to load: {self.load_error}"
+        if self.engine is not None and not self.engine.alive:
+            error = self.engine.failed
+            return f"the engine loop died: {type(error).__name__}: {error}" if error else "the engine loop stopped"
+        return None
 
     def require_engine(self) -> AsyncEngine:
         if self.draining:
@@ -81,7 +94,7 @@ class ServerState:
             if self.load_error is not None:
                 raise unavailable("the model failed to load; see the server log", "engine_failed")
             raise unavailable("the model is still loading; retry shortly", "loading")
-        if self.engine.failed is not None:
+        if not self.engine.alive:
             raise unavailable("the engine failed; see the server log", "engine_failed")
         return self.engine
 
@@ -118,3 +131,33 @@ class ServerState:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.stop()
+
+
+async def _in_daemon_thread(function, *args):
+    """Run function in a daemon thread: unlike asyncio.to_thread, a SIGTERM during model loading
+    does not have to wait for the loading to end before the process can exit."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def run() -> None:
+        result, failure = None, None
+        try:
+            result = function(*args)
+        except BaseException as error:  # noqa: BLE001 - handed to the awaiting coroutine
+            failure = error
+        try:
+            loop.call_soon_threadsafe(_settle, future, result, failure)
+        except RuntimeError:  # the server stopped while loading: nobody is waiting
+            pass
+
+    threading.Thread(target=run, name="model-loader", daemon=True).start()
+    return await future
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -1,5 +1,9 @@
 """Property-based fuzzing of the server's own OpenAPI document: whatever a client sends, no 5xx.
 
+It runs against the fake model and against the real embedded one, whose sampler sees every
+sampling field drawn over its whole declared range (temperature 0..2, seeds over the generator's
+range, top_k up to 2**31 - 1...): a value the API accepts must never fail the request or the engine.
+
 (Schemathesis' pytest plugin does not run under this pytest, so each operation's strategy is
 driven by hypothesis directly.)"""
 
@@ -7,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 
+import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -17,6 +22,8 @@ from tests.server_fixture import running_server
 
 pytestmark = pytest.mark.slow
 EXAMPLES = {GenerationMode.POSITIVE: 30, GenerationMode.NEGATIVE: 20}  # per operation
+VOCAB = 49152  # SmolLM2's
+REAL_EXAMPLES = {GenerationMode.POSITIVE: 25, GenerationMode.NEGATIVE: 10}
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +32,15 @@ def fake_server(tmp_path_factory):
     # A short context keeps generated requests quick.
     with running_server(["--fake-model", "--max-model-len", "96", "--max-num-batched-tokens", "128"],
                         log_path=log) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def real_server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("schemathesis-real") / "server.log"
+    # A short context keeps each generated request to a few model steps.
+    with running_server(["--max-model-len", "64", "--max-num-batched-tokens", "64"], log_path=log,
+                        ready_timeout=300) as server:
         yield server
 
 
@@ -43,3 +59,59 @@ def test_no_input_makes_the_server_fail(fake_server):
             case.call_and_validate(checks=[not_a_server_error], timeout=30)
 
         no_server_error()
+
+
+def reaching_the_sampler(body: dict) -> dict:
+    """A generated valid request, kept valid for this server so that it reaches the sampler: the
+    served model, a short generation, token ids inside the vocabulary, and integers written as
+    integers (JSON Schema counts 3.0 as an integer; the strict API does not). The sampling fields
+    keep the values drawn over their whole range."""
+
+    def integral(value):
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+            return int(value)
+        if isinstance(value, list):
+            return [integral(v) for v in value]
+        if isinstance(value, dict):
+            return {k: integral(v) for k, v in value.items()}
+        return value
+
+    body = integral(body)
+    for field in ("model", "n", "presence_penalty", "frequency_penalty"):
+        body.pop(field, None)  # fields with one accepted value
+    for field in ("max_tokens", "max_completion_tokens"):
+        if isinstance(body.get(field), int):
+            body[field] = min(body[field], 4)
+    prompt = body.get("prompt")
+    if prompt == "" or prompt == [""]:
+        body["prompt"] = "hi"
+    elif isinstance(prompt, list) and prompt and isinstance(prompt[0], int | list):
+        ids = prompt[0] if isinstance(prompt[0], list) else prompt
+        body["prompt"] = [t % VOCAB for t in ids][:32]
+    return body
+
+
+def test_no_input_makes_the_real_model_fail(real_server):
+    schema = schemathesis.openapi.from_url(f"{real_server.url}/openapi.json")
+    operations = [result.ok() for result in schema.include(path_regex="^/v1/(chat/)?completions$").get_all_operations()]
+    assert {op.path for op in operations} == {"/v1/completions", "/v1/chat/completions"}
+    for operation, (mode, examples) in itertools.product(operations, REAL_EXAMPLES.items()):
+
+        @given(case=operation.as_strategy(mode))
+        @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        def no_server_error(case, mode=mode):
+            if mode is GenerationMode.POSITIVE and isinstance(case.body, dict):
+                case.body = reaching_the_sampler(case.body)
+            case.call_and_validate(checks=[not_a_server_error], timeout=60)
+
+        no_server_error()
+    # Still alive and serving: no request took the engine down.
+    assert httpx.get(f"{real_server.url}/health").status_code == 200
+    response = httpx.post(f"{real_server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert response.status_code == 200, response.text
+    assert "sampling failed" not in real_server.log()
+    # Enough generated requests passed validation to have reached the real sampler.
+    metrics = real_server.metrics()
+    finished = {reason: metrics.get(f'llm_requests_total{{finished_reason="{reason}",model_name="smollm2-135m"}}', 0)
+                for reason in ("stop", "length", "abort", "error")}
+    assert finished["stop"] + finished["length"] >= 20 and finished["error"] == 0, finished

@@ -16,12 +16,22 @@ def prompts(n: int, length: int = 30) -> list[list[int]]:
 
 def test_token_budget_and_sequence_cap_hold_every_step():
     engine = fake_engine(max_num_seqs=4, max_num_batched_tokens=24)
+    steps = []  # (tokens computed, sequences in the batch) per step, as the executor saw them
+    execute = engine.executor.execute
+
+    def recording_execute(out):
+        steps.append((out.num_batched_tokens, len(out.chunks)))
+        return execute(out)
+
+    engine.executor.execute = recording_execute
     for p in prompts(10):
         engine.add_request(prompt_token_ids=p, params=GREEDY)
-    while engine.has_unfinished_requests():
-        engine.step()
-        out_tokens = sum(1 for _ in engine.scheduler.running)
-        assert out_tokens <= 4
+    tokens = run_to_completion(engine)
+    assert len(tokens) == 10 and all(len(t) == 20 for t in tokens.values())
+    assert max(n for n, _ in steps) == 24  # prompts of 30+ tokens fill the budget exactly, never beyond
+    assert max(k for _, k in steps) == 4
+    # Every prompt and generated token was computed once (no preemption here), within the budget.
+    assert sum(n for n, _ in steps) == sum(len(p) + 20 - 1 for p in prompts(10))
     assert engine.block_manager.usage() == 0.0
 
 
