@@ -245,3 +245,29 @@ def test_least_load_routing_uses_the_routers_pick():
     assert {r["pod"] for r in rr["requests"][::2]} == {"pod-1"}  # round robin: every long one on pod 1
     assert {r["pod"] for r in ll["requests"][::2]} == {"pod-1", "pod-2"}
     assert ll["summary"]["statuses"] == rr["summary"]["statuses"] == {"ok": 40}
+
+
+def test_interval_timing_takes_back_to_back_gaps_only(tmp_path):
+    log = tmp_path / "steps.jsonl"
+    rows = [  # time = when the step ended; a 5 s gap is an idle engine, not a step's cost
+        {"time": 10.0, "duration_s": 0.01, "running": 2, "waiting": 0},
+        {"time": 10.02, "duration_s": 0.01, "running": 2, "waiting": 0},
+        {"time": 10.05, "duration_s": 0.02, "running": 0, "waiting": 0},
+        {"time": 15.05, "duration_s": 0.01, "running": 1, "waiting": 0},
+        {"time": 15.07, "duration_s": 0.01, "running": 1, "waiting": 0},
+    ]
+    log.write_text("".join(json.dumps(dict(r, prefill_tokens=0, decode_tokens=1, num_seqs=1, context_tokens=9))
+                           + "\n" for r in rows))
+    step = profiles.step_log_records([log], "step")
+    interval = profiles.step_log_records([log], "interval")
+    assert [r["duration_s"] for r in step] == [0.01, 0.01, 0.02, 0.01, 0.01]
+    assert [round(r["duration_s"], 6) for r in interval] == [0.02, 0.03, 0.02]
+
+
+@pytest.mark.parametrize("mode", ["Off", "External"])
+def test_modes_that_own_no_replicas_never_scale(mode):
+    heavy = traces.poisson(30.0, 8, traces.Lengths("fixed", 32), traces.Lengths("fixed", 64), seed=0)
+    spec = dict(SPEC, autoscaling=dict(SPEC["autoscaling"], mode=mode))
+    doc = _run(spec, heavy, scale=4.0)
+    assert doc["summary"]["scale_events"] == [] and doc["summary"]["retunes"] == []
+    assert doc["summary"]["pods_created"] == 1
