@@ -254,6 +254,17 @@ class SchedulingSpec(WireModel):
     priority_class_name: str | None = None
 
 
+class RoutingSpec(WireModel):
+    """How requests reach the engine pods (operator/routing.py builds the objects)."""
+
+    mode: Literal["Router", "Gateway", "None"] = Field(
+        "Router", description=("Router: a load-aware `iterserve router` Deployment behind the InferenceService's "
+                               "Service. Gateway: an InferencePool (inference.networking.k8s.io/v1) for a Gateway "
+                               "API Inference Extension gateway. None: the Service selects the engine pods."))
+    endpoint_picker: str | None = Field(
+        None, description="Gateway mode: the endpoint picker's Service (default: NAME-epp), port 9002.")
+
+
 class InferenceServiceSpec(WireModel):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         cel("!has(self.autoscaling) || !has(self.autoscaling.kvRetune) || !has(self.engine) "
@@ -266,6 +277,7 @@ class InferenceServiceSpec(WireModel):
     replicas: int = Field(1, ge=0, description="Engine pods wanted; the scale subresource's target.")
     autoscaling: AutoscalingSpec | None = Field(None, description="Absent: no autoscaling (mode Off).")
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    routing: RoutingSpec = Field(default_factory=RoutingSpec)
     pod_template_patch: FreeForm | None = Field(
         None, description=("Merged into the generated pod template last (maps by key, lists of named items by "
                            "name). Nothing that weakens the restricted Pod Security profile (privileged, host "

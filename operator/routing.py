@@ -1,0 +1,159 @@
+"""Pure builders for how requests reach an InferenceService's engines (spec.routing.mode):
+
+- Router (the default): an `iterserve router` Deployment + the RBAC it needs (get/list/watch
+  pods in its own namespace, nothing more), and the InferenceService's Service selecting the
+  router pods instead of the engines; the router watches the engine pods itself.
+- Gateway: an InferencePool (inference.networking.k8s.io/v1) selecting the engine pods, at the
+  engine port, with a FailOpen reference to an endpoint picker Service; the engine pods carry
+  the label by which the upstream endpoint picker maps vLLM-compatible metric names.
+- None: nothing extra; the Service selects the engines (round robin by kube-proxy).
+
+In: the owner and its parsed spec. Out: manifests (dicts) for the reconcile to apply. No API
+calls here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from iterserve.operator.models import InferenceServiceSpec
+from iterserve.operator.resources import (
+    ENGINE_PORT,
+    ENGINE_UID,
+    MANAGED_BY,
+    Owner,
+    owner_reference,
+    restricted_container,
+    selector_labels,
+)
+
+ROUTER = "Router"
+GATEWAY = "Gateway"
+NONE = "None"
+ROUTER_PORT = 8000
+ROUTER_REPLICAS = 1
+INFERENCE_POOL_GROUP = "inference.networking.k8s.io"
+INFERENCE_POOL_VERSION = "v1"
+INFERENCE_POOL_PLURAL = "inferencepools"
+ENDPOINT_PICKER_PORT = 9002
+# The upstream endpoint picker reads vllm:* gauges from pods labelled so (its default, stated).
+ENGINE_TYPE_LABEL = "llm-d.ai/engine-type"
+ENGINE_TYPE_VLLM = "vllm"
+# The gauges an unmodified endpoint picker reads (exactly one series per name, GIE #2950).
+ENDPOINT_PICKER_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
+# Condition the reconcile sets when Gateway mode is asked for and the InferencePool CRD is absent.
+ROUTING_UNAVAILABLE = "RoutingUnavailable"
+
+
+def router_name(name: str) -> str:
+    return f"{name}-router"
+
+
+def router_labels(name: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "iterserve-router", "app.kubernetes.io/instance": name}
+
+
+def endpoint_picker_name(name: str, spec: InferenceServiceSpec) -> str:
+    return spec.routing.endpoint_picker or f"{name}-epp"
+
+
+def _metadata(owner: Owner, name: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {"name": name, "namespace": owner.namespace,
+            "labels": {**labels, "app.kubernetes.io/part-of": "iterserve", "app.kubernetes.io/managed-by": MANAGED_BY},
+            "ownerReferences": [owner_reference(owner)]}
+
+
+def service_selector(name: str, spec: InferenceServiceSpec) -> dict[str, str]:
+    """What the InferenceService's Service selects: the router pods in Router mode, else the engines."""
+    return router_labels(name) if spec.routing.mode == ROUTER else selector_labels(name)
+
+
+def engine_pod_labels(spec: InferenceServiceSpec) -> dict[str, str]:
+    """Labels the engine pods carry for the routing mode (Gateway: the endpoint picker's engine type)."""
+    return {ENGINE_TYPE_LABEL: ENGINE_TYPE_VLLM} if spec.routing.mode == GATEWAY else {}
+
+
+def router_args(owner: Owner) -> list[str]:
+    return ["--infsvc", owner.name, "-n", owner.namespace, "--host", "0.0.0.0", "--port", str(ROUTER_PORT)]
+
+
+def build_router_rbac(owner: Owner) -> list[dict[str, Any]]:
+    """A ServiceAccount, and a Role + RoleBinding granting it get/list/watch on pods here only."""
+    name, labels = router_name(owner.name), router_labels(owner.name)
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(owner, name, labels),
+         "automountServiceAccountToken": True},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _metadata(owner, name, labels),
+         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _metadata(owner, name, labels),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}]},
+    ]
+
+
+def build_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+    name, labels = router_name(owner.name), router_labels(owner.name)
+    probe = lambda path: {"httpGet": {"path": path, "port": "http"}, "periodSeconds": 5,  # noqa: E731
+                          "failureThreshold": 3, "timeoutSeconds": 2}
+    container = {
+        "name": "router",
+        "image": spec.engine.image,  # the engine image holds the whole iterserve package
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": ["iterserve", "router"],
+        "args": router_args(owner),
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "readinessProbe": probe("/ready"),
+        "livenessProbe": probe("/health"),
+        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
+        "securityContext": {"readOnlyRootFilesystem": True, **restricted_container()},
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(owner, name, {**labels, "app.kubernetes.io/component": "router"}),
+        "spec": {
+            "replicas": ROUTER_REPLICAS,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": {**labels, "app.kubernetes.io/component": "router"},
+                             "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(ROUTER_PORT),
+                                             "prometheus.io/path": "/metrics"}},
+                "spec": {
+                    "serviceAccountName": name,
+                    "containers": [container],
+                    "volumes": [{"name": "tmp", "emptyDir": {}}],
+                    "enableServiceLinks": False,
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": ENGINE_UID, "runAsGroup": ENGINE_UID,
+                                        "seccompProfile": {"type": "RuntimeDefault"}},
+                },
+            },
+        },
+    }
+
+
+def build_inference_pool(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{INFERENCE_POOL_GROUP}/{INFERENCE_POOL_VERSION}",
+        "kind": "InferencePool",
+        "metadata": _metadata(owner, owner.name, selector_labels(owner.name)),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(owner.name)},
+            "targetPorts": [{"number": ENGINE_PORT}],
+            "endpointPickerRef": {
+                "group": "", "kind": "Service", "name": endpoint_picker_name(owner.name, spec),
+                "port": {"number": ENDPOINT_PICKER_PORT}, "failureMode": "FailOpen",
+            },
+        },
+    }
+
+
+def build_routing(owner: Owner, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """The objects the routing mode adds to the engine Deployment, Service and ConfigMap."""
+    mode = spec.routing.mode
+    if mode == ROUTER:
+        return [*build_router_rbac(owner), build_router_deployment(owner, spec)]
+    if mode == GATEWAY:
+        return [build_inference_pool(owner, spec)]
+    return []
