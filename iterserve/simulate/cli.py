@@ -109,7 +109,8 @@ def simulate(trace, spec, profile, options, slo, inputs: dict, progress: bool = 
         from tqdm import tqdm
 
         horizon = trace[-1].arrival_s if trace else 0.0
-        bar = tqdm(total=round(horizon), unit="sim s", file=sys.stderr, leave=False)
+        bar = tqdm(total=round(horizon), unit="sim s", file=sys.stderr, leave=False, mininterval=1.0,
+                   disable=None)  # None: shown on a terminal, silent in logs
         shown = [0]
 
         def tick(t: float) -> None:
