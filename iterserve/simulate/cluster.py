@@ -80,6 +80,9 @@ class SimOptions:
     timeline_interval_s: float | None = None  # default: the autoscaler's interval, at least 1 s
     tail_s: float = 0.0  # keep the fleet (and the autoscaler) running this long after the last request
     initial_pods_ready: bool = True  # the spec's replicas are up at t=0 (False: they start then)
+    # Give up this long after the last arrival (requests still open are reported "unfinished"):
+    # a fleet at zero replicas that never scales up would otherwise tick forever.
+    give_up_after_s: float = 3600.0
 
 
 @dataclass
@@ -185,11 +188,13 @@ class ClusterSim:
         timeline_every = self.options.timeline_interval_s or max(1.0, self.interval)
         self._at(0.0, TIMELINE, timeline_every)
         end = None
+        last_arrival = max((r.arrival for r in self.records), default=0.0)
+        give_up = last_arrival + self.options.give_up_after_s
         while self.events:
             when, kind, _, payload = heapq.heappop(self.events)
             if end is None and self.open_requests == 0:
                 end = self.now + self.options.tail_s
-            if end is not None and when > end:
+            if (end is not None and when > end) or (end is None and when > give_up):
                 break
             self.now = when
             if self.progress is not None:

@@ -271,3 +271,10 @@ def test_modes_that_own_no_replicas_never_scale(mode):
     doc = _run(spec, heavy, scale=4.0)
     assert doc["summary"]["scale_events"] == [] and doc["summary"]["retunes"] == []
     assert doc["summary"]["pods_created"] == 1
+
+
+def test_a_fleet_at_zero_replicas_gives_up_and_says_so():
+    spec = dict(SPEC, replicas=0, autoscaling=dict(SPEC["autoscaling"], minReplicas=0))
+    doc = _run(spec, [traces.TraceRequest(0.0, 16, 4)], give_up_after_s=60)
+    assert [r["status"] for r in doc["requests"]] == ["unfinished"]
+    assert doc["summary"]["simulated_seconds"] == pytest.approx(60, abs=1)
