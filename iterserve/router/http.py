@@ -12,7 +12,7 @@ MAX_HEAD_BYTES = 64 * 1024
 READ_SIZE = 64 * 1024
 # Headers that describe one connection, not the message: never forwarded.
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
-                        b"transfer-encoding", b"upgrade", b"host", b"content-length"})
+                        b"transfer-encoding", b"upgrade", b"host", b"content-length", b"expect"})
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
            411: "Length Required", 413: "Payload Too Large", 429: "Too Many Requests",
            500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable"}

@@ -166,6 +166,8 @@ class Router:
                 method, target = start[0], start[1]
                 version = start[2] if len(start) > 2 else b"HTTP/1.0"
                 close = wants_close(version, headers)
+                if (header(headers, b"expect") or b"").lower() == b"100-continue":
+                    writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits 1 s for this before a big body
                 try:
                     body = await read_body(client, headers, self.options.max_body_bytes)
                 except (ProtocolError, ValueError) as error:

@@ -115,6 +115,15 @@ def test_streams_pass_through_unchanged_and_least_load_wins(two_engines, tmp_pat
         assert [strip(e) for e in events(routed)] == [strip(e) for e in events(direct)]
         assert routed.endswith("data: [DONE]\n\n")
 
+        # A client that sends `Expect: 100-continue` (curl, for bodies over 1 KiB) is told to go on.
+        body = json.dumps({"model": "fake", "prompt": "x" * 2000, "max_tokens": 1}).encode()
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
+                         b"expect: 100-continue\r\ncontent-length: %d\r\n\r\n" % len(body))
+            assert sock.recv(100).startswith(b"HTTP/1.1 100 Continue")
+            sock.sendall(body)
+            assert sock.recv(100).startswith(b"HTTP/1.1 200")
+
         # Fill engine a (2 running + 1 waiting, sent directly); the router must send the rest to b.
         busy = httpx.Client(timeout=120)
         long = {"model": "fake", "prompt": [101] * 8, "max_tokens": 2000, "ignore_eos": True, "stream": True}
