@@ -103,7 +103,9 @@ def build_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[st
         "args": router_args(owner),
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "env": [{"name": "HOME", "value": "/tmp"}],
-        "readinessProbe": probe("/ready"),
+        # /health, not /ready: a router with no ready engine must stay behind the Service and answer
+        # 503 with Retry-After itself, rather than leave clients a refused connection.
+        "readinessProbe": probe("/health"),
         "livenessProbe": probe("/health"),
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
         "securityContext": {"readOnlyRootFilesystem": True, **restricted_container()},
