@@ -14,16 +14,23 @@ import torch.nn.functional as F
 
 from iterserve.engine.attention.backend import AttentionBackend, AttentionMetadata
 from iterserve.engine.model.loader import ModelConfig
+from iterserve.engine.model.quant import Int4Linear, Int8Linear, QuantLinear, int4_from_dense
+
+Weight = torch.Tensor | QuantLinear  # a linear's weight: dense [out, in], or quantized (quant.py)
+
+
+def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
+    return F.linear(x, weight) if isinstance(weight, torch.Tensor) else weight(x)
 
 
 @dataclass(slots=True)
 class DecoderLayer:
     input_norm: torch.Tensor
-    qkv_proj: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    o_proj: torch.Tensor
+    qkv_proj: Weight  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    o_proj: Weight
     post_attention_norm: torch.Tensor
-    gate_up_proj: torch.Tensor  # [2 * intermediate, hidden]
-    down_proj: torch.Tensor
+    gate_up_proj: Weight  # [2 * intermediate, hidden]
+    down_proj: Weight
 
 
 def rotary_cos_sin(head_dim: int, theta: float, max_positions: int) -> torch.Tensor:
@@ -37,7 +44,8 @@ def rotary_cos_sin(head_dim: int, theta: float, max_positions: int) -> torch.Ten
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layers: list[DecoderLayer],
-                 embed_tokens: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, max_positions: int):
+                 embed_tokens: torch.Tensor, norm: torch.Tensor, lm_head: Weight, max_positions: int,
+                 quantization: str = "none"):
         self.config = config
         self.backend = backend
         self.layers = layers
@@ -48,15 +56,30 @@ class LlamaModel:
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
+        self.quantization = quantization
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor], backend: AttentionBackend,
-                     device: torch.device, dtype: torch.dtype, max_positions: int) -> LlamaModel:
+                     device: torch.device, dtype: torch.dtype, max_positions: int, quantization: str = "none",
+                     q4_1: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> LlamaModel:
+        """quantization int8 / int4 (CPU): the decoder's linears weight-only quantized; int4 takes the
+        file's own Q4_1 blocks where it has them (q4_1), else blocks made from the float weight. The
+        tied lm_head is int8 in both modes (the GGUF stores it as Q8_0)."""
         def take(name: str) -> torch.Tensor:
             return weights.pop(name).to(device=device, dtype=dtype)
 
-        def fused(*names: str) -> torch.Tensor:
-            return torch.cat([weights.pop(n) for n in names], dim=0).to(device=device, dtype=dtype)
+        def fused(*names: str) -> Weight:
+            if quantization == "int4" and q4_1 and all(n in q4_1 for n in names):
+                parts = [q4_1.pop(n) for n in names]
+                for n in names:
+                    weights.pop(n)
+                return Int4Linear(*(torch.cat([p[i] for p in parts], dim=0) for i in range(3)))
+            dense = torch.cat([weights.pop(n) for n in names], dim=0)
+            if quantization == "int4":
+                return int4_from_dense(dense)
+            if quantization == "int8":
+                return Int8Linear(dense)
+            return dense.to(device=device, dtype=dtype)
 
         layers = []
         for i in range(config.num_layers):
@@ -64,14 +87,16 @@ class LlamaModel:
             layers.append(DecoderLayer(
                 input_norm=take(prefix + "input_layernorm.weight"),
                 qkv_proj=fused(*(prefix + f"self_attn.{p}_proj.weight" for p in "qkv")),
-                o_proj=take(prefix + "self_attn.o_proj.weight"),
+                o_proj=fused(prefix + "self_attn.o_proj.weight"),
                 post_attention_norm=take(prefix + "post_attention_layernorm.weight"),
                 gate_up_proj=fused(prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight"),
-                down_proj=take(prefix + "mlp.down_proj.weight"),
+                down_proj=fused(prefix + "mlp.down_proj.weight"),
             ))
         embed = take("model.embed_tokens.weight")
         lm_head = embed if config.tie_word_embeddings else take("lm_head.weight")
-        return cls(config, backend, layers, embed, take("model.norm.weight"), lm_head, max_positions)
+        if quantization != "none":
+            lm_head = Int8Linear(lm_head)
+        return cls(config, backend, layers, embed, take("model.norm.weight"), lm_head, max_positions, quantization)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -92,14 +117,14 @@ class LlamaModel:
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x, residual = backend.rms_norm(hidden, layer.input_norm, eps, residual)
-            q, k, v = F.linear(x, layer.qkv_proj).split(split, dim=-1)
+            q, k, v = linear(x, layer.qkv_proj).split(split, dim=-1)
             q, k = backend.rotary(q.view(num_tokens, heads, head_dim), k.view(num_tokens, kv_heads, head_dim),
                                   positions, self.cos_sin)
             backend.write_kv(k, v.view(num_tokens, kv_heads, head_dim), k_cache, v_cache, meta)
             attn = backend.attend(q, k_cache, v_cache, meta, self.scale)
-            hidden = F.linear(attn.reshape(num_tokens, self.q_size), layer.o_proj)
+            hidden = linear(attn.reshape(num_tokens, self.q_size), layer.o_proj)
             x, residual = backend.rms_norm(hidden, layer.post_attention_norm, eps, residual)
-            hidden = F.linear(backend.silu_and_mul(F.linear(x, layer.gate_up_proj)), layer.down_proj)
+            hidden = linear(backend.silu_and_mul(linear(x, layer.gate_up_proj)), layer.down_proj)
         hidden, _ = backend.rms_norm(hidden, self.norm, eps, residual)
         return hidden
 
@@ -107,4 +132,4 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()

@@ -45,14 +45,17 @@ class LoadedModel:
     path: Path
     format: str  # "gguf" or "hf"
     gguf_reader: object | None = None  # kept so the tokenizer can read the same file's metadata
+    # With keep_q4_1: each Q4_1 tensor's blocks as (q uint8 [out, in], d, m float32 [out, in / 32]),
+    # rows in HF order, for the int4 linears (engine/model/quant.py).
+    q4_1: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
 
-def load_model(path: Path, show_progress: bool = True) -> LoadedModel:
+def load_model(path: Path, show_progress: bool = True, keep_q4_1: bool = False) -> LoadedModel:
     path = Path(path)
     if path.is_dir():
         return load_hf_dir(path, show_progress)
     if path.is_file():
-        return load_gguf(path, show_progress)
+        return load_gguf(path, show_progress, keep_q4_1)
     raise ModelLoadError(f"model path {path} does not exist")
 
 
@@ -94,8 +97,9 @@ def open_gguf(path: Path):
         raise ModelLoadError(f"cannot read {path} as a GGUF file: {exc}") from exc
 
 
-def load_gguf(path: Path, show_progress: bool = True) -> LoadedModel:
+def load_gguf(path: Path, show_progress: bool = True, keep_q4_1: bool = False) -> LoadedModel:
     reader = open_gguf(path)
+    q4_1: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     meta = gguf_metadata(reader)
     config = _gguf_config(meta, path)
     weights: dict[str, torch.Tensor] = {}
@@ -106,15 +110,20 @@ def load_gguf(path: Path, show_progress: bool = True) -> LoadedModel:
         if name is None:
             continue  # e.g. rope_freqs, which only rope-scaled models carry
         array = _dequantize(tensor, path)
-        if name.endswith("q_proj.weight"):
-            array = unpermute_rows(array, config.num_heads)
-        elif name.endswith("k_proj.weight"):
-            array = unpermute_rows(array, config.num_kv_heads)
+        blocks = _q4_1_blocks(tensor) if keep_q4_1 else None
+        heads = {"q_proj.weight": config.num_heads, "k_proj.weight": config.num_kv_heads}.get(
+            ".".join(name.split(".")[-2:]))
+        if heads is not None:
+            array = unpermute_rows(array, heads)
+            if blocks is not None:  # a row permutation: each row keeps its blocks
+                blocks = tuple(unpermute_rows(b, heads) for b in blocks)
+        if blocks is not None:
+            q4_1[name] = tuple(torch.from_numpy(np.ascontiguousarray(b)) for b in blocks)
         if not array.flags.writeable:  # F32/F16 tensors come back as views of the memory-mapped file
             array = array.copy()
         weights[name] = torch.from_numpy(np.ascontiguousarray(array))
     _check_complete(weights, config, path)
-    return LoadedModel(config, weights, path, "gguf", reader)
+    return LoadedModel(config, weights, path, "gguf", reader, q4_1 if keep_q4_1 else None)
 
 
 def _gguf_config(meta: dict, path: Path) -> ModelConfig:
@@ -173,6 +182,23 @@ def _dequantize(tensor, path: Path) -> np.ndarray:
         raise ModelLoadError(f"{path}: tensor {tensor.name} has type {qtype.name}, which cannot be "
                              "dequantized; convert the model to F16, Q8_0, Q4_0/1 or a K-quant") from exc
     return np.asarray(array, dtype=np.float32).reshape(shape)
+
+
+def _q4_1_blocks(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """A Q4_1 tensor's raw blocks: 2-byte f16 d, 2-byte f16 m, 16 bytes holding 32 nibbles (element
+    j in the low nibble of byte j, element j + 16 in the high one); w = q * d + m."""
+    from gguf import GGMLQuantizationType
+
+    if GGMLQuantizationType(tensor.tensor_type) != GGMLQuantizationType.Q4_1:
+        return None
+    rows = int(tensor.shape[1]) if len(tensor.shape) > 1 else 1
+    cols = int(tensor.shape[0])
+    raw = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, cols // 32, 20)
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = raw[..., 4:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols)
+    return q, d, m
 
 
 def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -1,0 +1,101 @@
+"""Weight-only quantized linears for CPU decode (`--quantization int8|int4`).
+
+A decode step with few sequences reads every weight once per token; fp32 SmolLM2-135M is 540 MB
+of weights per step, so a small-batch step is bound by memory bandwidth. These linears keep the
+weights in int8 (per-output-channel scales) or int4 (the GGUF's own Q4_1 blocks: 32 weights
+sharing a scale d and a minimum m, w = q * d + m) and run torch's CPU weight-only kernels
+(`torch._weight_int8pack_mm`, `torch._weight_int4pack_mm_for_cpu`). Those kernels have fast paths
+for bf16 activations only (fp32 activations fall back to a slow loop), so the activations are
+rounded to bf16 for the matmul and the result comes back in the model dtype.
+
+Large batches are compute-bound, and there MKL's fp32 sgemm beats the weight-only kernels on AVX2,
+so a linear with more than `dense_above` rows multiplies by the dequantized weight instead (the
+same quantized values in fp32: a row's result does not depend on the kernel beyond rounding).
+
+fp32 without --quantization stays the exact-parity mode.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+MODES = ("none", "int8", "int4")
+Q4_GROUP = 32
+# Rows above which a quantized linear uses the dequantized fp32 weight (see the module docstring).
+DENSE_ABOVE = int(os.environ.get("ITERSERVE_QUANT_DENSE_ABOVE", "16"))
+
+
+class QuantLinear:
+    """y = x @ W.T for W held quantized; called like F.linear(x, W)."""
+
+    kind = "none"
+
+    def __init__(self, dense: torch.Tensor, dense_above: int):
+        self.dense = dense  # the dequantized weight, fp32 [out, in]
+        self.dense_above = dense_above
+        self.shape = dense.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.dense_above:
+            return F.linear(x, self.dense)
+        return self.quantized(x)
+
+    def quantized(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int8Linear(QuantLinear):
+    kind = "int8"
+
+    def __init__(self, weight: torch.Tensor, dense_above: int = DENSE_ABOVE):
+        weight = weight.float()
+        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        self.qweight = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        # bf16 scales: the kernel wants the activations' dtype; dequantize with the rounded scales so
+        # the dense path and the kernel agree.
+        self.scales = scales.to(torch.bfloat16)
+        super().__init__(self.qweight.float() * self.scales.float()[:, None], dense_above)
+
+    def quantized(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scales).to(x.dtype)
+
+
+class Int4Linear(QuantLinear):
+    """From Q4_1 blocks along the input dim: q [out, in] in 0..15, d and m [out, in / 32]."""
+
+    kind = "int4"
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dense_above: int = DENSE_ABOVE):
+        out_features, in_features = q.shape
+        # The kernel computes w = (q - 8) * scale + zero per group: zero = m + 8 d gives q * d + m.
+        d16, zero16 = d.to(torch.bfloat16), (m + 8 * d).to(torch.bfloat16)
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        self.scales_and_zeros = torch.stack([d16.t(), zero16.t()], dim=-1).contiguous()  # [in/32, out, 2]
+        dense = ((q.float().view(out_features, -1, Q4_GROUP) - 8) * d16.float()[..., None]
+                 + zero16.float()[..., None]).view(out_features, in_features)
+        super().__init__(dense, dense_above)
+
+    def quantized(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, Q4_GROUP,
+                                                 self.scales_and_zeros).to(x.dtype)
+
+
+def int4_from_dense(weight: torch.Tensor, dense_above: int = DENSE_ABOVE) -> Int4Linear:
+    """Q4_1-style blocks (min/max per 32 weights) from a float weight: for weights the file did not
+    store as Q4_1 (tests, HF checkpoints)."""
+    out_features, in_features = weight.shape
+    groups = weight.float().view(out_features, in_features // Q4_GROUP, Q4_GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    d = ((high - low) / 15).clamp(min=1e-12)
+    q = torch.round((groups - low[..., None]) / d[..., None]).clamp(0, 15).to(torch.uint8)
+    return Int4Linear(q.view(out_features, in_features), d, low, dense_above)
+
+
+def check_supported(mode: str, device: torch.device) -> None:
+    if mode not in MODES:
+        raise ValueError(f"--quantization must be one of {', '.join(MODES)}; got {mode!r}")
+    if mode != "none" and device.type != "cpu":
+        raise ValueError(f"--quantization {mode} runs torch's CPU weight-only kernels; use --device cpu")
