@@ -19,7 +19,7 @@ import common
 import systems
 
 from iterserve.engine.config import EngineConfig
-from iterserve.engine.executor import FakeExecutor, FakeTokenizer
+from iterserve.engine.fake_executor import FakeExecutor, FakeTokenizer
 from iterserve.engine.llm_engine import LLMEngine
 
 TARGET_WASTE = 0.04
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 def _engine(block_size: int, cap: int) -> LLMEngine:
     config = EngineConfig(model="fake", max_num_seqs=cap, block_size=block_size, max_model_len=MAX_MODEL_LEN,
                           num_kv_blocks=KV_POOL_TOKENS // block_size, num_cpu_blocks=0)
-    config.resolve()
+    config = config.resolve()
     return LLMEngine(config, FakeExecutor(config.num_kv_blocks), FakeTokenizer())
 
 

@@ -24,7 +24,7 @@ import common
 import systems
 
 from iterserve.engine.config import EngineConfig
-from iterserve.engine.executor import FakeExecutor, LinearStepTime
+from iterserve.engine.fake_executor import FakeExecutor, LinearStepTime
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.model.registry import resolve_model_path
 from iterserve.engine.model.tokenizer import Tokenizer
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 def _fake_engine(n: int, tokenizer) -> LLMEngine:
     config = EngineConfig(model="fake", max_num_seqs=n, max_num_batched_tokens=max(512, n), max_model_len=2048,
                           num_kv_blocks=n * 24, num_cpu_blocks=0)
-    config.resolve()
+    config = config.resolve()
     return LLMEngine(config, FakeExecutor(config.num_kv_blocks), tokenizer)
 
 

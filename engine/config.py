@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +30,11 @@ def parse_size(value: str | int, option: str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
+    """The engine's options. Immutable: `resolve()` returns a new value with every model-dependent
+    default filled in and every rule checked, and the engine runs on that value alone."""
+
     model: str = DEFAULT_MODEL
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # default: 512 with chunked prefill, else max_model_len
@@ -61,27 +64,31 @@ class EngineConfig:
     fake_step_time_scale: float = 1.0
 
     def resolve(self, model_context_len: int | None = None) -> EngineConfig:
-        """Fill defaults that depend on the model, then check every rule."""
-        if self.max_model_len is None:
-            self.max_model_len = min(model_context_len or 2048, 2048)
-        elif model_context_len is not None and self.max_model_len > model_context_len:
+        """A copy with the defaults that depend on the model filled in, every rule checked."""
+        max_model_len = self.max_model_len
+        if max_model_len is None:
+            max_model_len = min(model_context_len or 2048, 2048)
+        elif model_context_len is not None and max_model_len > model_context_len:
             raise ConfigError(
-                f"--max-model-len {self.max_model_len} exceeds the model's context length "
+                f"--max-model-len {max_model_len} exceeds the model's context length "
                 f"{model_context_len}; lower --max-model-len"
             )
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = (
-                max(512, self.max_num_seqs) if self.chunked_prefill else max(self.max_model_len, self.max_num_seqs)
-            )
-        if self.long_prefill_token_threshold is None:
-            self.long_prefill_token_threshold = max(16, self.max_num_batched_tokens // 8) if self.chunked_prefill else 0
-        if self.enable_prefix_caching is None:
-            self.enable_prefix_caching = self.scheduling == "continuous" and self.model != "fake"
-        elif self.enable_prefix_caching and self.scheduling == "static":
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = max(512, self.max_num_seqs) if self.chunked_prefill else max(max_model_len, self.max_num_seqs)
+        threshold = self.long_prefill_token_threshold
+        if threshold is None:
+            threshold = max(16, budget // 8) if self.chunked_prefill else 0
+        prefix_caching = self.enable_prefix_caching
+        if prefix_caching is None:
+            prefix_caching = self.scheduling == "continuous" and self.model != "fake"
+        elif prefix_caching and self.scheduling == "static":
             logger.info("prefix caching is off with --scheduling static (the baseline recomputes every prompt)")
-            self.enable_prefix_caching = False
-        self.validate()
-        return self
+            prefix_caching = False
+        resolved = replace(self, max_model_len=max_model_len, max_num_batched_tokens=budget,
+                           long_prefill_token_threshold=threshold, enable_prefix_caching=prefix_caching)
+        resolved.validate()
+        return resolved
 
     def validate(self) -> None:
         _positive("--max-num-seqs", self.max_num_seqs)
@@ -128,6 +135,20 @@ class EngineConfig:
             )
         if self.preemption_mode == "swap" and num_cpu_blocks == 0:
             raise ConfigError("--preemption-mode swap needs a CPU swap pool; set --swap-space above 0")
+
+
+def kv_pool_blocks(config: EngineConfig, kv_bytes_per_token: int) -> tuple[int, int]:
+    """The KV pools' sizes in blocks, (GPU, CPU swap), for a model that stores kv_bytes_per_token:
+    --num-kv-blocks or --kv-cache-memory; the CPU pool only with swap preemption (--num-cpu-blocks
+    or --swap-space). Every executor and the simulator size their pools here."""
+    bytes_per_block = kv_bytes_per_token * config.block_size
+    num_blocks = config.num_kv_blocks or parse_size(config.kv_cache_memory, "--kv-cache-memory") // bytes_per_block
+    num_cpu_blocks = 0
+    if config.preemption_mode == "swap":
+        num_cpu_blocks = config.num_cpu_blocks
+        if num_cpu_blocks is None:
+            num_cpu_blocks = parse_size(config.swap_space, "--swap-space") // bytes_per_block
+    return num_blocks, num_cpu_blocks
 
 
 def _positive(option: str, value: int) -> None:

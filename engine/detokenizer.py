@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop strings, once per new token."""
+"""Incremental detokenization, once per new token (stop strings: engine/stop.py)."""
 
 from __future__ import annotations
 
@@ -22,14 +22,3 @@ def append_new_text(seq: Sequence, tokenizer) -> str:
     seq.output_text += new_text
     return new_text
 
-
-def find_stop_string(seq: Sequence, new_text_len: int) -> int:
-    """Index in seq.output_text where the first stop string starts, or -1."""
-    text = seq.output_text
-    best = -1
-    for stop in seq.params.stop:
-        start = max(0, len(text) - new_text_len - len(stop) + 1)
-        index = text.find(stop, start)
-        if index != -1 and (best == -1 or index < best):
-            best = index
-    return best

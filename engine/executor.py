@@ -2,97 +2,41 @@
 (a flat batch of prefill chunks and decode tokens, with block tables) and returns one sampled
 token per chunk that reached its sequence's end (None for a mid-prompt chunk).
 
-`FakeExecutor` needs no model: its tokens depend only on the sequence's own tokens, so the real
-scheduler can run in tests, routers and simulators at any speed, with a modelled step time.
+Two executors implement it: the model runner (engine/model_runner.py) and the fake model
+(engine/fake_executor.py), which needs no weights.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
+from iterserve.engine.config import EngineConfig
+from iterserve.engine.fake_executor import FAKE_MODEL, fake_model
 from iterserve.engine.scheduler import SchedulerOutput
+from iterserve.engine.step_result import StepToken
 
 
 class Executor(Protocol):
     num_kv_blocks: int
     num_cpu_blocks: int
 
-    def execute(self, out: SchedulerOutput) -> list[int | None]:
-        """Apply the step's block swaps, run the batch, return sampled tokens per chunk."""
+    def execute(self, out: SchedulerOutput) -> list[StepToken]:
+        """Apply the step's block swaps, run the batch, return per chunk a sampled token, None (a
+        mid-prompt chunk) or RequestFailed (that request's own part failed; see step_result)."""
 
     def release(self, request_ids: list[str]) -> None:
         """Forget per-request state (random generators) of finished requests."""
 
 
-@dataclass(frozen=True)
-class LinearStepTime:
-    """Step duration = base + per prefill token + per decode token + per sequence (seconds)."""
+def load_executor(config: EngineConfig) -> tuple[Executor, Any, str, EngineConfig]:
+    """The executor for config.model (the model runner, or the fake model), with its tokenizer,
+    the model's name and the config resolved against the model (the only place it is resolved)."""
+    if config.model == FAKE_MODEL:
+        config = config.resolve()
+        executor, tokenizer = fake_model(config)
+        config.check_kv_capacity(executor.num_kv_blocks, executor.num_cpu_blocks)
+        return executor, tokenizer, FAKE_MODEL, config
+    from iterserve.engine.model_runner import ModelRunner
 
-    base_s: float = 0.0
-    per_prefill_token_s: float = 0.0
-    per_decode_token_s: float = 0.0
-    per_seq_s: float = 0.0
-
-    def __call__(self, out: SchedulerOutput) -> float:
-        return (
-            self.base_s
-            + self.per_prefill_token_s * out.num_prefill_tokens
-            + self.per_decode_token_s * out.num_decode_tokens
-            + self.per_seq_s * len(out.chunks)
-        )
-
-
-FAKE_ALPHABET = b"abcdefghijklmnopqrstuvwxyz     "
-
-
-class FakeTokenizer:
-    """Bytes as tokens: id = byte value. EOS is 256, which FakeExecutor never emits."""
-
-    eos_token_id = 256
-    bos_token_id = None
-    vocab_size = 257
-    chat_template = None
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        lines = [f"{m['role']}: {m['content']}" for m in messages]
-        return "\n".join(lines) + ("\nassistant: " if add_generation_prompt else "")
-
-
-class FakeExecutor:
-    def __init__(
-        self,
-        num_kv_blocks: int,
-        num_cpu_blocks: int = 0,
-        step_time: Callable[[SchedulerOutput], float] | None = None,
-        sleep: Callable[[float], None] = time.sleep,
-    ):
-        self.num_kv_blocks = num_kv_blocks
-        self.num_cpu_blocks = num_cpu_blocks
-        self.step_time = step_time
-        self.sleep = sleep
-        self.steps = 0
-
-    def execute(self, out: SchedulerOutput) -> list[int | None]:
-        self.steps += 1
-        if self.step_time is not None:
-            duration = self.step_time(out)
-            if duration > 0:
-                self.sleep(duration)
-        return [self.token_after(chunk.seq.last_token_id, chunk.seq.num_tokens) if chunk.sample else None
-                for chunk in out.chunks]
-
-    @staticmethod
-    def token_after(last_token: int, position: int) -> int:
-        return FAKE_ALPHABET[(last_token * 31 + position * 17 + 7) % len(FAKE_ALPHABET)]
-
-    def release(self, request_ids: list[str]) -> None:
-        pass
+    runner = ModelRunner(config)
+    return runner, runner.tokenizer, runner.model_name, runner.config

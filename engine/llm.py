@@ -27,8 +27,8 @@ class LLM:
         unknown = sorted(set(engine_options) - known)
         if unknown:
             raise ConfigError(f"unknown engine option {unknown[0]!r}; known options: {', '.join(sorted(known))}")
-        self.config = EngineConfig(model=model or DEFAULT_MODEL, **engine_options)
-        self.engine = LLMEngine.from_config(self.config)
+        self.engine = LLMEngine.from_config(EngineConfig(model=model or DEFAULT_MODEL, **engine_options))
+        self.config = self.engine.config  # resolved against the model
         self._ids = itertools.count()
 
     def get_tokenizer(self):

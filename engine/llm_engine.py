@@ -16,23 +16,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from iterserve.engine.block_manager import BlockManager
-from iterserve.engine.config import EngineConfig, parse_size
-from iterserve.engine.detokenizer import append_new_text, find_stop_string
-from iterserve.engine.executor import Executor, FakeExecutor, FakeTokenizer, LinearStepTime
+from iterserve.engine.config import EngineConfig
+from iterserve.engine.detokenizer import append_new_text
+from iterserve.engine.executor import Executor, load_executor
 from iterserve.engine.outputs import CompletionOutput, RequestOutput
 from iterserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.engine.scheduler import Scheduler, SchedulerOutput
 from iterserve.engine.sequence import Sequence
 from iterserve.engine.step_log import StepLog
 from iterserve.engine.step_result import RequestFailed, StepToken
+from iterserve.engine.stop import cut_at_stop_string
 
 logger = logging.getLogger(__name__)
-
-FAKE_MODEL = "fake"
-# KV bytes per token of SmolLM2-135M in fp32 (30 layers x K,V x 3 heads x 64 dims x 4 bytes):
-# the fake model sizes its pool as the real one would.
-FAKE_KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4
-
 
 @dataclass(slots=True)
 class EngineStats:
@@ -93,22 +88,9 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> LLMEngine:
-        if config.model == FAKE_MODEL:
-            config.resolve()
-            num_blocks = config.num_kv_blocks or parse_size(config.kv_cache_memory, "--kv-cache-memory") // (
-                FAKE_KV_BYTES_PER_TOKEN * config.block_size
-            )
-            num_cpu = config.num_cpu_blocks
-            if num_cpu is None:
-                num_cpu = parse_size(config.swap_space, "--swap-space") // (FAKE_KV_BYTES_PER_TOKEN * config.block_size)
-            config.check_kv_capacity(num_blocks, num_cpu)
-            k = config.fake_step_time_scale
-            step_time = LinearStepTime(base_s=0.002 * k, per_prefill_token_s=0.00005 * k, per_decode_token_s=0.0003 * k)
-            return cls(config, FakeExecutor(num_blocks, num_cpu, step_time), FakeTokenizer(), clock, "fake")
-        from iterserve.engine.model_runner import ModelRunner
-
-        runner = ModelRunner(config)
-        return cls(config, runner, runner.tokenizer, clock, runner.model_name)
+        """An engine on the model the config names, or on the fake model (engine/executor.py)."""
+        executor, tokenizer, model_name, config = load_executor(config)
+        return cls(config, executor, tokenizer, clock, model_name)
 
     # -- called from any thread -----------------------------------------------------------------
     def add_request(
@@ -186,8 +168,8 @@ class LLMEngine:
                 param="max_num_seqs",
             )
         previous = self.scheduler.max_num_seqs
-        self.scheduler.max_num_seqs = value
-        logger.info("max_num_seqs changed from %d to %d", previous, value)
+        self.scheduler.request_max_num_seqs(value)
+        logger.info("max_num_seqs changes from %d to %d at the next step", previous, value)
         return previous
 
     def has_unfinished_requests(self) -> bool:
@@ -300,12 +282,9 @@ class LLMEngine:
     def _new_text(self, seq: Sequence) -> str:
         """Detokenize seq's new token and apply its stop strings; returns the text to stream."""
         new_text = append_new_text(seq, self.tokenizer) if self.tokenizer is not None else ""
-        if seq.params.stop and new_text:
-            cut = find_stop_string(seq, len(new_text))
-            if cut != -1:
-                new_text = new_text[: max(0, len(new_text) - (len(seq.output_text) - cut))]
-                seq.output_text = seq.output_text[:cut]
-                self.scheduler.finish(seq, "stop")
+        new_text, stopped = cut_at_stop_string(seq, new_text)
+        if stopped:
+            self.scheduler.finish(seq, "stop")
         return new_text
 
     def _output(self, seq: Sequence, new_token_ids: list[int], new_text: str) -> RequestOutput:

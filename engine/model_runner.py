@@ -8,7 +8,7 @@ import logging
 import torch
 
 from iterserve.engine.attention.backend import AttentionMetadata, get_backend
-from iterserve.engine.config import ConfigError, EngineConfig, parse_size
+from iterserve.engine.config import ConfigError, EngineConfig, kv_pool_blocks
 from iterserve.engine.model.llama import LlamaModel
 from iterserve.engine.model.loader import load_model
 from iterserve.engine.model.registry import resolve_model_path
@@ -43,8 +43,7 @@ class ModelRunner:
         loaded = load_model(path, show_progress)
         self.tokenizer = Tokenizer.from_path(path, loaded.gguf_reader)
         model_config = loaded.config
-        config.resolve(model_config.max_position_embeddings)
-        self.config = config
+        self.config = config = config.resolve(model_config.max_position_embeddings)
         self.block_size = config.block_size
         backend = get_backend(config.attention_backend, self.device)
         self.model = LlamaModel.from_weights(model_config, loaded.weights, backend, self.device, self.dtype,
@@ -53,13 +52,7 @@ class ModelRunner:
 
         kv_shape = (config.block_size, model_config.num_kv_heads, model_config.head_dim)
         bytes_per_block = 2 * model_config.num_layers * kv_shape[0] * kv_shape[1] * kv_shape[2] * self.dtype.itemsize
-        self.num_kv_blocks = config.num_kv_blocks or (
-            parse_size(config.kv_cache_memory, "--kv-cache-memory") // bytes_per_block)
-        self.num_cpu_blocks = 0  # only swap preemption uses the CPU pool
-        if config.preemption_mode == "swap":
-            self.num_cpu_blocks = config.num_cpu_blocks
-            if self.num_cpu_blocks is None:
-                self.num_cpu_blocks = parse_size(config.swap_space, "--swap-space") // bytes_per_block
+        self.num_kv_blocks, self.num_cpu_blocks = kv_pool_blocks(config, bytes_per_block // config.block_size)
         config.check_kv_capacity(self.num_kv_blocks, self.num_cpu_blocks)
         # Zeros, not empty: padded decode attention multiplies unused slots by 0, and 0 * NaN is NaN.
         self.kv_caches = [

@@ -14,12 +14,14 @@ The scheduler knows nothing of time, torch or HTTP.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 
 from iterserve.engine.block_manager import BlockManager
 from iterserve.engine.config import EngineConfig
 from iterserve.engine.sequence import Sequence, SequenceStatus
+from iterserve.engine.stop import token_stop_reason
 
 
 @dataclass(slots=True)
@@ -62,11 +64,33 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
         self.config = config
         self.block_manager = block_manager
-        self.max_num_seqs = config.max_num_seqs
+        self._max_num_seqs = config.max_num_seqs
+        self._pending_max_num_seqs: int | None = None  # set from any thread, applied by schedule()
+        self._pending_lock = threading.Lock()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
+
+    # -- the running-sequence cap ------------------------------------------------------------
+    @property
+    def max_num_seqs(self) -> int:
+        """The cap the next schedule() applies (including a change requested since the last one)."""
+        with self._pending_lock:
+            pending = self._pending_max_num_seqs
+        return self._max_num_seqs if pending is None else pending
+
+    def request_max_num_seqs(self, value: int) -> None:
+        """Queue a new cap, from any thread: schedule() applies it at its start, between steps, so
+        a step never sees the cap change under it. Running sequences are never preempted for it."""
+        with self._pending_lock:
+            self._pending_max_num_seqs = value
+
+    def _apply_max_num_seqs(self) -> None:
+        with self._pending_lock:
+            pending, self._pending_max_num_seqs = self._pending_max_num_seqs, None
+        if pending is not None:
+            self._max_num_seqs = pending
 
     # -- queue membership -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -91,6 +115,7 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self._apply_max_num_seqs()
         out = SchedulerOutput()
         if self.config.scheduling == "static" and not self.running and not self.swapped:
             self._admit_static_batch()
@@ -120,7 +145,7 @@ class Scheduler:
         return budget
 
     def _resume_swapped(self, out: SchedulerOutput, budget: int) -> int:
-        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.swapped and budget > 0 and len(self.running) < self._max_num_seqs:
             seq = self.swapped[0]
             if not self.block_manager.can_swap_in(seq):
                 break
@@ -135,7 +160,7 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self._max_num_seqs:
             seq = self.waiting[0]
             prefix = self.block_manager.match_prefix(seq)
             num_cached = len(prefix) * self.block_manager.block_size
@@ -151,7 +176,7 @@ class Scheduler:
 
     def _admit_static_batch(self) -> None:
         """Static batching baseline: a whole batch enters together, nothing joins until it ends."""
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while self.waiting and len(self.running) < self._max_num_seqs:
             seq = self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -204,17 +229,7 @@ class Scheduler:
                 continue
             seq.output_token_ids.append(token)
             progressed.append(seq)
-            reason = self._stop_reason(seq, token)
+            reason = token_stop_reason(seq, token, self.config.max_model_len)
             if reason:
                 self.finish(seq, reason)
         return progressed
-
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        params = seq.params
-        if not params.ignore_eos and token == seq.eos_token_id:
-            return "stop"
-        if token in params.stop_token_set:
-            return "stop"
-        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
-            return "length"
-        return None

@@ -29,7 +29,7 @@ def plant(fault: str) -> None:
 
         Sampler.sample_batch = faulty_sample_batch
     elif fault == "engine-kill":
-        from iterserve.engine.executor import FakeExecutor
+        from iterserve.engine.fake_executor import FakeExecutor
 
         execute = FakeExecutor.execute
 

@@ -13,8 +13,8 @@ which must be switched on with TRITON_INTERPRET=1 before triton is first importe
 from __future__ import annotations
 
 import functools
-import importlib
 import weakref
+from types import ModuleType
 
 import torch
 
@@ -26,10 +26,17 @@ CPU_DTYPES = (torch.float32, torch.float16)
 
 
 @functools.cache
-def _kernels():
-    """The kernel modules, imported on first use so that importing this backend needs no triton."""
-    names = ("decode_attention", "extend_attention", "kv_cache", "rms_norm", "rotary", "activation")
-    return {name: importlib.import_module(f"iterserve.engine.kernels.{name}") for name in names}
+def _kernels() -> ModuleType:
+    """The kernels package with its modules, imported on first use so that importing this backend
+    needs no triton."""
+    import iterserve.engine.kernels.activation
+    import iterserve.engine.kernels.decode_attention
+    import iterserve.engine.kernels.extend_attention
+    import iterserve.engine.kernels.kv_cache
+    import iterserve.engine.kernels.rms_norm
+    import iterserve.engine.kernels.rotary
+
+    return iterserve.engine.kernels
 
 
 @functools.cache
@@ -37,7 +44,7 @@ def interpreter_enabled() -> bool:
     """Whether the kernels were built for the Triton interpreter (TRITON_INTERPRET=1 at import)."""
     import triton.language as tl
 
-    ours = type(_kernels()["activation"]._silu_and_mul_kernel).__name__ == "InterpretedFunction"
+    ours = type(_kernels().activation._silu_and_mul_kernel).__name__ == "InterpretedFunction"
     library = type(tl.zeros).__name__ == "InterpretedFunction"
     if ours and not library:
         # The interpreter cannot call triton.language's own helpers compiled for the GPU.
@@ -57,7 +64,7 @@ class TritonBackend(AttentionBackend):
         self._checked_positions: weakref.ref | None = None
 
     @property
-    def kernels(self) -> dict:
+    def kernels(self) -> ModuleType:
         return _kernels()
 
     # -- AttentionBackend ----------------------------------------------------------------------
@@ -73,7 +80,7 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"value has shape {tuple(value.shape)} but key has {tuple(key.shape)}")
         self._check_meta(meta, key.shape[0], k_cache, key.device)
         key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
-        self.kernels["kv_cache"].write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        self.kernels.kv_cache.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
 
     def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         _check_device_dtype("query", query)
@@ -94,10 +101,10 @@ class TritonBackend(AttentionBackend):
             return out
         args = (query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale)
         if any(n == 1 for n in meta.query_lens_list):
-            self.kernels["decode_attention"].paged_decode_attention(
+            self.kernels.decode_attention.paged_decode_attention(
                 *args, max_seq_len=meta.max_seq_len, num_splits=self.decode_splits)
         if meta.max_query_len > 1:
-            self.kernels["extend_attention"].extend_attention(*args, max_query_len=meta.max_query_len)
+            self.kernels.extend_attention.extend_attention(*args, max_query_len=meta.max_query_len)
         return out
 
     def rms_norm(self, x, weight, eps, residual=None):
@@ -111,7 +118,7 @@ class TritonBackend(AttentionBackend):
             if residual.shape != x.shape:
                 raise ValueError(f"residual has shape {tuple(residual.shape)} but x has {tuple(x.shape)}")
             residual = residual.contiguous()
-        return self.kernels["rms_norm"].rms_norm(x.contiguous(), weight.contiguous(), float(eps), residual)
+        return self.kernels.rms_norm.rms_norm(x.contiguous(), weight.contiguous(), float(eps), residual)
 
     def rotary(self, query, key, positions, cos_sin):
         _check_device_dtype("query", query)
@@ -136,14 +143,14 @@ class TritonBackend(AttentionBackend):
         if query.shape[2] % 2:
             raise ValueError(f"rotary needs an even head_dim; got {query.shape[2]}")
         self._check_positions(positions, cos_sin.shape[0])
-        return self.kernels["rotary"].rotary(_last_dim_contiguous(query), _last_dim_contiguous(key),
+        return self.kernels.rotary.rotary(_last_dim_contiguous(query), _last_dim_contiguous(key),
                                              positions.contiguous(), cos_sin.contiguous())
 
     def silu_and_mul(self, gate_up):
         _check_device_dtype("gate_up", gate_up)
         if gate_up.shape[-1] % 2:
             raise ValueError(f"gate_up's last dim must be even (gate then up); got {gate_up.shape[-1]}")
-        return self.kernels["activation"].silu_and_mul(gate_up.contiguous())
+        return self.kernels.activation.silu_and_mul(gate_up.contiguous())
 
     # -- checks --------------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import uvicorn
 
 from iterserve.engine.config import DEFAULT_MODEL, ConfigError, EngineConfig, parse_size
-from iterserve.engine.llm_engine import FAKE_MODEL
+from iterserve.engine.fake_executor import FAKE_MODEL
 
 logger = logging.getLogger("iterserve.server")
 

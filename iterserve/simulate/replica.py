@@ -12,9 +12,9 @@ import shlex
 from array import array
 from dataclasses import dataclass, field, replace
 
-from iterserve.engine.config import EngineConfig, parse_size
-from iterserve.engine.executor import FakeExecutor
-from iterserve.engine.llm_engine import FAKE_MODEL, LLMEngine
+from iterserve.engine.config import EngineConfig, kv_pool_blocks
+from iterserve.engine.fake_executor import FAKE_KV_BYTES_PER_TOKEN, FAKE_MODEL, FakeExecutor
+from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.simulate.profile import StepProfile
 
@@ -75,13 +75,7 @@ def engine_config_for(spec, max_num_seqs: int) -> tuple[EngineConfig, ServerOpti
 
 def kv_blocks(config: EngineConfig, profile: StepProfile) -> tuple[int, int]:
     """GPU and CPU blocks, as the model runner sizes them for the profiled model."""
-    per_block = profile.kv_bytes_per_token * config.block_size
-    gpu = config.num_kv_blocks or parse_size(config.kv_cache_memory, "--kv-cache-memory") // per_block
-    cpu = 0
-    if config.preemption_mode == "swap":
-        cpu = config.num_cpu_blocks if config.num_cpu_blocks is not None else (
-            parse_size(config.swap_space, "--swap-space") // per_block)
-    return gpu, cpu
+    return kv_pool_blocks(config, profile.kv_bytes_per_token)
 
 
 @dataclass
@@ -117,8 +111,7 @@ class Replica:
     steps: int = 0
 
     def __post_init__(self) -> None:
-        config = replace(self.config, step_log=None)
-        config.resolve(self.profile.model_context_len)
+        config = replace(self.config, step_log=None).resolve(self.profile.model_context_len)
         gpu, cpu = kv_blocks(config, self.profile)
         config.check_kv_capacity(gpu, cpu)
         self.config = config
@@ -188,8 +181,6 @@ class Replica:
 
 def fake_model_profile(scale: float = 1.0) -> StepProfile:
     """The fake model's step time (what `--fake-model` engines sleep), read from the engine itself."""
-    from iterserve.engine.llm_engine import FAKE_KV_BYTES_PER_TOKEN
-
     engine = LLMEngine.from_config(EngineConfig(model=FAKE_MODEL, num_kv_blocks=128, max_model_len=512,
                                                 fake_step_time_scale=scale))
     linear = engine.executor.step_time

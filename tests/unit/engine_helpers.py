@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from iterserve.engine.config import EngineConfig
-from iterserve.engine.executor import FakeExecutor, FakeTokenizer
+from iterserve.engine.fake_executor import FakeExecutor, FakeTokenizer
 from iterserve.engine.llm_engine import LLMEngine
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from iterserve.engine.config import ConfigError, EngineConfig
-from iterserve.engine.executor import FakeExecutor, FakeTokenizer
+from iterserve.engine.fake_executor import FakeExecutor, FakeTokenizer
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.engine.step_result import RequestFailed

@@ -1,0 +1,98 @@
+"""The fake model: an executor and a tokenizer that need no weights.
+
+Its tokens depend only on the sequence's own tokens, so the real scheduler can run in tests,
+routers and simulators at any speed, with a modelled step time (`--fake-model` serves it). Its KV
+pool is sized as SmolLM2-135M's would be.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from iterserve.engine.config import EngineConfig, kv_pool_blocks
+from iterserve.engine.scheduler import SchedulerOutput
+
+FAKE_MODEL = "fake"
+# KV bytes per token of SmolLM2-135M in fp32 (30 layers x K,V x 3 heads x 64 dims x 4 bytes).
+FAKE_KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4
+
+
+@dataclass(frozen=True)
+class LinearStepTime:
+    """Step duration = base + per prefill token + per decode token + per sequence (seconds)."""
+
+    base_s: float = 0.0
+    per_prefill_token_s: float = 0.0
+    per_decode_token_s: float = 0.0
+    per_seq_s: float = 0.0
+
+    def __call__(self, out: SchedulerOutput) -> float:
+        return (
+            self.base_s
+            + self.per_prefill_token_s * out.num_prefill_tokens
+            + self.per_decode_token_s * out.num_decode_tokens
+            + self.per_seq_s * len(out.chunks)
+        )
+
+
+FAKE_ALPHABET = b"abcdefghijklmnopqrstuvwxyz     "
+
+
+class FakeTokenizer:
+    """Bytes as tokens: id = byte value. EOS is 256, which FakeExecutor never emits."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    vocab_size = 257
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        lines = [f"{m['role']}: {m['content']}" for m in messages]
+        return "\n".join(lines) + ("\nassistant: " if add_generation_prompt else "")
+
+
+class FakeExecutor:
+    def __init__(
+        self,
+        num_kv_blocks: int,
+        num_cpu_blocks: int = 0,
+        step_time: Callable[[SchedulerOutput], float] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
+        self.num_kv_blocks = num_kv_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.step_time = step_time
+        self.sleep = sleep
+        self.steps = 0
+
+    def execute(self, out: SchedulerOutput) -> list[int | None]:
+        self.steps += 1
+        if self.step_time is not None:
+            duration = self.step_time(out)
+            if duration > 0:
+                self.sleep(duration)
+        return [self.token_after(chunk.seq.last_token_id, chunk.seq.num_tokens) if chunk.sample else None
+                for chunk in out.chunks]
+
+    @staticmethod
+    def token_after(last_token: int, position: int) -> int:
+        return FAKE_ALPHABET[(last_token * 31 + position * 17 + 7) % len(FAKE_ALPHABET)]
+
+    def release(self, request_ids: list[str]) -> None:
+        pass
+
+
+def fake_model(config: EngineConfig) -> tuple[FakeExecutor, FakeTokenizer]:
+    """The executor and tokenizer `--fake-model` serves, for a resolved config."""
+    num_blocks, num_cpu_blocks = kv_pool_blocks(config, FAKE_KV_BYTES_PER_TOKEN)
+    k = config.fake_step_time_scale
+    step_time = LinearStepTime(base_s=0.002 * k, per_prefill_token_s=0.00005 * k, per_decode_token_s=0.0003 * k)
+    return FakeExecutor(num_blocks, num_cpu_blocks, step_time), FakeTokenizer()
