@@ -68,6 +68,7 @@ def main() -> int:
             raw = {"model": {"uri": "smollm2-135m"}, "engine": copy.deepcopy(ENGINE), "replicas": 1}
             raw.update(copy.deepcopy(overrides))
             spec = InferenceServiceSpec.model_validate({k: v for k, v in raw.items() if v is not None})
+            # Routing as the spec deploys it: the iterserve router (least load, 429 after a 2 s hold).
             document, wall = simulate(trace, spec, profile, SimOptions(seed=args.seed, startup=Delay.parse(startup),
                                                                        tail_s=120), slo, {})
             s = document["summary"]
@@ -81,12 +82,13 @@ def main() -> int:
     print(f"\nprofile {profile.name}{' (MODELLED)' if profile.modelled else ''}; {len(trace)} requests over "
           f"{minutes:g} min (burst {args.burst_rate:g} req/s); SLO TTFT <= {slo.ttft_s} s and mean ITL <= {slo.itl_s} s; "
           f"bench wall {time.perf_counter() - started:.0f} s\n")
-    print("| policy | start-up | SLO attainment | TTFT p95 (s) | replica-seconds | scale events | retunes | preemptions | max ready |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| policy | start-up | SLO attainment | TTFT p95 (s) | replica-seconds | scale events | retunes | preemptions | 429s | max ready |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         startup = "-" if r["startup_s"] is None else f"{r['startup_s']:.0f} s"
         print(f"| {r['policy']} | {startup} | {r['slo_attainment']:.1%} | {r['ttft_p95_s']:.2f} | "
-              f"{r['replica_seconds']:.0f} | {r['scale_events']} | {r['retunes']} | {r['preemptions']} | {r['max_ready']} |")
+              f"{r['replica_seconds']:.0f} | {r['scale_events']} | {r['retunes']} | {r['preemptions']} | "
+              f"{r['statuses'].get('rejected', 0)} | {r['max_ready']} |")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"profile": profile.name, "minutes": minutes, "burst_rate": args.burst_rate, "requests": len(trace),

@@ -58,8 +58,9 @@ def main() -> int:
     light = RECORDED["end_s"] - RECORDED["heavy_end_s"]
     trace = trace_for(scenario, heavy_start, light)
     # t=0 of the simulation is the recorded run's first ready replica (3 s after the apply)
-    options = SimOptions(startup=Delay.parse(args.startup_delay), tail_s=0,
-                         timeline_interval_s=1.0)
+    # The recorded run spread its load over the ready endpoints in turn (before the router existed).
+    options = SimOptions(startup=Delay.parse(args.startup_delay), tail_s=0, timeline_interval_s=1.0,
+                         router="round-robin")
     document, wall = simulate(trace, spec, profile, options, Slo(), {"profile": profile.name})
     s = document["summary"]
     offset = RECORDED["first_ready_s"]

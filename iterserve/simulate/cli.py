@@ -42,8 +42,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                                                            "autoscaler's intervalSeconds)")
     run.add_argument("--metrics-lag", type=float, default=0.0, help="age of the newest sample the "
                                                                     "autoscaler may see (default 0: direct scrape)")
-    run.add_argument("--router", default="round-robin", choices=["round-robin", "least-load"],
-                     help="round-robin (a Service), or least-load: the iterserve router's pick()")
+    run.add_argument("--router", choices=["round-robin", "least-load"],
+                     help="round-robin (a Service), or least-load: the iterserve router's pick(); default: "
+                          "what the spec's routing.mode deploys (Router: least-load)")
     run.add_argument("--tail", type=float, default=0.0, help="keep simulating this long after the last request")
     run.add_argument("--cold-start", action="store_true", help="the spec's first replicas start at t=0 "
                                                                "instead of being ready")
@@ -139,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args) -> int:
-    from iterserve.simulate.cluster import Delay, SimOptions
+    from iterserve.simulate.cluster import Delay, SimOptions, router_for
     from iterserve.simulate.report import Slo, dumps, plot
 
     if not args.trace:
@@ -155,7 +156,7 @@ def _run(args) -> int:
     slo = Slo(args.slo_ttft, args.slo_itl)
     inputs = {"trace": Path(args.trace).name, "requests": len(trace), "profile": profile.name,
               "profile_modelled": profile.modelled, "seed": args.seed, "startup_delay": args.startup_delay,
-              "router": args.router, "metrics_lag_s": args.metrics_lag, "spec": spec.to_wire()}
+              "router": args.router or router_for(spec), "metrics_lag_s": args.metrics_lag, "spec": spec.to_wire()}
     document, wall = simulate(trace, spec, profile, options, slo, inputs, progress=not args.no_progress)
     summary = document["summary"]
     if args.json:

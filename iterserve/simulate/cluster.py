@@ -32,7 +32,7 @@ from iterserve.simulate.replica import Replica, RequestRecord, engine_config_for
 from iterserve.simulate.traces import TraceRequest
 
 # Event kinds, in the order they run when due at the same instant.
-POD_CREATE, POD_READY, ARRIVAL, STEP, SCRAPE, TICK, DRAIN_DEADLINE, TIMELINE = range(8)
+POD_CREATE, POD_READY, ARRIVAL, STEP, SCRAPE, TICK, DRAIN_DEADLINE, ROUTER_TIMEOUT, TIMELINE = range(9)
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,9 @@ class SimOptions:
     create_delay_s: float = 1.0  # spec.replicas raised -> the pod exists (controllers, scheduling)
     scrape_interval_s: float | None = None  # default: the autoscaler's interval
     metrics_lag_s: float = 0.0  # the autoscaler sees samples at least this old (Prometheus: ~scrape interval)
-    router: str = "round-robin"  # round-robin | least-load (the router's pick())
+    # round-robin (a Service), least-load (the iterserve router's pick()); None: as the spec's
+    # routing.mode deploys it (Router: least-load; None and Gateway: round-robin)
+    router: str | None = None
     timeline_interval_s: float | None = None  # default: the autoscaler's interval, at least 1 s
     tail_s: float = 0.0  # keep the fleet (and the autoscaler) running this long after the last request
     initial_pods_ready: bool = True  # the spec's replicas are up at t=0 (False: they start then)
@@ -138,6 +140,18 @@ def least_load(pods: Sequence[Pod], counter: int, rng: random.Random) -> Pod | N
     return next((p for p in pods if p.name == chosen), None)
 
 
+def _router_queue_timeout() -> float:
+    from iterserve.router.proxy import RouterOptions
+
+    return RouterOptions().queue_timeout_s
+
+
+def router_for(spec) -> str:
+    """What sits in front of the pods when the spec is deployed."""
+    routing = getattr(spec, "routing", None)
+    return "least-load" if routing is not None and routing.mode == "Router" else "round-robin"
+
+
 PICKERS: dict[str, Picker] = {"round-robin": round_robin, "least-load": least_load}
 
 
@@ -151,7 +165,8 @@ class ClusterSim:
         self.scrape_interval = options.scrape_interval_s or self.interval
         self.rng = random.Random(options.seed)  # start-up delays
         self.route_rng = random.Random(options.seed + 1)  # the router's tie breaks
-        self.picker = PICKERS[options.router]
+        self.router = options.router or router_for(spec)
+        self.picker = PICKERS[self.router]
         self.progress = progress
         self.records = [RequestRecord(i, r.arrival_s, r.prompt_tokens, r.output_tokens) for i, r in enumerate(trace)]
         self.events: list[tuple] = []
@@ -162,7 +177,9 @@ class ClusterSim:
         self.replicas = spec.replicas
         self.configmap_seqs = spec.engine.max_num_seqs  # what new pods start with
         self.memory = mem.fresh_memory(spec.replicas, 0.0)
-        self.router_queue: deque[RequestRecord] = deque()
+        self.router_queue: deque[RequestRecord] = deque()  # no ready pod yet
+        self.saturated: deque[RequestRecord] = deque()  # the router's hold while every replica is full
+        self.router_queue_timeout = _router_queue_timeout()
         self.timeline: list[dict] = []
         self.scale_events: list[dict] = []
         self.retunes: list[dict] = []
@@ -228,6 +245,12 @@ class ClusterSim:
             self._at(self.now + self.interval, TICK)
         elif kind == DRAIN_DEADLINE:
             self._drain_deadline(payload)
+        elif kind == ROUTER_TIMEOUT:
+            if payload.pod is None and payload.status == "unfinished" and payload in self.saturated:
+                self.saturated.remove(payload)
+                payload.status = "rejected"
+                payload.error = f"429: every replica saturated for {self.router_queue_timeout:g} s (router)"
+                self.open_requests -= 1
         elif kind == TIMELINE:
             self._timeline_row(payload)
             self._at(self.now + payload, TIMELINE, payload)
@@ -286,28 +309,40 @@ class ClusterSim:
         pod.gone_at = self.now
 
     # -- requests -----------------------------------------------------------------------------
-    def _route(self, record: RequestRecord) -> None:
+    def _route(self, record: RequestRecord, held: bool = False) -> bool:
+        """Sends the request to a pod; False when the router is holding it."""
         ready = [p for p in self.pods if p.accepting]
         if not ready:
             self.router_queue.append(record)  # no endpoint yet: the client waits for one
-            return
+            return False
         pod = self.picker(ready, next(self._rr), self.route_rng)
-        if pod is None:
-            record.status, record.error = "rejected", "429: every replica saturated (router)"
-            self.open_requests -= 1
-            return
+        if pod is None:  # the router holds it until a replica has room, or answers 429
+            if not held:
+                self.saturated.append(record)
+                self._at(self.now + self.router_queue_timeout, ROUTER_TIMEOUT, record)
+            return False
+        if held:
+            self.saturated.remove(record)
         if not pod.replica.submit(record, self.now):
             self.open_requests -= 1
-            return
+            return True
         if not pod.stepping:
             pod.stepping = True
             self._at(self.now, STEP, pod)
+        return True
+
+    def _retry_saturated(self) -> None:
+        while self.saturated and self._route(self.saturated[0], held=True):
+            pass
 
     def _step(self, pod: Pod) -> None:
         replica = pod.replica
         before = len(replica.in_flight)
         end = replica.step(self.now)
-        self.open_requests -= before - len(replica.in_flight)
+        finished = before - len(replica.in_flight)
+        self.open_requests -= finished
+        if finished and self.saturated:
+            self._retry_saturated()
         if replica.busy and end > self.now:
             self._at(end, STEP, pod)
             return

@@ -176,6 +176,7 @@ SPEC = {  # the whole loop's InferenceService (e2e/wholeloop/scenario.py), fake 
 def _run(spec_dict, trace, **options):
     spec = InferenceServiceSpec.model_validate(spec_dict)
     profile = fake_model_profile(options.pop("scale", 1.0))
+    options.setdefault("router", "round-robin")  # the whole loop's own routing (the ready endpoints in turn)
     result = ClusterSim(spec, profile, trace, SimOptions(**options)).run()
     return to_json(result, Slo(), {})
 
@@ -278,3 +279,15 @@ def test_a_fleet_at_zero_replicas_gives_up_and_says_so():
     doc = _run(spec, [traces.TraceRequest(0.0, 16, 4)], give_up_after_s=60)
     assert [r["status"] for r in doc["requests"]] == ["unfinished"]
     assert doc["summary"]["simulated_seconds"] == pytest.approx(60, abs=1)
+
+
+def test_the_router_holds_requests_while_every_replica_is_full_then_answers_429():
+    # One replica, maxNumSeqs 8: the router's capacity is 8 + 16 queued; 60 long requests at once.
+    burst = [traces.TraceRequest(0.0, 16, 2000 if i < 30 else 4) for i in range(60)]
+    spec = dict(SPEC, autoscaling=None, engine=dict(SPEC["engine"], maxModelLen=4096, kvCacheMemory="512MiB"))
+    doc = _run(spec, burst, router="least-load", scale=4.0)
+    statuses = [r["status"] for r in doc["requests"]]
+    assert statuses.count("ok") >= 24 and "rejected" in statuses
+    assert all("saturated" in r["error"] for r in doc["requests"] if r["status"] == "rejected")
+    served_late = [r for r in doc["requests"][24:] if r["status"] == "ok"]
+    assert all(r["ttft_s"] > 0 for r in served_late)
