@@ -14,7 +14,9 @@ Scenarios (each on fresh engine processes):
   added p50 end-to-end latency (target < 2 ms).
 
 Round robin is the loadgen spreading requests over the engine URLs itself, as a Kubernetes
-Service would; the router runs as its own process. Capacity is measured, not assumed: a closed
+Service would; the router runs as its own process. Round robin and the router take turns in
+alternating rounds with the same arrivals, percentiles pooled, so both see the same background
+load of a shared machine. Capacity is measured, not assumed: a closed
 loop of max_num_seqs requests per replica for a few seconds.
 
     python bench/routing.py --json docs/perf/routing.json --plot docs/perf/routing.png
@@ -139,18 +141,40 @@ def capacity(args, urls: list[str]) -> float:
     return report["request_throughput_per_s"]
 
 
+def pooled(results: list) -> dict:
+    """A loadgen-like summary of RequestResults pooled over rounds."""
+    done = [r for r in results if r.ok]
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            errors[str(r.status)] = errors.get(str(r.status), 0) + 1
+    return {"requests": len(results), "completed": len(done), "errors_by_status": errors,
+            "ttft_s": percentiles([r.first_token - r.start for r in done if r.first_token is not None]),
+            "e2e_s": percentiles([r.end - r.start for r in done])}
+
+
 def compare(args, procs: Procs, scales: list[float], utilization: float) -> dict:
+    """Round robin and the router on the same replicas, in alternating rounds (RR first, then
+    router first, ...) with the same arrivals per round, percentiles pooled over the rounds: both
+    see the same background load of the machine."""
     urls = [procs.engine(f"engine{i}", s, args.max_num_seqs) for i, s in enumerate(scales)]
     # Capacity of each replica alone, summed: round robin cannot use the slow one's share fully.
     caps = [capacity(args, [u]) for u in urls]
     router = procs.router(urls)
     rate = utilization * sum(caps)
-    rr = asyncio.run(run_load(spec(args, endpoints=round_robin(urls), rate=rate)))
-    routed = asyncio.run(run_load(spec(args, router, rate=rate)))
+    rounds = 2 if args.quick else 3
+    kept: dict[str, list] = {"round_robin": [], "router": []}
+    for i in range(rounds):
+        order = ("round_robin", "router") if i % 2 == 0 else ("router", "round_robin")
+        for policy in order:
+            target = dict(endpoints=round_robin(urls)) if policy == "round_robin" else dict(url=router)
+            asyncio.run(run_load(spec(args, rate=rate, duration=args.duration / rounds, seed=args.seed + i,
+                                      on_result=kept[policy].append, **target)))
+    rr, routed = pooled(kept["round_robin"]), pooled(kept["router"])
     ratio = rr["ttft_s"]["p95"] / routed["ttft_s"]["p95"] if routed["ttft_s"]["p95"] else None
     m = router_metrics(router)
     return {"step_time_scales": scales, "capacity_per_replica_per_s": caps, "utilization": utilization,
-            "rate_per_s": rate, "round_robin": load(rr), "router": load(routed),
+            "rate_per_s": rate, "rounds": rounds, "round_robin": rr, "router": routed,
             "p95_ttft_ratio": ratio,
             "router_picks": {k.split('"')[0].split("=")[-1].rstrip("}"): v for k, v in m.items()
                              if k.startswith(names.ROUTER_PICKS_TOTAL)}}
@@ -329,7 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_common_args(parser)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {', '.join(SCENARIOS)}")
-    parser.add_argument("--duration", type=float, help="seconds of load per run (default 90; quick: 20)")
+    parser.add_argument("--duration", type=float,
+                        help="seconds of load per run (default 90; quick: 20); skewed and identical: per policy, "
+                             "split into alternating rounds")
     parser.add_argument("--scale", type=float, default=8.0,
                         help="--fake-step-time-scale of the fast replicas (default 8: ~26 ms steps at 4 sequences)")
     parser.add_argument("--max-num-seqs", type=int, default=4, help="each replica's batch cap (default 4)")
