@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from iterserve import __version__
-from iterserve.engine.server import admin, openai_api
+from iterserve.engine.server import admin, openai_api, tokenize_api
 from iterserve.engine.server.errors import BodySizeLimit, install_error_handlers
 from iterserve.engine.server.state import ServerState
 
@@ -31,6 +31,7 @@ def build_app(state: ServerState) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=state.options.max_request_body_bytes)
     app.include_router(openai_api.router)
+    app.include_router(tokenize_api.router)
     app.include_router(admin.router)
 
     @app.get("/health")

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from iterserve.engine.outputs import RequestOutput
@@ -38,6 +39,7 @@ from iterserve.engine.server.errors import (
     unavailable,
 )
 from iterserve.engine.server.protocol import (
+    IGNORED_FIELDS_HEADER,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -51,6 +53,7 @@ from iterserve.engine.server.state import ServerState
 
 ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 413, 429, 500, 503)}
 router = APIRouter()
+logger = logging.getLogger(__name__)
 
 
 class ClientDisconnected(Exception):
@@ -65,8 +68,9 @@ async def list_models(request: Request) -> ModelList:
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
-async def create_completion(body: CompletionRequest, request: Request):
+async def create_completion(body: CompletionRequest, request: Request, response: Response):
     state: ServerState = request.app.state.server
+    headers = _ignored_headers(body, request)
     engine = state.require_engine()
     state.check_model(body.model)
     prompt = body.prompt
@@ -82,8 +86,9 @@ async def create_completion(body: CompletionRequest, request: Request):
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _completion_events(_watch(request, engine, stream), ids, include_usage)
-        return _sse(events)
+        return _sse(events, headers)
     final = await _final_output(request, engine, stream)
+    response.headers.update(headers)
     out = final.outputs[0]
     return {
         "id": ids.id, "object": "text_completion", "created": ids.created, "model": ids.model,
@@ -93,8 +98,9 @@ async def create_completion(body: CompletionRequest, request: Request):
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
-async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, response: Response):
     state: ServerState = request.app.state.server
+    headers = _ignored_headers(body, request)
     engine = state.require_engine()
     state.check_model(body.model)
     tokenizer = engine.engine.tokenizer
@@ -108,8 +114,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     ids = _Ids("chatcmpl", state.model_name)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _sse(_chat_events(_watch(request, engine, stream), ids, include_usage))
+        return _sse(_chat_events(_watch(request, engine, stream), ids, include_usage), headers)
     final = await _final_output(request, engine, stream)
+    response.headers.update(headers)
     out = final.outputs[0]
     return {
         "id": ids.id, "object": "chat.completion", "created": ids.created, "model": ids.model,
@@ -120,6 +127,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
 
 
 # -- request -> engine -----------------------------------------------------------------------
+def _ignored_headers(body: _SamplingFields, request: Request) -> dict[str, str]:
+    """Name the accepted-but-ignored fields the request set: a response header and a log line."""
+    ignored = body.ignored_fields()
+    if not ignored:
+        return {}
+    logger.info("%s: ignored fields %s (accepted, they do not change the output)", request.url.path,
+                ", ".join(ignored))
+    return {IGNORED_FIELDS_HEADER: ",".join(ignored)}
+
+
 def _render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[int]]:
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -210,7 +227,7 @@ class _Ids:
         self.model = model
 
 
-def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
+def _sse(events: AsyncIterator[dict], headers: dict[str, str] | None = None) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
         try:
             async for event in events:
@@ -227,7 +244,7 @@ def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
 
 
 async def _completion_events(outputs: AsyncIterator[RequestOutput], ids: _Ids, include_usage: bool):

@@ -3,12 +3,15 @@
 Requests are strict: an unknown field or a wrong type is refused (400, naming the field) rather
 than silently ignored, so a client never believes a setting took effect when it did not.
 Fields that OpenAI defines but iterserve does not implement are accepted only at their neutral
-value, and refused otherwise with a message saying so.
+value, and refused otherwise with a message saying so. The exception is IGNORED_FIELDS: fields
+stock clients send that cannot change the generated text (`user`, `metadata`, `store`,
+`service_tier`...); they are accepted, not acted on, and named in the response's
+X-Iterserve-Ignored-Fields header and a log line.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
@@ -23,6 +26,11 @@ from iterserve.engine.sampling_params import (
 )
 
 MAX_MESSAGES = 1024  # per chat request
+# Accepted and ignored (named in the X-Iterserve-Ignored-Fields response header): they never change
+# the generated text. `stream_options` is honoured (include_usage), so it is not listed.
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+                  "safety_identifier")
+IGNORED_FIELDS_HEADER = "X-Iterserve-Ignored-Fields"
 
 
 def _valid_unicode(value: str) -> str:
@@ -65,7 +73,13 @@ class _SamplingFields(_Request):
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     presence_penalty: float = Field(0.0, description="Not supported: only 0.")
     frequency_penalty: float = Field(0.0, description="Not supported: only 0.")
-    user: Text | None = Field(None, max_length=256)
+    # Accepted and ignored (IGNORED_FIELDS).
+    user: Text | None = Field(None, max_length=256, description="Ignored (accepted for clients that send it).")
+    metadata: dict[str, Any] | None = Field(None, description="Ignored (accepted for clients that send it).")
+    store: bool | None = Field(None, description="Ignored: nothing is stored.")
+    service_tier: Text | None = Field(None, max_length=64, description="Ignored: there is one tier.")
+    prompt_cache_key: Text | None = Field(None, max_length=1024, description="Ignored (see cache_salt).")
+    safety_identifier: Text | None = Field(None, max_length=256, description="Ignored.")
     # vLLM's extensions, which load generators and benchmarks rely on.
     top_k: int = Field(-1, ge=-1, le=MAX_TOKEN_ID,
                        description="-1: off (0 is refused); above the vocabulary size: the whole vocabulary.")
@@ -75,6 +89,11 @@ class _SamplingFields(_Request):
     cache_salt: str | None = None
     skip_prefix_cache: bool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+
+    def ignored_fields(self) -> list[str]:
+        """The IGNORED_FIELDS this request set (to a value other than null)."""
+        return [name for name in IGNORED_FIELDS
+                if name in self.model_fields_set and getattr(self, name, None) is not None]
 
     @field_validator("n")
     @classmethod
@@ -123,6 +142,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: Literal[False] = False
+    parallel_tool_calls: bool | None = Field(None, description="Ignored: tools are not supported.")
 
 
 # -- responses -------------------------------------------------------------------------------

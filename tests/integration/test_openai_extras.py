@@ -1,0 +1,62 @@
+"""Issue 20 on the fake model: fields stock clients send are accepted and named as ignored,
+/tokenize and /detokenize as vLLM serves them."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from iterserve.engine.server.protocol import IGNORED_FIELDS_HEADER
+from tests.server_fixture import running_server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with running_server(["--fake-model", "--max-model-len", "512"], log_path=log) as server:
+        yield server
+
+
+def test_harmless_fields_are_accepted_and_named_in_a_header(server):
+    body = {"prompt": "hello", "max_tokens": 3, "user": "u1", "metadata": {"k": "v"}, "store": False,
+            "service_tier": "auto"}
+    response = httpx.post(f"{server.url}/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.headers[IGNORED_FIELDS_HEADER] == "user,metadata,store,service_tier"
+    plain = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hello", "max_tokens": 3})
+    assert IGNORED_FIELDS_HEADER.lower() not in plain.headers
+    assert plain.json()["choices"][0]["text"] == response.json()["choices"][0]["text"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
+            "parallel_tool_calls": True, "store": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=chat) as streamed:
+        assert streamed.status_code == 200
+        assert streamed.headers[IGNORED_FIELDS_HEADER] == "store,parallel_tool_calls"
+        assert streamed.read().decode().rstrip().endswith("data: [DONE]")
+
+
+def test_the_openai_client_with_its_extra_fields_works(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    chat = client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          user="someone", metadata={"run": "1"}, store=False)
+    assert chat.choices[0].message.content
+
+
+@pytest.mark.parametrize("field", ["reasoning_effort", "prediction", "modalities", "made_up"])
+def test_fields_that_would_change_the_output_are_still_refused(server, field):
+    response = httpx.post(f"{server.url}/v1/chat/completions",
+                          json={"messages": [{"role": "user", "content": "hi"}], field: "x"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == field
+
+
+def test_tokenize_and_detokenize_round_trip(server):
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": "hello world"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == 512
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}).json()
+    assert text == {"prompt": "hello world"}
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > 0
+    both = httpx.post(f"{server.url}/tokenize", json={"prompt": "x", "messages": [{"role": "user", "content": "y"}]})
+    assert both.status_code == 400
+    bad = httpx.post(f"{server.url}/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
