@@ -190,3 +190,21 @@ def test_step_log_records_each_step(tmp_path):
     assert [r["prefill_tokens"] for r in records] == [20, 0, 0]
     assert [r["decode_tokens"] for r in records] == [0, 1, 1]
     assert {"duration_s", "schedule_s", "model_s", "kv_blocks_used", "preemptions"} <= set(records[0])
+
+
+def test_a_new_max_num_seqs_is_queued_and_applied_at_the_next_step():
+    engine = fake_engine(max_num_seqs=8, max_num_batched_tokens=64)
+    for p in prompts(4, length=4):
+        engine.add_request(prompt_token_ids=p, params=GREEDY)
+    engine.step()
+    assert len(engine.scheduler.running) == 4
+    assert engine.set_max_num_seqs(2) == 8
+    assert engine.set_max_num_seqs(3) == 2  # the latest request wins; nothing applied yet
+    assert engine.scheduler._max_num_seqs == 8 and engine.stats().max_num_seqs == 3
+    for p in prompts(4, length=4):
+        engine.add_request(prompt_token_ids=p, params=GREEDY)
+    engine.step()
+    assert engine.scheduler._max_num_seqs == 3
+    assert len(engine.scheduler.running) == 4  # running sequences are kept, none admitted above the cap
+    run_to_completion(engine)
+    assert engine.block_manager.usage() == 0.0
