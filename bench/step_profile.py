@@ -1,0 +1,97 @@
+"""One decode step of the real model, timed: a tail step (few long sequences left) and a full-batch
+step (many short ones), for fp32 / int8 / int4 linears, and with the torch attention backend of an
+earlier commit (--baseline-rev) for the before/after comparison. Prints where the time goes
+(torch.profiler, top ops) for each.
+
+    python bench/step_profile.py --baseline-rev cb1c555~1 --json docs/perf/step_profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import common
+import torch
+
+from iterserve.engine.attention.backend import AttentionMetadata, get_backend
+from iterserve.engine.model.llama import LlamaModel
+from iterserve.engine.model.loader import load_model
+from iterserve.engine.model.registry import resolve_model_path
+
+SCENARIOS = {"tail": (2, 256), "full": (64, 64)}  # (sequences decoding, context length each)
+BLOCK = 16
+
+
+def baseline_backend(rev: str):
+    """TorchBackend as it was at rev (its file is self-contained)."""
+    source = subprocess.run(["git", "show", f"{rev}:engine/attention/torch_backend.py"], check=True,
+                            capture_output=True, text=True, cwd=Path(__file__).parent.parent).stdout
+    module = types.ModuleType("baseline_torch_backend")
+    exec(compile(source, "baseline_torch_backend.py", "exec"), module.__dict__)  # noqa: S102
+    return module.TorchBackend()
+
+
+def step(model: LlamaModel, caches, seqs: int, context: int):
+    blocks_per_seq = -(-context // BLOCK)
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(seqs)]
+    meta = AttentionMetadata.build([1] * seqs, [context] * seqs, tables, BLOCK)
+    ids = torch.randint(100, 250, (seqs,))
+    positions = torch.full((seqs,), context - 1)
+    return model.compute_logits(model(ids, positions, caches, meta))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline-rev", help="also time the torch backend of this git revision (fp32)")
+    parser.add_argument("--modes", default="none,int8,int4")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per case (the minimum is kept)")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    path = resolve_model_path(None)[0]
+    loaded = load_model(path, show_progress=False, keep_q4_1=True)
+    cfg = loaded.config
+    num_blocks = max(s * -(-c // BLOCK) for s, c in SCENARIOS.values())
+    caches = [(torch.randn(num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim) * 0.1,
+               torch.randn(num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim) * 0.1) for _ in range(cfg.num_layers)]
+    cases = [(mode, "torch", get_backend("torch")) for mode in args.modes.split(",")]
+    if args.baseline_rev:
+        cases.insert(0, ("none", f"torch@{args.baseline_rev}", baseline_backend(args.baseline_rev)))
+    results = []
+    info = common.machine(args.threads)
+    for mode, backend_name, backend in cases:
+        model = LlamaModel.from_weights(cfg, dict(loaded.weights), backend, torch.device("cpu"), torch.float32,
+                                        max_positions=512, quantization=mode, q4_1=dict(loaded.q4_1))
+        for scenario, (seqs, context) in SCENARIOS.items():
+            with torch.inference_mode():
+                step(model, caches, seqs, context)
+                best = float("inf")
+                for _ in range(args.repeats):
+                    start = time.perf_counter()
+                    step(model, caches, seqs, context)
+                    best = min(best, time.perf_counter() - start)
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    step(model, caches, seqs, context)
+            top = [(e.key, e.self_cpu_time_total / 1e3) for e in
+                   sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:6]]
+            row = {"quantization": mode, "backend": backend_name, "scenario": scenario, "seqs": seqs,
+                   "context": context, "step_ms": best * 1e3, "tokens_per_s": seqs / best,
+                   "top_ops_ms": top, "load_average_1m": __import__("os").getloadavg()[0]}
+            results.append(row)
+            print(f"{mode:5} {backend_name:22} {scenario:5} {seqs:3} seqs x {context}: {best * 1e3:7.1f} ms "
+                  f"({seqs / best:6.1f} tok/s)  top: " + ", ".join(f"{k} {v:.1f}" for k, v in top[:4]),
+                  flush=True)
+        del model
+    common.write_json(args.json, {"benchmark": "step_profile", "machine": common.finish_machine(info),
+                                  "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
