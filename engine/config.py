@@ -54,6 +54,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
+    # Weight-only quantized linears on CPU (engine/model/quant.py): none (exact fp32), int8, int4.
+    quantization: str = "none"
     seed: int = 0
     step_log: str | None = None
     watermark: float = 0.01
@@ -102,6 +104,7 @@ class EngineConfig:
         _choice("--attention-backend", self.attention_backend, ("auto", "torch", "triton"))
         _choice("--device", self.device, ("auto", "cpu", "cuda"))
         _choice("--dtype", self.dtype, ("auto", "float32", "float16", "bfloat16"))
+        _choice("--quantization", self.quantization, ("none", "int8", "int4"))
         if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is below --max-model-len "

@@ -40,14 +40,18 @@ class ModelRunner:
         path, self.model_name = resolve_model_path(config.model)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
-        loaded = load_model(path, show_progress)
+        loaded = load_model(path, show_progress, keep_q4_1=config.quantization == "int4")
         self.tokenizer = Tokenizer.from_path(path, loaded.gguf_reader)
         model_config = loaded.config
         self.config = config = config.resolve(model_config.max_position_embeddings)
         self.block_size = config.block_size
         backend = get_backend(config.attention_backend, self.device)
+        if config.quantization != "none" and (self.device.type != "cpu" or self.dtype != torch.float32):
+            raise ConfigError(f"--quantization {config.quantization} runs torch's CPU weight-only kernels on "
+                              "an fp32 model; use --device cpu --dtype float32 (or auto on CPU)")
         self.model = LlamaModel.from_weights(model_config, loaded.weights, backend, self.device, self.dtype,
-                                             max_positions=config.max_model_len)
+                                             max_positions=config.max_model_len, quantization=config.quantization,
+                                             q4_1=loaded.q4_1)
         del loaded
 
         kv_shape = (config.block_size, model_config.num_kv_heads, model_config.head_dim)

@@ -40,6 +40,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--served-model-name", help="the model id clients send and /v1/models lists")
     model.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     model.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    model.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                       help="weight-only quantized linears on CPU: int8, or int4 from the GGUF's Q4_1 blocks "
+                            "(default none: exact fp32; see README Performance for the accuracy cost)")
     model.add_argument("--seed", type=int, default=0)
 
     http = parser.add_argument_group("HTTP")
@@ -99,6 +102,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend,
         device=args.device,
         dtype=args.dtype,
+        quantization=args.quantization,
         seed=args.seed,
         step_log=args.step_log,
         fake_step_time_scale=args.fake_step_time_scale,
