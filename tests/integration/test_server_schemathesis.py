@@ -91,20 +91,23 @@ def reaching_the_sampler(body: dict) -> dict:
     return body
 
 
+def fuzz_real_model(operation, mode: GenerationMode, examples: int) -> None:
+    @given(case=operation.as_strategy(mode))
+    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    def no_server_error(case):
+        if mode is GenerationMode.POSITIVE and isinstance(case.body, dict):
+            case.body = reaching_the_sampler(case.body)
+        case.call_and_validate(checks=[not_a_server_error], timeout=60)
+
+    no_server_error()
+
+
 def test_no_input_makes_the_real_model_fail(real_server):
     schema = schemathesis.openapi.from_url(f"{real_server.url}/openapi.json")
     operations = [result.ok() for result in schema.include(path_regex="^/v1/(chat/)?completions$").get_all_operations()]
     assert {op.path for op in operations} == {"/v1/completions", "/v1/chat/completions"}
     for operation, (mode, examples) in itertools.product(operations, REAL_EXAMPLES.items()):
-
-        @given(case=operation.as_strategy(mode))
-        @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-        def no_server_error(case, mode=mode):
-            if mode is GenerationMode.POSITIVE and isinstance(case.body, dict):
-                case.body = reaching_the_sampler(case.body)
-            case.call_and_validate(checks=[not_a_server_error], timeout=60)
-
-        no_server_error()
+        fuzz_real_model(operation, mode, examples)
     # Still alive and serving: no request took the engine down.
     assert httpx.get(f"{real_server.url}/health").status_code == 200
     response = httpx.post(f"{real_server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
