@@ -116,7 +116,7 @@ def router_metrics(url: str) -> dict[str, float]:
 def spec(args, url: str = "", endpoints=None, **overrides) -> LoadSpec:
     values = dict(url=url or "http://127.0.0.1:1", rate=1.0, requests=None, duration=args.duration,
                   prompt_len=args.prompt_len, max_tokens=args.max_tokens, seed=args.seed, timeout=120.0,
-                  endpoints=endpoints)
+                  endpoints=endpoints, output_dist=args.output_dist)
     values.update(overrides)
     return LoadSpec(**values)
 
@@ -288,7 +288,8 @@ def scenario_overhead(args, procs: Procs) -> dict:
         target = url if path == "direct" else router
         before = _cpu_seconds(router_pid)
         report = asyncio.run(run_load(spec(args, target, rate=rate, duration=seconds, prompt_len=16,
-                                           max_tokens=4, seed=args.seed + i, on_result=kept.append)))
+                                           max_tokens=4, output_dist="fixed", seed=args.seed + i,
+                                           on_result=kept.append)))
         if path == "router":
             cpu += _cpu_seconds(router_pid) - before
         e2e[path] += [r.end - r.start for r in kept if r.ok]
@@ -303,7 +304,7 @@ def scenario_overhead(args, procs: Procs) -> dict:
     for i, path in itertools.product(range(rounds), ("direct", "router")):
         kept = []
         asyncio.run(run_load(spec(args, url if path == "direct" else router, rate=float("inf"), duration=None,
-                                  requests=50 if args.quick else 100, concurrency=1, prompt_len=16, max_tokens=4,
+                                  requests=50 if args.quick else 100, concurrency=1, prompt_len=16, max_tokens=4, output_dist="fixed",
                                   seed=args.seed + i, on_result=kept.append)))
         one[path] += [r.end - r.start for r in kept if r.ok]
     sequential = {k: percentiles(v) for k, v in one.items()}
@@ -361,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=4, help="each replica's batch cap (default 4)")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (default 32)")
+    parser.add_argument("--output-dist", default="fixed", choices=("fixed", "zipf", "exponential"),
+                        help="output lengths as `iterserve loadgen` draws them (default fixed: --max-tokens each; "
+                             "the overhead scenario always uses 4)")
     args = parser.parse_args(argv)
     args.duration = args.duration or (20.0 if args.quick else 90.0)
     wanted = [s.strip() for s in args.scenarios.split(",") if s.strip()]
