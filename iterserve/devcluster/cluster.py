@@ -25,7 +25,7 @@ from pathlib import Path
 from iterserve.devcluster import tools
 from iterserve.devcluster.handle import ClusterHandle
 from iterserve.devcluster.kubeconfig import client_cert_user, cluster_entry, write_kubeconfig
-from iterserve.devcluster.pki import write_pki
+from iterserve.devcluster.pki import FRONT_PROXY_CLIENT, write_pki
 from iterserve.devcluster.waiting import free_port
 
 SERVICE_CIDR = "127.96.0.0/16"
@@ -279,6 +279,15 @@ class LocalCluster:
             f"--service-account-signing-key-file={pki / 'sa.key'}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             "--authorization-mode=Node,RBAC",
+            # The aggregation layer: how it proxies to extension API servers (APIService objects)
+            # and tells them who the user is.
+            f"--requestheader-client-ca-file={pki / 'front-proxy-ca.crt'}",
+            f"--requestheader-allowed-names={FRONT_PROXY_CLIENT}",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            f"--proxy-client-cert-file={pki / 'front-proxy-client.crt'}",
+            f"--proxy-client-key-file={pki / 'front-proxy-client.key'}",
             "--allow-privileged=true",
             "--profiling=false",
         ]

@@ -1,5 +1,7 @@
 """Certificates and keys for a loopback-only control plane: a CA, the API server's serving
-certificate, the admin client certificate, and the service-account signing key pair."""
+certificate, the admin client certificate, the service-account signing key pair, and the
+front-proxy CA and client certificate with which the API server's aggregation layer proxies to
+extension API servers (e.g. an external metrics adapter)."""
 
 from __future__ import annotations
 
@@ -60,11 +62,12 @@ def _leaf(ca_key, ca_cert, subject: x509.Name, usage, sans=None) -> tuple:
     return key, builder.sign(ca_key, hashes.SHA256())
 
 
-def write_pki(folder: Path) -> None:
-    """Writes ca.crt, apiserver.{crt,key}, admin.{crt,key} and sa.{key,pub} into `folder`."""
-    folder.mkdir(parents=True, exist_ok=True)
+FRONT_PROXY_CLIENT = "front-proxy-client"
+
+
+def _ca(common_name: str):
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = _name("iterserve-dev-cluster-ca")
+    ca_name = _name(common_name)
     ca_cert = (
         _builder(ca_name, ca_name, ca_key.public_key())
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
@@ -78,6 +81,14 @@ def write_pki(folder: Path) -> None:
         )
         .sign(ca_key, hashes.SHA256())
     )
+    return ca_key, ca_cert
+
+
+def write_pki(folder: Path) -> None:
+    """Writes ca.crt, apiserver.{crt,key}, admin.{crt,key}, sa.{key,pub}, front-proxy-ca.crt and
+    front-proxy-client.{crt,key} into `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ca_key, ca_cert = _ca("iterserve-dev-cluster-ca")
     _write_key(ca_key, folder / "ca.key")
     _write_cert(ca_cert, folder / "ca.crt")
 
@@ -96,6 +107,14 @@ def write_pki(folder: Path) -> None:
     key, cert = _leaf(ca_key, ca_cert, _name("iterserve-admin", "system:masters"), ExtendedKeyUsageOID.CLIENT_AUTH)
     _write_key(key, folder / "admin.key")
     _write_cert(cert, folder / "admin.crt")
+
+    # Its own CA, as kubeadm does: extension API servers trust the user headers of any client
+    # certificate this CA signed, so none of the cluster CA's client certificates may pass as it.
+    proxy_ca_key, proxy_ca_cert = _ca("iterserve-dev-cluster-front-proxy-ca")
+    _write_cert(proxy_ca_cert, folder / "front-proxy-ca.crt")
+    key, cert = _leaf(proxy_ca_key, proxy_ca_cert, _name(FRONT_PROXY_CLIENT), ExtendedKeyUsageOID.CLIENT_AUTH)
+    _write_key(key, folder / "front-proxy-client.key")
+    _write_cert(cert, folder / "front-proxy-client.crt")
 
     sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     _write_key(sa_key, folder / "sa.key")

@@ -57,3 +57,15 @@ def test_pki_chains_to_the_ca_with_loopback_serving_name_and_admin_group(tmp_pat
     groups = [a.value for a in admin.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)]
     assert groups == ["system:masters"]
     assert (tmp_path / "sa.key").stat().st_mode & 0o077 == 0
+
+
+def test_pki_front_proxy_client_has_its_own_ca(tmp_path):
+    write_pki(tmp_path)
+    ca = x509.load_pem_x509_certificate((tmp_path / "ca.crt").read_bytes())
+    proxy_ca = x509.load_pem_x509_certificate((tmp_path / "front-proxy-ca.crt").read_bytes())
+    client = x509.load_pem_x509_certificate((tmp_path / "front-proxy-client.crt").read_bytes())
+    client.verify_directly_issued_by(proxy_ca)
+    assert proxy_ca.subject != ca.subject
+    assert client.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "front-proxy-client"
+    usage = client.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert list(usage) == [ExtendedKeyUsageOID.CLIENT_AUTH]
