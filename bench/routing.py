@@ -73,7 +73,7 @@ class Procs:
 
     def router(self, urls: list[str], *extra: str) -> str:
         port = free_port()
-        self.start("router", [*ITERSERVE, "router", "--port", str(port), "--endpoints", ",".join(urls),
+        self.start("router" if not extra else f"router-{port}", [*ITERSERVE, "router", "--port", str(port), "--endpoints", ",".join(urls),
                               "--seed", "0", "--log-level", "warning", *extra])
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: _ok(f"{url}/ready"), 30, 0.1, what="router ready")
@@ -161,21 +161,27 @@ def compare(args, procs: Procs, scales: list[float], utilization: float) -> dict
     # Capacity of each replica alone, summed: round robin cannot use the slow one's share fully.
     caps = [capacity(args, [u]) for u in urls]
     router = procs.router(urls)
+    # The same router process picking round robin: the same proxy hop, only the policy differs.
+    rr_router = procs.router(urls, "--policy", "round-robin")
     rate = utilization * sum(caps)
     rounds = 2 if args.quick else 3
-    kept: dict[str, list] = {"round_robin": [], "router": []}
+    arms = ("round_robin", "router", "round_robin_via_router")
+    kept: dict[str, list] = {arm: [] for arm in arms}
     for i in range(rounds):
-        order = ("round_robin", "router") if i % 2 == 0 else ("router", "round_robin")
-        for policy in order:
-            target = dict(endpoints=round_robin(urls)) if policy == "round_robin" else dict(url=router)
+        order = arms if i % 2 == 0 else arms[::-1]
+        for arm in order:
+            target = {"round_robin": dict(endpoints=round_robin(urls)), "router": dict(url=router),
+                      "round_robin_via_router": dict(url=rr_router)}[arm]
             asyncio.run(run_load(spec(args, rate=rate, duration=args.duration / rounds, seed=args.seed + i,
-                                      on_result=kept[policy].append, **target)))
-    rr, routed = pooled(kept["round_robin"]), pooled(kept["router"])
+                                      on_result=kept[arm].append, **target)))
+    rr, routed, rr_proxied = (pooled(kept[arm]) for arm in arms)
     ratio = rr["ttft_s"]["p95"] / routed["ttft_s"]["p95"] if routed["ttft_s"]["p95"] else None
+    proxied_ratio = rr_proxied["ttft_s"]["p95"] / routed["ttft_s"]["p95"] if routed["ttft_s"]["p95"] else None
     m = router_metrics(router)
     return {"step_time_scales": scales, "capacity_per_replica_per_s": caps, "utilization": utilization,
             "rate_per_s": rate, "rounds": rounds, "round_robin": rr, "router": routed,
-            "p95_ttft_ratio": ratio,
+            "round_robin_via_router": rr_proxied, "p95_ttft_ratio": ratio,
+            "p95_ttft_ratio_same_hop": proxied_ratio,
             "router_picks": {k.split('"')[0].split("=")[-1].rstrip("}"): v for k, v in m.items()
                              if k.startswith(names.ROUTER_PICKS_TOTAL)}}
 
@@ -400,7 +406,9 @@ def main(argv: list[str] | None = None) -> int:
 def _summary(name: str, r: dict) -> str:
     if name in ("skewed", "identical"):
         return (f"p95 TTFT round robin {r['round_robin']['ttft_s']['p95']:.3f} s / router "
-                f"{r['router']['ttft_s']['p95']:.3f} s = {r['p95_ttft_ratio']:.2f}x at {r['rate_per_s']:.1f} req/s")
+                f"{r['router']['ttft_s']['p95']:.3f} s = {r['p95_ttft_ratio']:.2f}x at {r['rate_per_s']:.1f} req/s "
+                f"(round robin through the same router process: "
+                f"{r['round_robin_via_router']['ttft_s']['p95']:.3f} s, {r['p95_ttft_ratio_same_hop']:.2f}x)")
     if name == "metrics_500":
         return f"client 5xx {r['client_5xx']} of {r['load']['requests']}, failed {r['load']['requests'] - r['load']['completed']}"
     if name == "saturated":

@@ -58,6 +58,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     pick.add_argument("--block-size", type=int, default=d.block_size,
                       help=f"the engines' KV block size, for block-aligned prefix hashes (default {d.block_size})")
     pick.add_argument("--seed", type=int, help="seed of the random tie-break")
+    pick.add_argument("--policy", default="least-load", choices=["least-load", "round-robin"],
+                      help="round-robin: ignore loads (a baseline for comparisons; default least-load)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -69,7 +71,7 @@ def options_from(args: argparse.Namespace) -> RouterOptions:
         eject_backoff_s=args.eject_backoff, max_eject_backoff_s=args.max_eject_backoff,
         policy=PickPolicy(max_queue=args.max_queue, affinity_tolerance=args.affinity_tolerance),
         prefix_affinity=args.prefix_affinity, prefix_tokens=args.prefix_tokens,
-        block_size=args.block_size, seed=args.seed,
+        block_size=args.block_size, seed=args.seed, round_robin=args.policy == "round-robin",
     )
 
 

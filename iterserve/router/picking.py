@@ -29,7 +29,8 @@ TIE_BREAK = "tie_break"  # several had the least load; chosen at random
 PREFIX_AFFINITY = "prefix_affinity"  # the endpoint that saw the prompt's prefix, loads within tolerance
 SATURATED = "saturated"  # no pick: every routable endpoint is at capacity
 NONE_READY = "none_ready"  # no pick: no routable endpoint
-PICK_REASONS = (LEAST_LOAD, TIE_BREAK, PREFIX_AFFINITY, SATURATED, NONE_READY)
+ROUND_ROBIN = "round_robin"  # the comparison baseline (`iterserve router --policy round-robin`)
+PICK_REASONS = (LEAST_LOAD, TIE_BREAK, PREFIX_AFFINITY, ROUND_ROBIN, SATURATED, NONE_READY)
 
 DEFAULT_MAX_NUM_SEQS = 64  # the engine's default, assumed until a scrape says otherwise
 
@@ -87,3 +88,16 @@ def pick(endpoints: Sequence[EndpointLoad], rng: random.Random, policy: PickPoli
     if len(best) == 1:
         return Pick(best[0].url, LEAST_LOAD, least)
     return Pick(rng.choice(best).url, TIE_BREAK, least)
+
+
+def pick_round_robin(endpoints: Sequence[EndpointLoad], turn: int, policy: PickPolicy = PickPolicy()) -> Pick:
+    """The baseline: the turn-th open endpoint (by URL), whatever the loads; saturated and
+    ejected endpoints are skipped as `pick` skips them."""
+    routable = sorted((e for e in endpoints if e.routable), key=lambda e: e.url)
+    if not routable:
+        return Pick(None, NONE_READY)
+    open_ = [e for e in routable if e.load < e.capacity(policy.max_queue)]
+    if not open_:
+        return Pick(None, SATURATED)
+    chosen = open_[turn % len(open_)]
+    return Pick(chosen.url, ROUND_ROBIN, chosen.load)

@@ -32,7 +32,7 @@ from iterserve.router.http import (
     wants_close,
 )
 from iterserve.router.metrics import RouterMetrics
-from iterserve.router.picking import NONE_READY, PickPolicy, pick
+from iterserve.router.picking import NONE_READY, PickPolicy, pick, pick_round_robin
 from iterserve.router.prefix import PrefixTable, prompt_keys
 
 logger = logging.getLogger("iterserve.router")
@@ -57,6 +57,7 @@ class RouterOptions:
     prefix_tokens: int = 256  # affinity looks at the first this many prompt tokens
     block_size: int = 16  # the engines' KV block size
     seed: int | None = None
+    round_robin: bool = False  # the comparison baseline instead of least load
 
 
 class _Retry(Exception):
@@ -68,6 +69,7 @@ class Router:
         self.options = options
         self.clock = time.monotonic
         self.rng = random.Random(options.seed)
+        self._turn = 0
         self.endpoints: dict[str, Endpoint] = {}
         self._scrapers: dict[str, asyncio.Task] = {}
         self._changed_event = asyncio.Event()
@@ -252,7 +254,11 @@ class Router:
         while True:
             now = self.clock()
             loads = [e.load(now, o.stale_after_s) for url, e in self.endpoints.items() if url not in tried]
-            choice = pick(loads, self.rng, o.policy, affinity)
+            if o.round_robin:
+                choice = pick_round_robin(loads, self._turn, o.policy)
+                self._turn += choice.url is not None
+            else:
+                choice = pick(loads, self.rng, o.policy, affinity)
             if choice.url is not None:
                 self.metrics.picks[choice.reason].inc()
                 return self.endpoints[choice.url]

@@ -114,3 +114,12 @@ def test_complete_chunks_finds_whole_chunks_and_the_end():
     assert _complete_chunks(buf) == (10, False)
     buf += b"c\r\n0\r\n\r\n"
     assert _complete_chunks(buf) == (len(buf), True)
+
+
+def test_round_robin_baseline_turns_over_open_endpoints():
+    from iterserve.router.picking import ROUND_ROBIN, pick_round_robin
+
+    loads = [EndpointLoad(B, in_flight=9), EndpointLoad(A), EndpointLoad(C, routable=False)]
+    assert [pick_round_robin(loads, turn).url for turn in range(4)] == [A, B, A, B]
+    assert pick_round_robin(loads, 0).reason == ROUND_ROBIN
+    assert pick_round_robin([EndpointLoad(A, in_flight=80)], 0).reason == SATURATED
