@@ -213,6 +213,7 @@ def install_vllm() -> int:
     requirements = [line.removeprefix("Requires-Dist: ") for line in metadata.splitlines()
                     if line.startswith("Requires-Dist: ") and "extra ==" not in line]
     requirements = [r for r in requirements if not r.replace(" ", "").startswith(("torch==", "torch;"))]
+    requirements.append("gguf")  # transformers needs it to read the GGUF for the fp32 conversion
     subprocess.run([*pip, "install", VLLM_TORCH, *requirements], check=True)
     subprocess.run([*pip, "install", "--no-deps", str(wheel)], check=True)
     return 0
