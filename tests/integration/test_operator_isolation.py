@@ -27,14 +27,7 @@ from iterserve.operator.metrics import OperatorMetrics
 from iterserve.operator.models import GROUP, PLURAL, VERSION
 from iterserve.operator.reconcile import Reconciler
 from iterserve.operator.resources import ENGINE_PORT, common_labels, selector_string
-from tests.operator_fixture import (
-    OperatorProcess,
-    ensure_node,
-    example,
-    install_crd,
-    operator_namespace,
-    wait_for,
-)
+from tests import operator_fixture as fx
 from tests.unit.chart_tools import CHART, helm
 
 pytestmark = pytest.mark.cluster
@@ -52,13 +45,13 @@ WEAKENING = {
 
 
 def minimal(name: str, **spec) -> dict:
-    doc = example("minimal.yaml", **spec)
+    doc = fx.example("minimal.yaml", **spec)
     doc["metadata"]["name"] = name
     return doc
 
 
 class Env:
-    def __init__(self, cluster, namespace: str, operator: OperatorProcess, api):
+    def __init__(self, cluster, namespace: str, operator: fx.OperatorProcess, api):
         self.cluster, self.namespace, self.operator = cluster, namespace, operator
         self.kube = Kube(api)
         self.custom, self.core, self.apps = client.CustomObjectsApi(api), client.CoreV1Api(api), client.AppsV1Api(api)
@@ -71,7 +64,7 @@ class Env:
         return next((c for c in (body.get("status") or {}).get("conditions", []) if c["type"] == type_), {})
 
     def wait_condition(self, name: str, type_: str, status: str = "True", timeout: float = 30) -> dict:
-        return wait_for(lambda: self.condition(name, type_) if self.condition(name, type_).get("status") == status
+        return fx.wait_for(lambda: self.condition(name, type_) if self.condition(name, type_).get("status") == status
                         else None, timeout, what=lambda: f"{name} {type_}={status} (log:\n{self.operator.log_tail()})")
 
     def events(self, name: str) -> list[dict]:
@@ -83,12 +76,12 @@ class Env:
 @pytest.fixture(scope="module")
 def env(k8s_cluster, tmp_path_factory):
     """The operator in a namespace that enforces the restricted Pod Security Standard."""
-    install_crd(k8s_cluster)
-    ensure_node(k8s_cluster)
-    namespace, kubeconfig = operator_namespace(k8s_cluster, prefix="iso")
+    fx.install_crd(k8s_cluster)
+    fx.ensure_node(k8s_cluster)
+    namespace, kubeconfig = fx.operator_namespace(k8s_cluster, prefix="iso")
     k8s_cluster.kubectl("label", "namespace", namespace, *RESTRICTED)
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    operator = OperatorProcess(kubeconfig, namespace, log).start()
+    operator = fx.OperatorProcess(kubeconfig, namespace, log).start()
     api = k8s_cluster.api_client()
     yield Env(k8s_cluster, namespace, operator, api)
     operator.stop()
@@ -99,7 +92,7 @@ def env(k8s_cluster, tmp_path_factory):
 
 def test_weakening_patches_are_refused_by_the_api_server_naming_the_field(k8s_cluster):
     """The chart's ValidatingAdmissionPolicy, bound (namespaced mode) to one namespace."""
-    install_crd(k8s_cluster)
+    fx.install_crd(k8s_cluster)
     namespace = f"vap-{int(time.time() * 1000) % 10**8}"
     k8s_cluster.kubectl("create", "namespace", namespace)
     rendered = yaml.safe_load_all(helm(
@@ -115,7 +108,7 @@ def test_weakening_patches_are_refused_by_the_api_server_naming_the_field(k8s_cl
             return k8s_cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc), check=False)
 
         first_case, field = WEAKENING["privileged"]
-        wait_for(lambda: apply("probe", first_case).returncode != 0, 30, 0.5, "the admission policy to take effect")
+        fx.wait_for(lambda: apply("probe", first_case).returncode != 0, 30, 0.5, "the admission policy to take effect")
         for case, (spec, field) in WEAKENING.items():
             result = apply(case, spec)
             assert result.returncode != 0, f"{case} was accepted"
@@ -192,10 +185,10 @@ def _series(text: str, name: str) -> list[str]:
 
 def test_series_of_a_deleted_object_are_gone(env):
     env.create(minimal("gauged", autoscaling={"mode": "Builtin", "intervalSeconds": 1, "warmupSeconds": 0}))
-    wait_for(lambda: any(names.AUTOSCALER_DESIRED_REPLICAS in line for line in _series(env.operator.metrics(), "gauged")),
+    fx.wait_for(lambda: any(names.AUTOSCALER_DESIRED_REPLICAS in line for line in _series(env.operator.metrics(), "gauged")),
              30, what="the autoscaler's series for gauged")
     env.cluster.kubectl("-n", env.namespace, "delete", "infsvc", "gauged", "--timeout=30s")
-    wait_for(lambda: not _series(env.operator.metrics(), "gauged"), 15,
+    fx.wait_for(lambda: not _series(env.operator.metrics(), "gauged"), 15,
              what=lambda: f"no series left for gauged:\n{_series(env.operator.metrics(), 'gauged')}")
 
 
@@ -224,9 +217,9 @@ class _LookAlike(BaseHTTPRequestHandler):
 
 
 def test_a_look_alike_pod_neither_moves_replicas_nor_receives_the_token(k8s_cluster):
-    install_crd(k8s_cluster)
-    ensure_node(k8s_cluster)
-    namespace, kubeconfig = operator_namespace(k8s_cluster, prefix="alike")
+    fx.install_crd(k8s_cluster)
+    fx.ensure_node(k8s_cluster)
+    namespace, kubeconfig = fx.operator_namespace(k8s_cluster, prefix="alike")
     admin_api = k8s_cluster.api_client()
     custom, core = client.CustomObjectsApi(admin_api), client.CoreV1Api(admin_api)
     kube = Kube(k8s_cluster.api_client(kubeconfig))  # the operator's identity: rbac.RULES only
@@ -242,12 +235,12 @@ def test_a_look_alike_pod_neither_moves_replicas_nor_receives_the_token(k8s_clus
         pods = core.list_namespaced_pod(namespace, label_selector=selector_string(name)).items
         return {p.metadata.name: p.status.pod_ip for p in pods if p.status.pod_ip and any(
             c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])}
-    (own,) = wait_for(ready_ips, 60, what="the engine pod Ready")
+    (own,) = fx.wait_for(ready_ips, 60, what="the engine pod Ready")
     core.create_namespaced_pod(namespace, {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": "lookalike", "labels": common_labels(name)},
         "spec": {"nodeName": "operator-test-node", "containers": [{"name": "engine", "image": "busybox"}]}})
-    ips = wait_for(lambda: (lambda found: found if "lookalike" in found else None)(ready_ips()), 60,
+    ips = fx.wait_for(lambda: (lambda found: found if "lookalike" in found else None)(ready_ips()), 60,
                    what="the look-alike pod Ready with an address")
     with socket.socket() as probe:  # KWOK hands out the same addresses in every cluster
         if probe.connect_ex((ips["lookalike"], ENGINE_PORT)) == 0:
