@@ -295,6 +295,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             new_token_ids=new_token_ids,
             new_text=new_text,
+            logprobs=seq.logprobs,
         )
         return RequestOutput(
             request_id=seq.request_id,
@@ -304,6 +305,7 @@ class LLMEngine:
             finished=seq.is_finished,
             metrics=seq.metrics,
             error=self._errors.pop(seq.request_id, None),
+            prompt_logprobs=seq.prompt_logprobs,
         )
 
     def _log_step(self, out: SchedulerOutput, duration: float) -> None:

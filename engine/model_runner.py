@@ -9,6 +9,7 @@ import torch
 
 from iterserve.engine.attention.backend import AttentionMetadata, get_backend
 from iterserve.engine.config import ConfigError, EngineConfig, kv_pool_blocks
+from iterserve.engine.logprobs import record_prompt_logprobs
 from iterserve.engine.model.llama import LlamaModel
 from iterserve.engine.model.loader import load_model
 from iterserve.engine.model.registry import resolve_model_path
@@ -110,11 +111,22 @@ class ModelRunner:
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, device)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=device),
                             torch.tensor(positions, dtype=torch.long, device=device), self.kv_caches, meta)
+        self._record_prompt_logprobs(chunks, hidden)
         if not sample_seqs:
             return [None] * len(chunks)
         rows = hidden[torch.tensor(sample_rows, device=device)] if len(sample_rows) < len(input_ids) else hidden
         tokens = iter(self.sampler.sample(self.model.compute_logits(rows), sample_seqs))
         return [next(tokens) if chunk.sample else None for chunk in chunks]
+
+    def _record_prompt_logprobs(self, chunks, hidden: torch.Tensor) -> None:
+        """Prompt logprobs (engine/logprobs.py) for the prompt chunks of requests that asked for them."""
+        offset = 0
+        for chunk in chunks:
+            seq = chunk.seq
+            if seq.params.prompt_logprobs is not None and chunk.start < seq.num_prompt_tokens - 1:
+                rows = hidden[offset : offset + chunk.num_tokens]
+                record_prompt_logprobs(seq, chunk.start, self.model.compute_logits(rows))
+            offset += chunk.num_tokens
 
     def _copy_blocks(self, pairs: list[tuple[int, int]], source: list, target: list) -> None:
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=source[0][0].device)

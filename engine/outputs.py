@@ -13,6 +13,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    # One engine.logprobs.TokenLogprob per generated token, when the request asked for logprobs.
+    logprobs: list | None = None
 
 
 @dataclass(slots=True)
@@ -34,3 +36,5 @@ class RequestOutput:
     metrics: RequestMetrics
     # Set when the request failed on its own (finish_reason "error"); the engine carried on.
     error: str | None = None
+    # Per prompt token (None for the first), when the request asked for prompt_logprobs.
+    prompt_logprobs: list | None = None

@@ -1,6 +1,7 @@
-"""Turn one step's logits into tokens, per request: greedy, temperature, top-k, top-p, seed.
+"""Turn one step's logits into tokens, per request: greedy, temperature, top-k, top-p, min-p, seed.
 
-Greedy rows are one argmax over the batch; the rest share one temperature/top-k/top-p pass and
+Rows that ask for it first have their logits processed, batched (engine/penalties.py: logit_bias,
+min_tokens, repetition / frequency / presence penalties); that applies to greedy rows too. Greedy rows are one argmax over the batch; the rest share one temperature/top-k/top-p pass and
 then draw one token each from their own generator. A request with a seed owns a generator seeded
 from it (so its tokens do not depend on what else is in the batch); the rest share the engine's.
 
@@ -14,6 +15,8 @@ import logging
 
 import torch
 
+from iterserve.engine.logprobs import token_logprobs
+from iterserve.engine.penalties import apply_min_p, process_logits
 from iterserve.engine.sequence import Sequence
 from iterserve.engine.step_result import RequestFailed
 
@@ -28,7 +31,28 @@ class Sampler:
         self._generators: dict[str, torch.Generator] = {}
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | RequestFailed]:
-        """logits: float32 [N, vocab], one row per sequence in seqs; a token (or the failure) per row."""
+        """logits: float32 [N, vocab], one row per sequence in seqs; a token (or the failure) per row.
+        Rows whose request asked for logprobs also get them recorded (seq.logprobs)."""
+        results = self._sample_rows(logits, seqs)
+        wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None
+                  and not isinstance(results[i], RequestFailed)]
+        if wanted:
+            try:
+                index = torch.tensor(wanted, device=logits.device)
+                entries = token_logprobs(logits[index], torch.tensor([results[i] for i in wanted]).to(logits.device),
+                                         [seqs[i].params.logprobs for i in wanted])
+            except Exception as error:  # noqa: BLE001 - only the requests that asked for logprobs fail
+                logger.exception("computing logprobs failed")
+                for i in wanted:
+                    results[i] = RequestFailed(f"logprobs failed: {type(error).__name__}: {error}")
+            else:
+                for i, entry in zip(wanted, entries, strict=True):
+                    if seqs[i].logprobs is None:
+                        seqs[i].logprobs = []
+                    seqs[i].logprobs.append(entry)
+        return results
+
+    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | RequestFailed]:
         try:
             return self.sample_batch(logits, seqs)
         except Exception:  # noqa: BLE001 - find the request at fault, row by row
@@ -45,6 +69,7 @@ class Sampler:
 
     def sample_batch(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """Sample every row at once; raises if any row cannot be sampled."""
+        logits = process_logits(logits, seqs)
         random_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         tokens = logits.argmax(dim=-1)
         if not random_rows:
@@ -54,6 +79,8 @@ class Sampler:
         rows = rows / torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
         if any(p.top_k != -1 or p.top_p < 1.0 for p in params):
             rows = apply_top_k_top_p(rows, [p.top_k for p in params], [p.top_p for p in params])
+        if any(p.min_p > 0 for p in params):
+            rows = apply_min_p(rows, [p.min_p for p in params])
         probs = rows.softmax(dim=-1)
         drawn = torch.cat([
             torch.multinomial(probs[j], 1, generator=self._generator(seqs[i]))

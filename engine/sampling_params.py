@@ -21,6 +21,10 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TOKEN_ID = 2**31 - 1
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range); repetition_penalty in (0, 2]
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGPROBS = 1024  # the engine's bound; the server's --max-logprobs is usually lower
 
 
 class InvalidRequestError(ValueError):
@@ -45,6 +49,19 @@ class SamplingParams:
     # or salt it (only requests with the same salt share cached blocks).
     skip_prefix_cache: bool = False
     cache_salt: str | None = None
+    # Logits processing (engine/sampler.py), applied to greedy and sampled rows alike: OpenAI's presence
+    # and frequency penalties (on the generated tokens), HF's repetition penalty (on prompt and
+    # generated tokens), a bias per token id, no EOS / stop token before min_tokens, and min_p.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    min_p: float = 0.0
+    # Log-probabilities (engine/logprobs.py): None = none; n >= 0 = the chosen token's plus the n most
+    # likely, for each generated token (logprobs) and each prompt token (prompt_logprobs).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     # stop_token_ids as a set, for the per-token check.
     stop_token_set: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
 
@@ -77,6 +94,36 @@ class SamplingParams:
         self.stop_token_set = frozenset(self.stop_token_ids)
         _check(isinstance(self.skip_prefix_cache, bool), "skip_prefix_cache", "must be true or false")
         _check(self.cache_salt is None or isinstance(self.cache_salt, str), "cache_salt", "must be a string")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -MAX_PENALTY <= value <= MAX_PENALTY, name,
+                   f"must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+        _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_PENALTY,
+               "repetition_penalty", f"must be in (0, {MAX_PENALTY:g}], got {self.repetition_penalty}")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
+                   f"must be an integer in [0, {MAX_LOGPROBS}], got {value}")
+        if self.prompt_logprobs is not None:
+            self.skip_prefix_cache = True  # cached prompt blocks are never computed, so give no logprobs
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            _check(isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS_ENTRIES, "logit_bias",
+                   f"must map at most {MAX_LOGIT_BIAS_ENTRIES} token ids to biases")
+            _check(all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in bias), "logit_bias",
+                   f"keys must be token ids in [0, {MAX_TOKEN_ID}]")
+            _check(all(_is_number(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in bias.values()),
+                   "logit_bias", f"biases must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+            self.logit_bias = dict(bias) or None
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before choosing (penalties, bias, min_tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:

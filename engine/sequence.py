@@ -40,6 +40,10 @@ class Sequence:
     detok_prefix_offset: int = 0
     detok_read_offset: int = 0
     metrics: RequestMetrics | None = None
+    # Requested logprobs (engine/logprobs.py): one TokenLogprob per generated token, and per prompt
+    # position (None for the first), filled by the sampler and the model runner.
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
     def __post_init__(self) -> None:
         if self.metrics is None:

@@ -58,6 +58,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                       help="file holding the admin bearer token (else the env var ITERSERVE_ADMIN_TOKEN)")
     http.add_argument("--no-vllm-metric-names", dest="vllm_metric_names", action="store_false",
                       help="do not export the vllm:* metric aliases")
+    http.add_argument("--max-logprobs", type=int, default=20,
+                      help="most top logprobs per token a request may ask for (default 20)")
     http.add_argument("--access-log", action="store_true", help="log every HTTP request")
     http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -144,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
         token = admin_token(args)
         if args.max_waiting_requests < 1:
             raise ConfigError("--max-waiting-requests must be a positive integer")
+        if not 0 <= args.max_logprobs <= 1024:
+            raise ConfigError("--max-logprobs must be in [0, 1024]")
         if args.drain_timeout < 0:
             raise ConfigError("--drain-timeout must be >= 0 seconds")
         max_body = parse_size(args.max_request_body, "--max-request-body")
@@ -165,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
         loopback_only=is_loopback(args.host),
         drain_timeout_s=args.drain_timeout,
         max_request_body_bytes=max_body,
+        max_logprobs=args.max_logprobs,
     )
     state = ServerState(options)
     server = DrainingServer(

@@ -80,19 +80,35 @@ async def create_completion(body: CompletionRequest, request: Request, response:
         text, token_ids = prompt, await asyncio.to_thread(engine.engine.tokenizer.encode, prompt)
     else:
         text, token_ids = None, list(prompt)
-    params = _sampling_params(body, body.max_tokens, len(token_ids), engine, "prompt", default_max_tokens=16)
+    _check_logprobs(body.logprobs, state, "logprobs")
+    params = _sampling_params(body, body.max_tokens, len(token_ids), engine, "prompt", default_max_tokens=16,
+                              logprobs=body.logprobs,
+                              prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
     stream = _submit(engine, text, token_ids, params, "prompt")
     ids = _Ids("cmpl", state.model_name)
+    tokenizer = engine.engine.tokenizer
+    echo_text = ""
+    if body.echo:
+        echo_text = text if text is not None else await asyncio.to_thread(tokenizer.decode, token_ids)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _completion_events(_watch(request, engine, stream), ids, include_usage)
+        events = _completion_events(_watch(request, engine, stream), ids, include_usage, tokenizer, echo_text,
+                                    body.logprobs is not None)
         return _sse(events, headers)
     final = await _final_output(request, engine, stream)
     response.headers.update(headers)
     out = final.outputs[0]
+    logprobs = None
+    if body.logprobs is not None:
+        generated = list(out.logprobs or [])
+        generated += [None] * (len(out.token_ids) - len(generated))  # an executor that records none (fake)
+        entries = (list(final.prompt_logprobs or [None] * len(token_ids)) if body.echo else []) + generated
+        token_ids_all = (list(token_ids) if body.echo else []) + list(out.token_ids)
+        logprobs = await asyncio.to_thread(_completion_logprobs, tokenizer, token_ids_all, entries, 0)
     return {
         "id": ids.id, "object": "text_completion", "created": ids.created, "model": ids.model,
-        "choices": [{"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}],
+        "choices": [{"index": 0, "text": echo_text + out.text, "logprobs": logprobs,
+                     "finish_reason": out.finish_reason}],
         "usage": _usage(final),
     }
 
@@ -108,19 +124,27 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     text, token_ids = await asyncio.to_thread(_render_chat, tokenizer, messages)
     max_tokens = body.max_completion_tokens or body.max_tokens
     max_model_len = engine.engine.config.max_model_len
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+    _check_logprobs(body.top_logprobs, state, "top_logprobs")
     params = _sampling_params(body, max_tokens, len(token_ids), engine, "messages",
-                              default_max_tokens=max(1, max_model_len - len(token_ids)))
+                              default_max_tokens=max(1, max_model_len - len(token_ids)),
+                              logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     stream = _submit(engine, text, token_ids, params, "messages")
     ids = _Ids("chatcmpl", state.model_name)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _sse(_chat_events(_watch(request, engine, stream), ids, include_usage), headers)
+        return _sse(_chat_events(_watch(request, engine, stream), ids, include_usage, tokenizer, body.logprobs),
+                    headers)
     final = await _final_output(request, engine, stream)
     response.headers.update(headers)
     out = final.outputs[0]
+    logprobs = None
+    if body.logprobs:
+        logprobs = {"content": await asyncio.to_thread(_chat_logprobs, tokenizer, out.logprobs or [])}
     return {
         "id": ids.id, "object": "chat.completion", "created": ids.created, "model": ids.model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
                      "finish_reason": out.finish_reason}],
         "usage": _usage(final),
     }
@@ -145,8 +169,47 @@ def _render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[int]]:
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 
+def _check_logprobs(value: int | None, state: ServerState, field: str) -> None:
+    limit = state.options.max_logprobs
+    if value is not None and value > limit:
+        raise invalid(f"{field}: at most {limit} (the server's --max-logprobs), got {value}", field)
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _completion_logprobs(tokenizer, token_ids: list[int], entries: list, text_offset: int) -> dict:
+    """OpenAI's legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset.
+    An entry of None (the prompt's first token) gives a null logprob and null top_logprobs."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        piece = _token_text(tokenizer, token_id)
+        tokens.append(piece)
+        offsets.append(text_offset)
+        text_offset += len(piece)
+        if entry is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        token_logprobs.append(entry.logprob)
+        top = {_token_text(tokenizer, t): lp for t, lp in entry.top}
+        top.setdefault(piece, entry.logprob)  # as vLLM: the chosen token is always among them
+        top_logprobs.append(top)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def _chat_logprobs(tokenizer, entries: list) -> list[dict]:
+    def one(token_id: int, logprob: float) -> dict:
+        text = _token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
+
+
 def _sampling_params(body: _SamplingFields, max_tokens: int | None, prompt_len: int, engine: AsyncEngine,
-                     prompt_field: str, default_max_tokens: int) -> SamplingParams:
+                     prompt_field: str, default_max_tokens: int, logprobs: int | None = None,
+                     prompt_logprobs: int | None = None) -> SamplingParams:
     max_model_len = engine.engine.config.max_model_len
     if prompt_len >= max_model_len:
         raise invalid(f"{prompt_field}: the prompt has {prompt_len} tokens, but this model's maximum context "
@@ -156,11 +219,18 @@ def _sampling_params(body: _SamplingFields, max_tokens: int | None, prompt_len: 
                       f"{prompt_len} prompt tokens + max_tokens {max_tokens} exceed it; lower max_tokens to "
                       f"at most {max_model_len - prompt_len}", "max_tokens", "context_length_exceeded")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    logit_bias = {int(token): bias for token, bias in body.logit_bias.items()} if body.logit_bias else None
+    vocab = getattr(engine.engine.tokenizer, "vocab_size", None)
+    if logit_bias and vocab is not None and max(logit_bias) >= vocab:
+        raise invalid(f"logit_bias: token id {max(logit_bias)} is outside the vocabulary [0, {vocab})", "logit_bias")
     try:
         return SamplingParams(
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
             max_tokens=max_tokens or default_max_tokens, stop=stop, stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos, cache_salt=body.cache_salt, skip_prefix_cache=body.skip_prefix_cache,
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty, min_p=body.min_p, min_tokens=body.min_tokens,
+            logit_bias=logit_bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         )
     except InvalidRequestError as error:
         raise invalid(str(error), error.param) from None
@@ -247,39 +317,58 @@ def _sse(events: AsyncIterator[dict], headers: dict[str, str] | None = None) -> 
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
 
 
-async def _completion_events(outputs: AsyncIterator[RequestOutput], ids: _Ids, include_usage: bool):
-    def chunk(text: str, finish_reason: str | None) -> dict:
+async def _completion_events(outputs: AsyncIterator[RequestOutput], ids: _Ids, include_usage: bool,
+                             tokenizer=None, echo_text: str = "", logprobs: bool = False):
+    def chunk(text: str, finish_reason: str | None, chunk_logprobs: dict | None = None) -> dict:
         event = {"id": ids.id, "object": "text_completion", "created": ids.created, "model": ids.model,
-                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+                 "choices": [{"index": 0, "text": text, "logprobs": chunk_logprobs, "finish_reason": finish_reason}]}
         if include_usage:
             event["usage"] = None
         return event
 
     final = None
+    sent = 0  # generated tokens whose logprobs went out
+    offset = len(echo_text)
     async for out in outputs:
+        if final is None and echo_text:
+            entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids))
+            yield chunk(echo_text, None, _completion_logprobs(tokenizer, out.prompt_token_ids, entries, 0)
+                        if logprobs else None)
         final = out
         completion = out.outputs[0]
-        if completion.new_text or out.finished:
-            yield chunk(completion.new_text, completion.finish_reason if out.finished else None)
+        chunk_logprobs = None
+        if logprobs and completion.logprobs and len(completion.logprobs) > sent:
+            new = completion.logprobs[sent:]
+            chunk_logprobs = _completion_logprobs(tokenizer, [e.token_id for e in new], new, offset)
+            sent = len(completion.logprobs)
+        offset += len(completion.new_text)
+        if completion.new_text or out.finished or chunk_logprobs:
+            yield chunk(completion.new_text, completion.finish_reason if out.finished else None, chunk_logprobs)
     if include_usage and final is not None:
         yield _usage_chunk(ids, "text_completion", final)
 
 
-async def _chat_events(outputs: AsyncIterator[RequestOutput], ids: _Ids, include_usage: bool):
-    def chunk(delta: dict, finish_reason: str | None) -> dict:
+async def _chat_events(outputs: AsyncIterator[RequestOutput], ids: _Ids, include_usage: bool, tokenizer=None,
+                       logprobs: bool = False):
+    def chunk(delta: dict, finish_reason: str | None, chunk_logprobs: dict | None = None) -> dict:
         event = {"id": ids.id, "object": "chat.completion.chunk", "created": ids.created, "model": ids.model,
-                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+                 "choices": [{"index": 0, "delta": delta, "logprobs": chunk_logprobs, "finish_reason": finish_reason}]}
         if include_usage:
             event["usage"] = None
         return event
 
     yield chunk({"role": "assistant", "content": ""}, None)
     final = None
+    sent = 0
     async for out in outputs:
         final = out
         completion = out.outputs[0]
-        if completion.new_text:
-            yield chunk({"content": completion.new_text}, None)
+        chunk_logprobs = None
+        if logprobs and completion.logprobs and len(completion.logprobs) > sent:
+            chunk_logprobs = {"content": _chat_logprobs(tokenizer, completion.logprobs[sent:])}
+            sent = len(completion.logprobs)
+        if completion.new_text or chunk_logprobs:
+            yield chunk({"content": completion.new_text}, None, chunk_logprobs)
         if out.finished:
             yield chunk({}, completion.finish_reason)
     if include_usage and final is not None:

@@ -16,6 +16,9 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from iterserve.engine.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_PENALTY,
     MAX_SEED,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
@@ -71,8 +74,10 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     stop: StopStrings = None
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
-    presence_penalty: float = Field(0.0, description="Not supported: only 0.")
-    frequency_penalty: float = Field(0.0, description="Not supported: only 0.")
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = Field(
+        None, description="Token id (as a string, as OpenAI sends it) -> bias in [-100, 100] added to its logit.")
     # Accepted and ignored (IGNORED_FIELDS).
     user: Text | None = Field(None, max_length=256, description="Ignored (accepted for clients that send it).")
     metadata: dict[str, Any] | None = Field(None, description="Ignored (accepted for clients that send it).")
@@ -84,6 +89,10 @@ class _SamplingFields(_Request):
     top_k: int = Field(-1, ge=-1, le=MAX_TOKEN_ID,
                        description="-1: off (0 is refused); above the vocabulary size: the whole vocabulary.")
     ignore_eos: bool = False
+    repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_PENALTY,
+                                      description="HF's: seen tokens' logits divided (>0) or multiplied (<0) by it.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(0, ge=0, description="No EOS or stop token before this many tokens.")
     # Prefix caching per request: vLLM's cache_salt (only requests with the same salt share cached KV
     # blocks) and an opt-out (the request neither reuses cached blocks nor offers its own).
     cache_salt: str | None = None
@@ -102,11 +111,14 @@ class _SamplingFields(_Request):
             raise ValueError("only n=1 is supported; send several requests for several choices")
         return value
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("logit_bias")
     @classmethod
-    def _no_penalty(cls, value: float) -> float:
-        if value != 0:
-            raise ValueError("penalties are not supported; send 0 or leave the field out")
+    def _bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit() or int(key) > MAX_TOKEN_ID:
+                raise ValueError(f"keys must be token ids (decimal strings), got {key!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"biases must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
         return value
 
 
@@ -117,8 +129,10 @@ class CompletionRequest(_SamplingFields):
     prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1, max_length=1)] | Annotated[
         list[TokenIds], Field(min_length=1, max_length=1)
     ] = Field(description="One prompt: a string or a list of token ids (batched prompts are not supported).")
-    echo: Literal[False] = False
-    logprobs: None = Field(None, description="Not supported.")
+    echo: bool = Field(False, description="Return the prompt before the completion (and, with logprobs, the "
+                                          "prompt tokens' logprobs: the first token's is null).")
+    logprobs: int | None = Field(None, ge=0, description="The chosen token's logprob plus this many most likely "
+                                                         "tokens' per position (at most the server's --max-logprobs).")
     suffix: None = Field(None, description="Not supported.")
 
 
@@ -141,7 +155,9 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: Literal[False] = False
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, description="With logprobs: this many most likely tokens per "
+                                                             "position (at most the server's --max-logprobs).")
     parallel_tool_calls: bool | None = Field(None, description="Ignored: tools are not supported.")
 
 
@@ -152,10 +168,17 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
 
 
@@ -173,10 +196,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobEntry] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 

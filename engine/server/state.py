@@ -29,6 +29,7 @@ class ServerOptions:
     loopback_only: bool = True
     drain_timeout_s: float = 30.0
     max_request_body_bytes: int = 8 * 1024**2
+    max_logprobs: int = 20  # most top logprobs a request may ask for (per token); vLLM's default
 
 
 class ServerState:

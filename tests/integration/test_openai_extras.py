@@ -60,3 +60,20 @@ def test_tokenize_and_detokenize_round_trip(server):
     assert both.status_code == 400
     bad = httpx.post(f"{server.url}/detokenize", json={"tokens": [10**9]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_logprobs_shapes_echo_and_the_bound(server):
+    body = {"prompt": "hello", "max_tokens": 3, "logprobs": 2, "echo": True}
+    choice = httpx.post(f"{server.url}/v1/completions", json=body).json()["choices"][0]
+    assert choice["text"].startswith("hello")
+    logprobs = choice["logprobs"]
+    prompt_len = len(httpx.post(f"{server.url}/tokenize", json={"prompt": "hello"}).json()["tokens"])
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == prompt_len + 3
+    assert logprobs["token_logprobs"][0] is None and logprobs["text_offset"][0] == 0
+    too_many = httpx.post(f"{server.url}/v1/completions", json={**body, "logprobs": 21})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "logprobs"
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "top_logprobs": 3}
+    refused = httpx.post(f"{server.url}/v1/chat/completions", json=chat)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "top_logprobs"
+    ok = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "logprobs": True})
+    assert ok.status_code == 200 and "content" in ok.json()["choices"][0]["logprobs"]
