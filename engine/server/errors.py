@@ -93,7 +93,8 @@ def _is_type_segment(part: str) -> bool:
 
 
 _UNION_HINTS = {
-    "prompt": "a string, a list of token ids (integers >= 0), or a list holding exactly one of those",
+    "prompt": "a string, a list of token ids (integers >= 0), or a list of up to 64 strings or of up to 64 "
+              "token-id lists",
     "stop": "a string or a list of up to 16 strings",
     "content": 'a string or a list of {"type": "text", "text": ...} parts',
 }

@@ -11,6 +11,7 @@ the engine's next step, which frees the request's KV blocks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -21,7 +22,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from iterserve.engine.outputs import RequestOutput
-from iterserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.engine.sampling_params import MAX_SEED, InvalidRequestError, SamplingParams
 from iterserve.engine.server.async_engine import (
     AsyncEngine,
     EngineFailed,
@@ -73,43 +74,58 @@ async def create_completion(body: CompletionRequest, request: Request, response:
     headers = _ignored_headers(body, request)
     engine = state.require_engine()
     state.check_model(body.model)
-    prompt = body.prompt
-    if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        text, token_ids = prompt, await asyncio.to_thread(engine.engine.tokenizer.encode, prompt)
-    else:
-        text, token_ids = None, list(prompt)
-    _check_logprobs(body.logprobs, state, "logprobs")
-    params = _sampling_params(body, body.max_tokens, len(token_ids), engine, "prompt", default_max_tokens=16,
-                              logprobs=body.logprobs,
-                              prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
-    stream = _submit(engine, text, token_ids, params, "prompt")
-    ids = _Ids("cmpl", state.model_name)
+    prompts = body.prompt if isinstance(body.prompt, list) and isinstance(body.prompt[0], (str, list)) else [
+        body.prompt]
+    if body.best_of is not None and body.best_of != body.n:
+        raise invalid(f"best_of: only best_of equal to n ({body.n}) is supported, got {body.best_of}", "best_of")
+    if body.stream and (body.n > 1 or len(prompts) > 1):
+        raise invalid("stream: n > 1 and batched prompts are answered whole, not streamed; send stream: false",
+                      "stream")
     tokenizer = engine.engine.tokenizer
-    echo_text = ""
+    encoded = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            encoded.append((prompt, await asyncio.to_thread(tokenizer.encode, prompt)))
+        else:
+            encoded.append((None, list(prompt)))
+    _check_logprobs(body.logprobs, state, "logprobs")
+    params = [
+        _sampling_params(body, body.max_tokens, len(token_ids), engine, "prompt", default_max_tokens=16,
+                         logprobs=body.logprobs,
+                         prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
+        for _, token_ids in encoded
+    ]
+    ids = _Ids("cmpl", state.model_name)
+    echo_texts = [""] * len(encoded)
     if body.echo:
-        echo_text = text if text is not None else await asyncio.to_thread(tokenizer.decode, token_ids)
+        echo_texts = [text if text is not None else await asyncio.to_thread(tokenizer.decode, token_ids)
+                      for text, token_ids in encoded]
     if body.stream:
+        text, token_ids = encoded[0]
+        stream = _submit(engine, text, token_ids, params[0], "prompt")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _completion_events(_watch(request, engine, stream), ids, include_usage, tokenizer, echo_text,
+        events = _completion_events(_watch(request, engine, stream), ids, include_usage, tokenizer, echo_texts[0],
                                     body.logprobs is not None)
         return _sse(events, headers)
-    final = await _final_output(request, engine, stream)
+    finals = await _generate(request, engine, encoded, params, body.n, "prompt")
     response.headers.update(headers)
-    out = final.outputs[0]
-    logprobs = None
-    if body.logprobs is not None:
-        generated = list(out.logprobs or [])
-        generated += [None] * (len(out.token_ids) - len(generated))  # an executor that records none (fake)
-        entries = (list(final.prompt_logprobs or [None] * len(token_ids)) if body.echo else []) + generated
-        token_ids_all = (list(token_ids) if body.echo else []) + list(out.token_ids)
-        logprobs = await asyncio.to_thread(_completion_logprobs, tokenizer, token_ids_all, entries, 0)
+    choices = []
+    for index, final in enumerate(finals):
+        prompt_index = index // body.n
+        token_ids = encoded[prompt_index][1]
+        out = final.outputs[0]
+        logprobs = None
+        if body.logprobs is not None:
+            generated = list(out.logprobs or [])
+            generated += [None] * (len(out.token_ids) - len(generated))  # an executor that records none (fake)
+            entries = (list(final.prompt_logprobs or [None] * len(token_ids)) if body.echo else []) + generated
+            token_ids_all = (list(token_ids) if body.echo else []) + list(out.token_ids)
+            logprobs = await asyncio.to_thread(_completion_logprobs, tokenizer, token_ids_all, entries, 0)
+        choices.append({"index": index, "text": echo_texts[prompt_index] + out.text, "logprobs": logprobs,
+                        "finish_reason": out.finish_reason})
     return {
         "id": ids.id, "object": "text_completion", "created": ids.created, "model": ids.model,
-        "choices": [{"index": 0, "text": echo_text + out.text, "logprobs": logprobs,
-                     "finish_reason": out.finish_reason}],
-        "usage": _usage(final),
+        "choices": choices, "usage": _usage_of(finals, body.n),
     }
 
 
@@ -130,24 +146,60 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     params = _sampling_params(body, max_tokens, len(token_ids), engine, "messages",
                               default_max_tokens=max(1, max_model_len - len(token_ids)),
                               logprobs=(body.top_logprobs or 0) if body.logprobs else None)
-    stream = _submit(engine, text, token_ids, params, "messages")
     ids = _Ids("chatcmpl", state.model_name)
+    if body.stream and body.n > 1:
+        raise invalid("stream: n > 1 is answered whole, not streamed; send stream: false", "stream")
     if body.stream:
+        stream = _submit(engine, text, token_ids, params, "messages")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return _sse(_chat_events(_watch(request, engine, stream), ids, include_usage, tokenizer, body.logprobs),
                     headers)
-    final = await _final_output(request, engine, stream)
+    finals = await _generate(request, engine, [(text, token_ids)], [params], body.n, "messages")
     response.headers.update(headers)
-    out = final.outputs[0]
-    logprobs = None
-    if body.logprobs:
-        logprobs = {"content": await asyncio.to_thread(_chat_logprobs, tokenizer, out.logprobs or [])}
+    choices = []
+    for index, final in enumerate(finals):
+        out = final.outputs[0]
+        logprobs = None
+        if body.logprobs:
+            logprobs = {"content": await asyncio.to_thread(_chat_logprobs, tokenizer, out.logprobs or [])}
+        choices.append({"index": index, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
+                        "finish_reason": out.finish_reason})
     return {
         "id": ids.id, "object": "chat.completion", "created": ids.created, "model": ids.model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
-                     "finish_reason": out.finish_reason}],
-        "usage": _usage(final),
+        "choices": choices, "usage": _usage_of(finals, body.n),
     }
+
+
+async def _generate(request: Request, engine: AsyncEngine, prompts: list[tuple[str | None, list[int]]],
+                    params: list[SamplingParams], n: int, prompt_field: str) -> list[RequestOutput]:
+    """Every prompt's n choices, in order (prompt i's choice j at i*n + j). The first choice of a prompt
+    goes first; the other n-1 are submitted once it has been prefilled, so with prefix caching they
+    reuse its full KV blocks and prefill only the last partial block. A seed s gives choice j seed s+j."""
+    tasks: list[asyncio.Task] = []
+    try:
+        for (text, token_ids), base in zip(prompts, params, strict=True):
+            prefilled = asyncio.Event()
+            first = _submit(engine, text, token_ids, base, prompt_field)
+            tasks.append(asyncio.create_task(_final_output(request, engine, first, on_output=prefilled.set)))
+            if n == 1:
+                continue
+            waiter = asyncio.create_task(prefilled.wait())
+            await asyncio.wait([tasks[-1], waiter], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            for j in range(1, n):
+                seed = None if base.seed is None else (base.seed + j if base.seed + j <= MAX_SEED else base.seed - j)
+                stream = _submit(engine, text, token_ids, dataclasses.replace(base, seed=seed), prompt_field)
+                tasks.append(asyncio.create_task(_final_output(request, engine, stream)))
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()  # on an error: the others are aborted (their _watch aborts them in the engine)
+
+
+def _usage_of(finals: list[RequestOutput], n: int) -> dict:
+    prompt = sum(len(f.prompt_token_ids) for f in finals[::n])
+    completion = sum(len(f.outputs[0].token_ids) for f in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 # -- request -> engine -----------------------------------------------------------------------
@@ -270,11 +322,14 @@ async def _abort_on_disconnect(request: Request, engine: AsyncEngine, stream: Re
         await asyncio.sleep(0.05)
 
 
-async def _final_output(request: Request, engine: AsyncEngine, stream: RequestStream) -> RequestOutput:
+async def _final_output(request: Request, engine: AsyncEngine, stream: RequestStream,
+                        on_output=None) -> RequestOutput:
     final = None
     try:
         async for out in _watch(request, engine, stream):
             final = out
+            if on_output is not None:
+                on_output()
     except EngineFailed as error:
         raise unavailable(str(error), "engine_failed") from None
     except RequestError as error:

@@ -29,6 +29,8 @@ from iterserve.engine.sampling_params import (
 )
 
 MAX_MESSAGES = 1024  # per chat request
+MAX_N = 16  # choices per prompt
+MAX_PROMPTS = 64  # prompts per completions request
 # Accepted and ignored (named in the X-Iterserve-Ignored-Fields response header): they never change
 # the generated text. `stream_options` is honoured (include_usage), so it is not listed.
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
@@ -69,7 +71,8 @@ class _SamplingFields(_Request):
     temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE,
                                description="Below 1e-5 the choice is greedy (the most likely token).")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, description="Only 1 is supported.")
+    n: int = Field(1, ge=1, le=MAX_N, description=f"Choices per prompt (at most {MAX_N}); they share the prompt's "
+                                                   "cached KV blocks (prefix caching). Not with stream.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: StopStrings = None
@@ -104,13 +107,6 @@ class _SamplingFields(_Request):
         return [name for name in IGNORED_FIELDS
                 if name in self.model_fields_set and getattr(self, name, None) is not None]
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("only n=1 is supported; send several requests for several choices")
-        return value
-
     @field_validator("logit_bias")
     @classmethod
     def _bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
@@ -126,9 +122,11 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1, max_length=1)] | Annotated[
-        list[TokenIds], Field(min_length=1, max_length=1)
-    ] = Field(description="One prompt: a string or a list of token ids (batched prompts are not supported).")
+    prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] | Annotated[
+        list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)
+    ] = Field(description=f"A string, a list of token ids, or a batch of up to {MAX_PROMPTS} of either "
+                          "(choice i*n+j is prompt i's j-th choice; a batch is not streamed).")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="Only equal to n (or left out).")
     echo: bool = Field(False, description="Return the prompt before the completion (and, with logprobs, the "
                                           "prompt tokens' logprobs: the first token's is null).")
     logprobs: int | None = Field(None, ge=0, description="The chosen token's logprob plus this many most likely "

@@ -77,3 +77,20 @@ def test_logprobs_shapes_echo_and_the_bound(server):
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "top_logprobs"
     ok = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "logprobs": True})
     assert ok.status_code == 200 and "content" in ok.json()["choices"][0]["logprobs"]
+
+
+def test_n_choices_and_batched_prompts(server):
+    body = {"prompt": [[1, 2], [5, 6, 7]], "n": 2, "max_tokens": 3}
+    response = httpx.post(f"{server.url}/v1/completions", json=body).json()
+    assert [c["index"] for c in response["choices"]] == [0, 1, 2, 3]
+    assert response["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
+    alone = httpx.post(f"{server.url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3}).json()
+    assert response["choices"][2]["text"] == alone["choices"][0]["text"]  # the fake model is deterministic
+    strings = httpx.post(f"{server.url}/v1/completions", json={"prompt": ["one", "two"], "max_tokens": 2}).json()
+    assert len(strings["choices"]) == 2
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 3}
+    assert len(httpx.post(f"{server.url}/v1/chat/completions", json=chat).json()["choices"]) == 3
+    streamed = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "stream": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"
+    best_of = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "n": 2, "best_of": 2})
+    assert best_of.status_code == 200 and len(best_of.json()["choices"]) == 2

@@ -11,7 +11,7 @@ import torch
 from iterserve.engine.model.registry import resolve_model_path
 from tests.server_fixture import running_server
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the model loads twice (server, HF)
 PROMPT = "List three colours of the rainbow:\n1. Red\n2."
 
 
@@ -115,3 +115,25 @@ def test_chat_logprobs_with_top_logprobs(server):
     assert "".join(entry["token"] for entry in content) == body["choices"][0]["message"]["content"]
     for entry in content:  # greedy: the chosen token is the most likely one
         assert len(entry["top_logprobs"]) == 2 and entry["top_logprobs"][0]["logprob"] == entry["logprob"] <= 0
+
+
+def prefix_counters(server) -> tuple[float, float]:
+    metrics = server.metrics()
+    return metrics["llm_prefix_cache_queries_total"], metrics["llm_prefix_cache_hits_total"]
+
+
+def test_n4_with_a_seed_gives_four_samples_and_prefills_the_prompt_once(server):
+    prompt = "Write one sentence about the sea. " * 6  # 48 tokens: three full KV blocks of 16
+    prompt_len = len(tokens_of(server, prompt))
+    queries, hits = prefix_counters(server)
+    body = {"prompt": prompt, "n": 4, "seed": 7, "temperature": 1.0, "max_tokens": 8, "ignore_eos": True}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()
+    texts = [c["text"] for c in response["choices"]]
+    assert len(set(texts)) == 4, texts
+    queries_now, hits_now = prefix_counters(server)
+    computed = (queries_now - queries) - (hits_now - hits)
+    print(f"n=4, prompt {prompt_len} tokens: {computed:.0f} prompt tokens computed (4 separate prefills: "
+          f"{4 * prompt_len})")
+    assert computed <= prompt_len + 3 * (prompt_len % 16 or 16)
+    again = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()
+    assert [c["text"] for c in again["choices"]] == texts  # the seed makes the four reproducible

@@ -70,14 +70,15 @@ def test_streaming_completion_is_sse_ending_with_done(server):
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": "x", "model": "gpt-4"}, "model"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 17}, "n"),
     ({"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),
     ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
     ({"prompt": "x", "min_tokens": 20, "max_tokens": 5}, "min_tokens"),
     ({"prompt": "x" * 600}, "prompt"),
     ({"prompt": "x" * 500, "max_tokens": 100}, "max_tokens"),
     ({"prompt": ""}, "prompt"),
-    ({"prompt": [[1], [2]]}, "prompt"),
+    ({"prompt": [[1], []]}, "prompt"),
     ({"max_tokens": 3}, "prompt"),
 ])
 def test_invalid_requests_get_400_naming_the_field(server, body, param):
