@@ -280,6 +280,7 @@ def _plot(report: dict, path: str) -> None:
         left.step(samples, [(i + 1) / len(samples) for i in range(len(samples))], where="post",
                   label=f"caching {name}" + (f" (hit rate {r['chat']['hit_rate']:.0%})" if name == "on" else ""))
     left.set_xscale("log")
+    left.xaxis.set_minor_formatter(plt.NullFormatter())  # minor labels collide on a narrow range
     left.set_xlabel("chat TTFT (s)")
     left.set_ylabel("fraction of requests")
     left.legend(fontsize=7)
