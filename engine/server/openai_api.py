@@ -82,6 +82,8 @@ async def create_completion(body: CompletionRequest, request: Request, response:
         raise invalid("stream: n > 1 and batched prompts are answered whole, not streamed; send stream: false",
                       "stream")
     tokenizer = engine.engine.tokenizer
+    if body.suffix:
+        prompts = [_fill_in_the_middle(tokenizer, prompt, body.suffix) for prompt in prompts]
     encoded = []
     for prompt in prompts:
         if isinstance(prompt, str):
@@ -135,6 +137,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     headers = _ignored_headers(body, request)
     engine = state.require_engine()
     state.check_model(body.model)
+    if body.tools or body.tool_choice not in (None, "none"):
+        field = "tools" if body.tools else "tool_choice"
+        raise invalid(f"{field}: tool calling is not supported by this server yet (no tool-call parsing); "
+                      "leave tools and tool_choice out", field)
     tokenizer = engine.engine.tokenizer
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     text, token_ids = await asyncio.to_thread(_render_chat, tokenizer, messages)
@@ -219,6 +225,20 @@ def _render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[int]]:
     except Exception as error:  # noqa: BLE001 - a template that rejects the conversation
         raise invalid(f"messages: the model's chat template rejected them: {error}", "messages") from None
     return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+FIM_TOKENS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
+
+
+def _fill_in_the_middle(tokenizer, prompt, suffix: str) -> str:
+    """StarCoder's prefix-suffix-middle prompt, for a model whose vocabulary has the FIM tokens."""
+    backend = getattr(tokenizer, "backend", None)
+    if backend is None or any(backend.token_to_id(token) is None for token in FIM_TOKENS):
+        raise invalid("suffix: this model has no fill-in-the-middle tokens (<fim_prefix>, <fim_suffix>, "
+                      "<fim_middle>); leave suffix out", "suffix")
+    if not isinstance(prompt, str):
+        raise invalid("suffix: only with a text prompt", "suffix")
+    return f"<fim_prefix>{prompt}<fim_suffix>{suffix}<fim_middle>"
 
 
 def _check_logprobs(value: int | None, state: ServerState, field: str) -> None:

@@ -131,7 +131,8 @@ class CompletionRequest(_SamplingFields):
                                           "prompt tokens' logprobs: the first token's is null).")
     logprobs: int | None = Field(None, ge=0, description="The chosen token's logprob plus this many most likely "
                                                          "tokens' per position (at most the server's --max-logprobs).")
-    suffix: None = Field(None, description="Not supported.")
+    suffix: Text | None = Field(None, description="Fill-in-the-middle: only for models with FIM tokens "
+                                                  "(<fim_prefix>, <fim_suffix>, <fim_middle>); else refused.")
 
 
 class TextPart(_Request):
@@ -157,6 +158,8 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, description="With logprobs: this many most likely tokens per "
                                                              "position (at most the server's --max-logprobs).")
     parallel_tool_calls: bool | None = Field(None, description="Ignored: tools are not supported.")
+    tools: list[dict[str, Any]] | None = Field(None, description="Not supported: a non-empty list is refused.")
+    tool_choice: Text | dict[str, Any] | None = Field(None, description='Not supported: only "none" (or left out).')
 
 
 # -- responses -------------------------------------------------------------------------------

@@ -94,3 +94,16 @@ def test_n_choices_and_batched_prompts(server):
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"
     best_of = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "n": 2, "best_of": 2})
     assert best_of.status_code == 200 and len(best_of.json()["choices"]) == 2
+
+
+def test_suffix_and_tools_are_refused_with_a_clear_message(server):
+    response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "def f(", "suffix": "return x"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "suffix"
+    assert "fill-in-the-middle" in response.json()["error"]["message"]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    chat = {"messages": [{"role": "user", "content": "weather?"}], "tools": tools}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=chat)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
+    none = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "tools": [], "tool_choice": "none",
+                                                                 "max_tokens": 2})
+    assert none.status_code == 200
