@@ -34,7 +34,7 @@ SERVE_FLAGS = {
     "--no-chunked-prefill": False, "--long-prefill-token-threshold": True, "--preemption-mode": True,
     "--scheduling": True, "--attention-backend": True, "--kv-cache-memory": True, "--num-kv-blocks": True,
     "--block-size": True, "--swap-space": True, "--enable-prefix-caching": False, "--no-enable-prefix-caching": False,
-    "--max-request-body": True,
+    "--max-request-body": True, "--quantization": True, "--max-logprobs": True,
 }
 # `serve` flags a pod may not pass: they name a file of this machine to write or read.
 REFUSED_SERVE_FLAGS = ("--step-log", "--admin-token-file", "--help")
