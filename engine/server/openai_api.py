@@ -78,6 +78,9 @@ async def create_completion(body: CompletionRequest, request: Request, response:
         body.prompt]
     if body.best_of is not None and body.best_of != body.n:
         raise invalid(f"best_of: only best_of equal to n ({body.n}) is supported, got {body.best_of}", "best_of")
+    prompt_only = body.max_tokens == 0  # echo the prompt (and its logprobs), generate nothing
+    if prompt_only and (not body.echo or body.stream):
+        raise invalid("max_tokens: 0 only with echo: true and without stream", "max_tokens")
     if body.stream and (body.n > 1 or len(prompts) > 1):
         raise invalid("stream: n > 1 and batched prompts are answered whole, not streamed; send stream: false",
                       "stream")
@@ -92,7 +95,8 @@ async def create_completion(body: CompletionRequest, request: Request, response:
             encoded.append((None, list(prompt)))
     _check_logprobs(body.logprobs, state, "logprobs")
     params = [
-        _sampling_params(body, body.max_tokens, len(token_ids), engine, "prompt", default_max_tokens=16,
+        _sampling_params(body, 1 if prompt_only else body.max_tokens, len(token_ids), engine, "prompt",
+                         default_max_tokens=16,
                          logprobs=body.logprobs,
                          prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
         for _, token_ids in encoded
@@ -116,6 +120,10 @@ async def create_completion(body: CompletionRequest, request: Request, response:
         prompt_index = index // body.n
         token_ids = encoded[prompt_index][1]
         out = final.outputs[0]
+        if prompt_only:  # the one token generated to run the prompt through the model is dropped
+            out = dataclasses.replace(out, text="", token_ids=[], logprobs=None, finish_reason="length")
+            final = dataclasses.replace(final, outputs=[out])
+            finals[index] = final
         logprobs = None
         if body.logprobs is not None:
             generated = list(out.logprobs or [])

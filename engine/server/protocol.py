@@ -127,6 +127,8 @@ class CompletionRequest(_SamplingFields):
     ] = Field(description=f"A string, a list of token ids, or a batch of up to {MAX_PROMPTS} of either "
                           "(choice i*n+j is prompt i's j-th choice; a batch is not streamed).")
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="Only equal to n (or left out).")
+    max_tokens: int | None = Field(None, ge=0, description="0 only with echo: the prompt (and its logprobs), "
+                                                            "nothing generated (as vLLM; lm-evaluation-harness).")
     echo: bool = Field(False, description="Return the prompt before the completion (and, with logprobs, the "
                                           "prompt tokens' logprobs: the first token's is null).")
     logprobs: int | None = Field(None, ge=0, description="The chosen token's logprob plus this many most likely "

@@ -107,3 +107,13 @@ def test_suffix_and_tools_are_refused_with_a_clear_message(server):
     none = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "tools": [], "tool_choice": "none",
                                                                  "max_tokens": 2})
     assert none.status_code == 200
+
+
+def test_max_tokens_zero_echoes_the_prompt_only(server):
+    body = {"prompt": [5, 6, 7], "max_tokens": 0, "echo": True, "logprobs": 1}
+    response = httpx.post(f"{server.url}/v1/completions", json=body).json()
+    choice = response["choices"][0]
+    assert len(choice["logprobs"]["tokens"]) == 3 and response["usage"]["completion_tokens"] == 0
+    assert choice["text"] == httpx.post(f"{server.url}/detokenize", json={"tokens": [5, 6, 7]}).json()["prompt"]
+    refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
