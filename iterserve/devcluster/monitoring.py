@@ -323,6 +323,13 @@ class Prometheus(_Server):
         with urllib.request.urlopen(url, timeout=5) as response:
             return json.loads(response.read())["data"]["result"]
 
+    def rule_health(self) -> list[tuple[str, str, str]]:
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.url}/api/v1/rules", timeout=5) as response:
+            groups = json.loads(response.read())["data"]["groups"]
+        return [(r["name"], r.get("health", ""), r.get("lastError", "")) for g in groups for r in g["rules"]]
+
     def targets(self) -> list[dict]:
         import urllib.request
 
