@@ -30,9 +30,11 @@ from iterserve.operator.models import GROUP, PLURAL, VERSION
 from tests.operator_fixture import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow,
-              # Written, never run to the end yet (the session ran out of time after the Go builds):
-              # remove this mark once it has passed once against `make cluster-tools`' adapter.
-              pytest.mark.skip(reason="not yet run green: see the DEVTOOLS report of issue 21 (c)")]
+              # Not yet green. One run (05:30 UTC): the adapter's APIService became Available through
+              # the aggregation layer, then the InferenceService's first engine was not Ready within
+              # 120 s (not yet diagnosed: the operator log in the Stack's workdir says why).
+              # Remove this mark once it passes.
+              pytest.mark.skip(reason="not yet run green: first engine not Ready in 120 s (see comment)")]
 
 NAME = "chat"
 MAX_REPLICAS = 3
