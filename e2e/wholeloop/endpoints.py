@@ -11,18 +11,7 @@ from __future__ import annotations
 import json
 import threading
 
-
-def ready_urls(pods: list[dict], port_name: str) -> list[str]:
-    urls = []
-    for pod in pods:
-        status = pod.get("status") or {}
-        ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or [])
-        if not ready or pod["metadata"].get("deletionTimestamp") or not status.get("podIP"):
-            continue
-        ports = [p for c in pod["spec"]["containers"] for p in c.get("ports") or [] if p.get("name") == port_name]
-        if ports:
-            urls.append(f"http://{status['podIP']}:{ports[0]['containerPort']}")
-    return sorted(urls)
+from iterserve.router.discovery import ready_urls
 
 
 class ReadyEndpoints:

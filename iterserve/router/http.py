@@ -48,20 +48,7 @@ class Conn:
 
     async def read_head(self) -> bytes | None:
         """A head up to and including the blank line; None if the peer closed before a byte."""
-        start = 0
-        while True:
-            i = self.buf.find(b"\r\n\r\n", start)
-            if i >= 0:
-                head = bytes(self.buf[:i + 4])
-                del self.buf[:i + 4]
-                return head
-            if len(self.buf) > MAX_HEAD_BYTES:
-                raise ProtocolError("head too large")
-            start = max(0, len(self.buf) - 3)
-            if not await self.fill():
-                if self.buf:
-                    raise asyncio.IncompleteReadError(bytes(self.buf), None)
-                return None
+        return await self._read_through(b"\r\n\r\n", "head too large", none_at_clean_eof=True)
 
     async def read_exactly(self, n: int) -> bytes:
         while len(self.buf) < n:
@@ -72,17 +59,23 @@ class Conn:
         return data
 
     async def read_line(self) -> bytes:
+        return await self._read_through(b"\r\n", "line too long", none_at_clean_eof=False)
+
+    async def _read_through(self, separator: bytes, too_large: str, none_at_clean_eof: bool) -> bytes | None:
         start = 0
         while True:
-            i = self.buf.find(b"\r\n", start)
+            i = self.buf.find(separator, start)
             if i >= 0:
-                line = bytes(self.buf[:i + 2])
-                del self.buf[:i + 2]
-                return line
+                end = i + len(separator)
+                data = bytes(self.buf[:end])
+                del self.buf[:end]
+                return data
             if len(self.buf) > MAX_HEAD_BYTES:
-                raise ProtocolError("line too long")
-            start = max(0, len(self.buf) - 1)
+                raise ProtocolError(too_large)
+            start = max(0, len(self.buf) - len(separator) + 1)
             if not await self.fill():
+                if none_at_clean_eof and not self.buf:
+                    return None
                 raise asyncio.IncompleteReadError(bytes(self.buf), None)
 
     async def read_to_eof(self) -> bytes:
