@@ -43,7 +43,8 @@ def test_env_sources_and_expansion_in_args(tmp_path):
                 {"name": "ITERSERVE_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": {"name": "admin", "key": "token"}}},
                 {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                 {"name": "GREETING", "value": "pod $(POD) with $(SEQS)"},
-                {"name": "OMP_NUM_THREADS", "value": "3"}],
+                {"name": "OMP_NUM_THREADS", "value": "3"},
+                {"name": "HOME", "value": "/tmp"}],  # as the operator's Deployments set it: replaced, not refused
     }), configmaps, secrets, tmp_path, threads=1)
     assert launch.argv[:5] == [sys.executable, "-I", "-u", "-m", "iterserve.cli"]
     args = launch.argv[5:]

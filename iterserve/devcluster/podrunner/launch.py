@@ -42,9 +42,11 @@ REFUSED_SERVE_FLAGS = ("--step-log", "--admin-token-file", "--help")
 # libraries load, or where they read and write; a pod that sets one is refused.
 REFUSED_ENV_PREFIXES = ("PYTHON", "LD_", "DYLD_", "GCONV_", "MALLOC_", "GLIBC_", "TORCH", "TRITON_", "CUDA_",
                         "HF_", "TRANSFORMERS_", "XDG_", "SSL_", "OPENSSL_")
-REFUSED_ENV = {"PATH", "HOME", "TMPDIR", "TMP", "TEMP", "BASH_ENV", "ENV", "IFS", "NLSPATH", "LOCPATH",
+REFUSED_ENV = {"PATH", "TMP", "TEMP", "BASH_ENV", "ENV", "IFS", "NLSPATH", "LOCPATH",
                "HOSTALIASES", "RESOLV_HOST_CONF", "RES_OPTIONS", "LOCALDOMAIN", "KUBECONFIG", "VIRTUAL_ENV",
                "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PERL5LIB", "PERL5OPT", "NODE_OPTIONS", "RUBYOPT"}
+# Set by the runtime to the pod's own folder, whatever the pod asks (the operator's pods set HOME=/tmp).
+RUNTIME_ENV = ("HOME", "TMPDIR")
 DEFAULT_THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 # What a container gets from its image rather than from the pod; nothing else of this process leaks in.
 INHERITED_ENV = ("PATH", "LANG", "LC_ALL", "VIRTUAL_ENV")
@@ -232,7 +234,7 @@ def build_launch(pod: dict, configmaps: Lookup, secrets: Lookup, workdir: Path,
     if refused:
         raise LaunchError(f"{where}: env {', '.join(refused)}: the local runtime refuses variables that change "
                           "what the interpreter or the loader runs or where it reads and writes "
-                          "(PYTHON*, LD_*, PATH, HOME, ...)")
+                          "(PYTHON*, LD_*, PATH, ...)")
     command = [expand(part, env) for part in container.get("command") or ENGINE_ENTRYPOINT]
     args = [expand(part, env) for part in container.get("args") or []]
     if not command or Path(command[0]).name != "iterserve":
@@ -243,7 +245,7 @@ def build_launch(pod: dict, configmaps: Lookup, secrets: Lookup, workdir: Path,
     args = _with_host(command[1:] + args, host)
     process_env = {key: value for key in INHERITED_ENV if (value := os.environ.get(key)) is not None}
     process_env.update(env)
-    process_env.update({"HOME": str(workdir), "TMPDIR": str(workdir)})
+    process_env.update(dict.fromkeys(RUNTIME_ENV, str(workdir)))
     for key in DEFAULT_THREAD_ENV:
         process_env.setdefault(key, str(threads))
     # -I: isolated (no PYTHON* variables, no user site, no current folder on sys.path); -u: unbuffered logs
