@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from iterserve.devcluster import tools
-from iterserve.devcluster.waiting import free_port, wait_for
+from iterserve.devcluster.waiting import free_port, stop_process, wait_for
 
 GROUP_VERSION = "external.metrics.k8s.io/v1beta1"
 APISERVICE = "v1beta1.external.metrics.k8s.io"
@@ -98,10 +98,4 @@ class PrometheusAdapter:
 
     def stop(self) -> None:
         self.cluster.kubectl("delete", "apiservice", APISERVICE, "--wait=false", check=False)
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)

@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from iterserve.devcluster import tools
-from iterserve.devcluster.waiting import free_port, wait_for
+from iterserve.devcluster.waiting import free_port, stop_process, wait_for
 
 PROMETHEUS_OPERATOR_MODULE = "github.com/prometheus-operator/prometheus-operator"
 # The newest version of the root module the Go module proxy lists; its CRDs are what
@@ -246,13 +246,7 @@ class _Server:
         raise NotImplementedError
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 def alertmanager_config(example: dict, receiver_url: str, group_wait: str = "1s", group_interval: str = "2s") -> dict:

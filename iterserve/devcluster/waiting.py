@@ -1,8 +1,10 @@
-"""Small helpers every local process harness needs: a free loopback port and polling."""
+"""Small helpers every local process harness needs: a free loopback port, polling, and stopping a
+child process."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -25,3 +27,15 @@ def wait_for(predicate: Callable[[], object], timeout: float = 30, interval: flo
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what() if callable(what) else what}")
         time.sleep(interval)
+
+
+def stop_process(proc: subprocess.Popen | None, grace: float = 10) -> None:
+    """SIGTERM, up to `grace` seconds to exit, then SIGKILL; nothing if it has already exited."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
