@@ -190,3 +190,61 @@ def test_every_serve_flag_is_either_allowed_or_refused():
     flags = {o: a.nargs != 0 for a in parser._actions for o in a.option_strings if o.startswith("--")}
     assert set(flags) == set(SERVE_FLAGS) | set(REFUSED_SERVE_FLAGS)
     assert {f: v for f, v in flags.items() if f in SERVE_FLAGS} == SERVE_FLAGS  # and whether each takes a value
+
+
+def test_every_router_flag_is_either_allowed_or_refused():
+    """A new `router` flag must be classified here before router pods may use it."""
+    import argparse
+
+    from iterserve.devcluster.podrunner.launch import REFUSED_ROUTER_FLAGS, ROUTER_FLAGS
+    from iterserve.router.cli import configure
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    flags = {o: a.nargs != 0 for a in parser._actions for o in a.option_strings}
+    assert set(flags) == set(ROUTER_FLAGS) | set(REFUSED_ROUTER_FLAGS)
+    assert {f: v for f, v in flags.items() if f in ROUTER_FLAGS} == ROUTER_FLAGS  # and whether each takes a value
+
+
+def router_pod(args: list[str], **spec) -> dict:
+    body = pod({"command": ["iterserve", "router"], "args": args})
+    body["spec"].update({"serviceAccountName": "chat-router", **spec})
+    return body
+
+
+def test_a_router_pod_runs_with_a_token_of_its_service_account(tmp_path):
+    asked = []
+
+    def token_kubeconfig(pod_body, service_account, folder):
+        asked.append((pod_body["metadata"]["uid"], service_account, folder))
+        return folder / "serviceaccount.kubeconfig"
+
+    launch = build_launch(router_pod(["--infsvc", "chat", "-n", "ns", "--host", "0.0.0.0", "--port", "8000",
+                                      "--scrape-interval", "0.2"]),
+                          configmaps, secrets, tmp_path, token_kubeconfig=token_kubeconfig)
+    args = launch.argv[5:]
+    assert args[0] == "router" and args[args.index("--host") + 1] == "127.10.0.7" and args.count("--host") == 1
+    assert args[-2:] == ["--kubeconfig", str(tmp_path / "serviceaccount.kubeconfig")]
+    assert asked == [("u-1", "chat-router", tmp_path)]
+    assert (launch.host, launch.port) == ("127.10.0.7", 8000)
+
+
+@pytest.mark.parametrize("args, spec, message", [
+    (["--endpoints", "http://127.0.0.1:22"], {}, "argument '--endpoints' is not one"),
+    (["--infsvc", "chat", "--kubeconfig", "/root/.kube/config"], {}, "argument '--kubeconfig' is not one"),
+    (["--infsvc", "chat", "--kubeconfig=/root/.kube/config"], {}, "argument '--kubeconfig=/root/.kube/config'"),
+    (["--infsvc", "chat", "-n", "kube-system"], {}, "routes only to its own namespace"),
+    (["--infsvc", "chat", "--namespace=other"], {}, "routes only to its own namespace"),
+    (["--port", "8000"], {}, "needs --infsvc NAME"),
+    (["--infsvc", "chat"], {"automountServiceAccountToken": False}, "automountServiceAccountToken is false"),
+    (["--infsvc", "chat", "--max-num-seqs", "4"], {}, "argument '--max-num-seqs' is not one"),  # a serve flag
+])
+def test_router_pods_clear_errors(tmp_path, args, spec, message):
+    with pytest.raises(LaunchError, match=message):
+        build_launch(router_pod(args, **spec), configmaps, secrets, tmp_path,
+                     token_kubeconfig=lambda p, sa, folder: folder / "k")
+
+
+def test_no_router_pods_without_credentials_to_give(tmp_path):
+    with pytest.raises(LaunchError, match="runs no router pods"):
+        build_launch(router_pod(["--infsvc", "chat"]), configmaps, secrets, tmp_path)

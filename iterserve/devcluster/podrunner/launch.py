@@ -3,14 +3,23 @@
 As the kubelet does: `envFrom` first, then `env` (later entries win); `$(VAR)` in env values,
 command and args expands to a variable defined earlier, `$$` escapes a dollar, and an unknown
 reference stays as written. The container's image is not pulled: the command must be the
-project's own `iterserve serve` (an empty command means the engine image's entrypoint), run with
-this Python. The process listens on the pod's IP: `--host` is replaced by it.
+project's own `iterserve serve` or `iterserve router` (an empty command means the engine image's
+entrypoint, `serve`), run with this Python. The process listens on the pod's IP: `--host` is
+replaced by it.
 
 Whoever may create a pod must not get to run code as the runtime's user, so a pod gets only what
-an engine needs: the `serve` flags in SERVE_FLAGS (no flag that names a file of this machine:
-`--step-log`, `--admin-token-file`, a `--model` path; the runtime mounts no volumes, so a path
-could only name one of this machine's files), no variable that changes what the interpreter or the
-dynamic loader runs (REFUSED_ENV), and Python isolated (`-I`: no PYTHON* variables, no user site).
+an engine or a router needs: the `serve` flags in SERVE_FLAGS and the `router` flags in
+ROUTER_FLAGS (no flag that names a file of this machine: `--step-log`, `--admin-token-file`,
+`--kubeconfig`, a `--model` path; the runtime mounts no volumes, so a path could only name one of
+this machine's files; and no router flag naming addresses to dial, such as `--endpoints`: a router
+pod finds its engines through the API server, as its ServiceAccount allows), no variable that
+changes what the interpreter or the dynamic loader runs (REFUSED_ENV), and Python isolated (`-I`:
+no PYTHON* variables, no user site).
+
+A router pod reaches the API server as its ServiceAccount, as the kubelet's projected token would
+let it: the runtime asks the TokenRequest API for a token bound to the pod and passes the router a
+kubeconfig holding it (`--kubeconfig`, written in the pod's own folder), so the router gets exactly
+the RBAC its Role grants.
 """
 
 from __future__ import annotations
@@ -38,6 +47,19 @@ SERVE_FLAGS = {
 }
 # `serve` flags a pod may not pass: they name a file of this machine to write or read.
 REFUSED_SERVE_FLAGS = ("--step-log", "--admin-token-file", "--help")
+# `iterserve router` flags a pod may pass: name -> takes a value. Every other flag is refused.
+ROUTER_FLAGS = {
+    "--infsvc": True, "-n": True, "--namespace": True, "--port-name": True, "--host": True, "--port": True,
+    "--scrape-interval": True, "--stale-after": True, "--max-queue": True, "--queue-timeout": True,
+    "--eject-backoff": True, "--max-eject-backoff": True, "--prefix-affinity": False,
+    "--affinity-tolerance": True, "--prefix-tokens": True, "--block-size": True, "--seed": True,
+    "--policy": True, "--log-level": True,
+}
+# `router` flags a pod may not pass: a file of this machine (--kubeconfig: the runtime gives its
+# own), or addresses to dial that no API server vouches for (--endpoints).
+REFUSED_ROUTER_FLAGS = ("--endpoints", "--kubeconfig", "-h", "--help")
+# What each command a pod may run accepts.
+COMMAND_FLAGS = {"serve": SERVE_FLAGS, "router": ROUTER_FLAGS}
 # Variables that change which code the interpreter, the dynamic loader, libc or the engine's
 # libraries load, or where they read and write; a pod that sets one is refused.
 REFUSED_ENV_PREFIXES = ("PYTHON", "LD_", "DYLD_", "GCONV_", "MALLOC_", "GLIBC_", "TORCH", "TRITON_", "CUDA_",
@@ -156,29 +178,49 @@ def refused_env(name: str) -> bool:
     return name.upper() in REFUSED_ENV or name.upper().startswith(REFUSED_ENV_PREFIXES)
 
 
-def check_serve_args(args: list[str], where: str) -> None:
-    """Raises LaunchError unless `args` are `serve` followed by SERVE_FLAGS only."""
-    if not args or args[0] != "serve":
-        raise LaunchError(f"{where}: the local runtime only runs `iterserve serve` (got `iterserve "
-                          f"{' '.join(args[:3])}`); set command to [iterserve, serve]", "RunContainerError")
+def check_args(args: list[str], where: str, namespace: str | None = None) -> str:
+    """Raises LaunchError unless `args` are `serve` or `router` followed by that command's allowed
+    flags only (a router only for the pod's own `namespace`). Returns the command."""
+    command = args[0] if args else ""
+    if command not in COMMAND_FLAGS:
+        raise LaunchError(f"{where}: the local runtime only runs `iterserve serve` and `iterserve router` (got "
+                          f"`iterserve {' '.join(args[:3])}`); set command to [iterserve, serve] or "
+                          "[iterserve, router]", "RunContainerError")
+    allowed = COMMAND_FLAGS[command]
     i = 1
     while i < len(args):
         arg = args[i]
         flag, inline = arg.split("=", 1) if arg.startswith("--") and "=" in arg else (arg, None)
-        if flag not in SERVE_FLAGS:
+        if flag not in allowed:
             raise LaunchError(f"{where}: argument {arg!r} is not one the local runtime passes to `iterserve "
-                              f"serve` (allowed: {', '.join(sorted(SERVE_FLAGS))})", "RunContainerError")
+                              f"{command}` (allowed: {', '.join(sorted(allowed))})", "RunContainerError")
         value = inline
-        if SERVE_FLAGS[flag] and inline is None:
+        if allowed[flag] and inline is None:
             if i + 1 >= len(args) or (args[i + 1].startswith("-") and not _number(args[i + 1])):
                 raise LaunchError(f"{where}: {flag} needs a value", "RunContainerError")
             value, i = args[i + 1], i + 1
-        elif not SERVE_FLAGS[flag] and inline is not None:
+        elif not allowed[flag] and inline is not None:
             raise LaunchError(f"{where}: {flag} takes no value", "RunContainerError")
         if flag == "--model" and ("/" in value or value.startswith(".") or not value):
             raise LaunchError(f"{where}: --model {value!r}: the local runtime mounts no volumes, so it only "
                               "serves model aliases (e.g. smollm2-135m), never a path", "RunContainerError")
+        if flag in ("-n", "--namespace") and namespace is not None and value != namespace:
+            raise LaunchError(f"{where}: {flag} {value!r}: a router pod routes only to its own namespace "
+                              f"({namespace!r}); drop the flag or set it to the pod's namespace",
+                              "RunContainerError")
         i += 1
+    if command == "router" and "--infsvc" not in [a.split("=", 1)[0] for a in args]:
+        raise LaunchError(f"{where}: `iterserve router` needs --infsvc NAME here (a router pod finds its engines "
+                          "through the API server)", "RunContainerError")
+    return command
+
+
+def check_serve_args(args: list[str], where: str) -> None:
+    """Raises LaunchError unless `args` are `serve` followed by SERVE_FLAGS only."""
+    if not args or args[0] != "serve":
+        raise LaunchError(f"{where}: expected `iterserve serve` (got `iterserve {' '.join(args[:3])}`)",
+                          "RunContainerError")
+    check_args(args, where)
 
 
 def _number(text: str) -> bool:
@@ -214,9 +256,23 @@ def _port(args: list[str], container: dict) -> int | None:
     return ports[0]["containerPort"] if ports else None
 
 
+# A router pod's API credentials: (the pod, its ServiceAccount name, the folder) -> a kubeconfig path.
+TokenKubeconfig = Callable[[dict, str, Path], Path]
+
+
+def service_account(pod: dict) -> str:
+    """The ServiceAccount whose token a router pod gets; refused when the pod opts out of one."""
+    spec = pod.get("spec") or {}
+    if spec.get("automountServiceAccountToken") is False:
+        raise LaunchError(f"pod {pod['metadata']['name']}: a router needs API credentials, but "
+                          "spec.automountServiceAccountToken is false; set it to true")
+    return spec.get("serviceAccountName") or "default"
+
+
 def build_launch(pod: dict, configmaps: Lookup, secrets: Lookup, workdir: Path,
-                 threads: int = 1) -> Launch:
-    """The one container of `pod` as a local process. Raises LaunchError naming the field."""
+                 threads: int = 1, token_kubeconfig: TokenKubeconfig | None = None) -> Launch:
+    """The one container of `pod` as a local process. Raises LaunchError naming the field.
+    `token_kubeconfig` writes a router pod's kubeconfig (no router pods without it)."""
     containers = (pod.get("spec") or {}).get("containers") or []
     name = pod["metadata"]["name"]
     if len(containers) != 1:
@@ -241,8 +297,13 @@ def build_launch(pod: dict, configmaps: Lookup, secrets: Lookup, workdir: Path,
         raise LaunchError(f"{where} command {command!r}: the local runtime "
                           f"only runs the project's own `iterserve` (set command to [iterserve, serve])",
                           "RunContainerError")
-    check_serve_args(command[1:] + args, where)
+    kind = check_args(command[1:] + args, where, pod["metadata"].get("namespace"))
     args = _with_host(command[1:] + args, host)
+    if kind == "router":
+        if token_kubeconfig is None:
+            raise LaunchError(f"{where}: this runtime gives no API credentials, so it runs no router pods",
+                              "RunContainerError")
+        args += ["--kubeconfig", str(token_kubeconfig(pod, service_account(pod), workdir))]
     process_env = {key: value for key in INHERITED_ENV if (value := os.environ.get(key)) is not None}
     process_env.update(env)
     process_env.update(dict.fromkeys(RUNTIME_ENV, str(workdir)))

@@ -22,6 +22,7 @@ logger = logging.getLogger("iterserve.podrunner")
 
 LOCAL_RUNTIME_LABEL = "iterserve.dev/local-runtime"
 NODE_CACHE_SECONDS = 5.0
+TOKEN_SECONDS = 86400  # a router pod's token (bound to the pod; a day outlasts any local run)
 
 
 def wants_local_runtime(pod: dict) -> bool:
@@ -72,6 +73,38 @@ class KubeApi:
             if error.status == 404:
                 return None
             raise
+
+    def service_account_kubeconfig(self, pod: dict, service_account: str, folder: Path) -> Path:
+        """A kubeconfig holding a token of `service_account` bound to `pod` (TokenRequest API), as
+        the kubelet projects one into a pod: it stops working when the pod is deleted."""
+        import base64
+
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        from iterserve.devcluster.kubeconfig import token_user, write_kubeconfig
+        from iterserve.devcluster.podrunner.launch import LaunchError
+
+        meta = pod["metadata"]
+        request = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
+            audiences=[], expiration_seconds=TOKEN_SECONDS,
+            bound_object_ref=client.V1BoundObjectReference(api_version="v1", kind="Pod", name=meta["name"],
+                                                           uid=meta["uid"])))
+        try:
+            token = self.core.create_namespaced_service_account_token(service_account, meta["namespace"], request)
+        except ApiException as error:
+            if error.status == 404:
+                raise LaunchError(f"pod {meta['name']}: ServiceAccount {meta['namespace']}/{service_account} "
+                                  "(spec.serviceAccountName) not found") from error
+            raise LaunchError(f"pod {meta['name']}: no token for ServiceAccount {service_account}: "
+                              f"{error.status} {error.reason}") from error
+        configuration = self.api_client.configuration
+        cluster = {"server": configuration.host}
+        if configuration.ssl_ca_cert:
+            cluster["certificate-authority-data"] = base64.b64encode(Path(configuration.ssl_ca_cert).read_bytes()).decode()
+        folder.mkdir(parents=True, exist_ok=True)
+        return write_kubeconfig(folder / "serviceaccount.kubeconfig", cluster, token_user(token.status.token),
+                                f"{meta['namespace']}-{service_account}")
 
     def list_pods(self, namespace: str) -> dict:
         return self._json(self.core.list_namespaced_pod(namespace, _preload_content=False))

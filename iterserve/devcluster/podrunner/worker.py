@@ -32,6 +32,7 @@ class PodApi(Protocol):
     def patch_status(self, namespace: str, name: str, status: dict) -> dict: ...
     def delete_now(self, namespace: str, name: str, uid: str) -> None: ...
     def read(self, kind: str, namespace: str, name: str) -> dict | None: ...
+    def service_account_kubeconfig(self, pod: dict, service_account: str, folder: Path) -> Path: ...
 
 
 @dataclass
@@ -153,7 +154,8 @@ class PodWorker:
     def _start(self, pod: dict, now: float) -> float:
         try:
             launch = build_launch(pod, lambda name, kind: self._lookup(kind, name), lambda name, kind: self._lookup(kind, name),
-                                  self.options.work_dir / f"{self.namespace}_{self.name}", self.options.threads)
+                                  self.options.work_dir / f"{self.namespace}_{self.name}", self.options.threads,
+                                  self.api.service_account_kubeconfig)
         except (LaunchError, ValueError) as error:
             reason = error.reason if isinstance(error, LaunchError) else "CreateContainerConfigError"
             if (self.view.waiting_reason, self.view.waiting_message) != (reason, str(error)):
