@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -197,6 +198,7 @@ class LLMEngine:
     # -- the engine thread ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t_start = time.perf_counter()
+        cpu_start = time.thread_time() if self._step_log is not None else 0.0
         finished_now: list[Sequence] = []
         self._drain_inbox(finished_now)
         out = self.scheduler.schedule()
@@ -215,7 +217,7 @@ class LLMEngine:
         self.last_step_was_idle = out.is_empty and not outputs
         self.last_timing = StepTiming(t_scheduled - t_start, t_model - t_scheduled, t_end - t_model)
         if self._step_log is not None and not out.is_empty:
-            self._log_step(out, t_end - t_start)
+            self._log_step(out, t_end - t_start, time.thread_time() - cpu_start)
         return outputs
 
     def _drain_inbox(self, finished_now: list[Sequence]) -> None:
@@ -308,13 +310,17 @@ class LLMEngine:
             prompt_logprobs=seq.prompt_logprobs,
         )
 
-    def _log_step(self, out: SchedulerOutput, duration: float) -> None:
+    def _log_step(self, out: SchedulerOutput, duration: float, cpu: float) -> None:
         timing = self.last_timing
         self._step_log.write(
             {
                 "step": self.num_steps,
                 "time": self.clock(),
                 "duration_s": duration,
+                # The engine thread's own CPU time for the step: its compute, which is what the wall
+                # time would be on a core of its own (a shared node's other work inflates duration_s).
+                "cpu_s": cpu,
+                "load_1m": os.getloadavg()[0],
                 "schedule_s": timing.schedule_s,
                 "model_s": timing.model_s,
                 "postprocess_s": timing.postprocess_s,
