@@ -29,19 +29,16 @@ from iterserve.operator.kube import FIELD_MANAGER
 from iterserve.operator.models import GROUP, PLURAL, VERSION
 from tests.operator_fixture import wait_for
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow,
-              # Not yet green. The engine that was never Ready was the pod runtime refusing the
-              # operator's HOME=/tmp (fixed). Run at 06:11 UTC with this mark removed: the engine is
-              # Ready and the HPA reads the external metric through the adapter (averageValue 0),
-              # but during the heavy phase the engine's waiting count stayed 0 for 150 s, so the HPA
-              # never proposed more than 1: the load must queue (more concurrency than
-              # max_num_seqs, or a slower fake step). Remove this mark once it passes.
-              pytest.mark.skip(reason="not yet green: the heavy phase never makes the engine queue (see comment)")]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 NAME = "chat"
 MAX_REPLICAS = 3
 TARGET_WAITING = 8
+MAX_NUM_SEQS = 4
 CONCURRENCY = 40  # 40 long requests on max_num_seqs 4: ~36 waiting, desired ceil(36 / 8) -> capped at 3
+PROMPT = "hello " * 20  # 120 tokens of the fake tokenizer
+MAX_TOKENS = 1000  # + the prompt: within the engine's 2048-token context (else every request is a 400)
+STEP_TIME_SCALE = 5  # the fake model 5x slower: ~60 tokens/s a sequence, a request lasts ~16 s
 METRIC = "iterserve_waiting_requests"
 
 
@@ -50,8 +47,9 @@ def inference_service() -> dict:
         "apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceService", "metadata": {"name": NAME},
         "spec": {
             "model": {"uri": "smollm2-135m"},
-            "engine": {"maxNumSeqs": 4, "drainSeconds": 5, "startupSeconds": 60,
-                       "extraArgs": ["--fake-model", "--max-waiting-requests", "1000"],
+            "engine": {"maxNumSeqs": MAX_NUM_SEQS, "drainSeconds": 5, "startupSeconds": 60,
+                       "extraArgs": ["--fake-model", "--fake-step-time-scale", str(STEP_TIME_SCALE),
+                                     "--max-waiting-requests", "1000"],
                        "resources": {"limits": {"nvidia.com/gpu": 1}}},
             "replicas": 1,
             "autoscaling": {"mode": "External", "minReplicas": 1, "maxReplicas": MAX_REPLICAS},
@@ -73,14 +71,18 @@ def hpa(namespace: str) -> dict:
 
 
 class Load:
-    """CONCURRENCY long streaming completions spread over the ready endpoints, until stop()."""
+    """CONCURRENCY long streaming completions spread over the ready endpoints, until stop().
+    Refused requests are counted by status (a refused request never queues: the last run's load
+    was 400s that the HPA could not see)."""
 
     def __init__(self, endpoints: ReadyEndpoints):
         self.endpoints, self._stop = endpoints, threading.Event()
+        self.refused: dict[int, int] = {}
+        self.completed = 0
         self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
     async def _one(self, client: httpx.AsyncClient, index: int) -> None:
-        body = {"model": "fake", "prompt": "hello " * 20, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        body = {"model": "fake", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True}
         while not self._stop.is_set():
             urls = self.endpoints()
             if not urls:
@@ -88,9 +90,14 @@ class Load:
                 continue
             try:
                 async with client.stream("POST", f"{urls[index % len(urls)]}/v1/completions", json=body) as response:
+                    if response.status_code != 200:
+                        self.refused[response.status_code] = self.refused.get(response.status_code, 0) + 1
+                        await asyncio.sleep(0.2)
+                        continue
                     async for _ in response.aiter_lines():
                         if self._stop.is_set():
                             return
+                    self.completed += 1
             except httpx.HTTPError:
                 await asyncio.sleep(0.2)
 
@@ -137,11 +144,14 @@ def timeline(k8s_cluster, tmp_path_factory):
                 scaler = json.loads(k8s_cluster.kubectl("-n", namespace, "get", "hpa", NAME, "-o", "json").stdout)
                 current = (scaler.get("status", {}).get("currentMetrics") or [{}])[0]
                 waiting = current.get("external", {}).get("current", {}).get("averageValue")
+                engines = monitoring.prometheus.query(f'sum(llm_scheduler_waiting_requests{{namespace="{namespace}"}})')
                 row = {"t": round(time.monotonic() - started, 1), "phase": phase,
                        "spec_replicas": obj["spec"].get("replicas"),
                        "ready_replicas": obj.get("status", {}).get("readyReplicas"),
                        "hpa_desired": scaler.get("status", {}).get("desiredReplicas"),
-                       "hpa_average_waiting": waiting, "ready_endpoints": len(endpoints())}
+                       "hpa_average_waiting": quantity(waiting),
+                       "engines_waiting": float(engines[0]["value"][1]) if engines else None,
+                       "ready_endpoints": len(endpoints())}
                 rows.append(row)
                 return row
 
@@ -152,7 +162,10 @@ def timeline(k8s_cluster, tmp_path_factory):
                         return
                     time.sleep(1)
                 raise AssertionError(f"{phase}: not reached in {timeout:.0f} s; timeline {rows[-10:]}; "
+                                     f"requests refused by status {load.refused if load else None}; "
                                      f"adapter log {adapter.log}")
+
+            load: Load | None = None
 
             until("idle", lambda r: r["hpa_average_waiting"] is not None, 90)  # the metric reached the HPA
             load = Load(endpoints).start()
@@ -163,16 +176,31 @@ def timeline(k8s_cluster, tmp_path_factory):
             finally:
                 load.stop()
             load_stopped = rows[-1]["t"]
+            refused, completed = load.refused, load.completed
             until("after", lambda r: r["spec_replicas"] == 1, 150)
             managed = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, NAME)["metadata"]["managedFields"]
         finally:
             endpoints.stop()
             k8s_cluster.kubectl("-n", namespace, "delete", "hpa", NAME, "--wait=false", check=False)
     result = {"rows": rows, "load_started": load_started, "load_stopped": load_stopped, "external": external,
-              "managed": managed}
+              "managed": managed, "refused": refused, "completed": completed}
     if os.environ.get("ITERSERVE_HPA_TIMELINE"):
         Path(os.environ["ITERSERVE_HPA_TIMELINE"]).write_text(json.dumps(result, indent=1))
     return result
+
+
+def quantity(value: str | None) -> float | None:
+    """A Kubernetes quantity as the HPA status writes averageValue ("36", "12500m")."""
+    if value is None:
+        return None
+    return float(value[:-1]) / 1000 if value.endswith("m") else float(value)
+
+
+def test_the_load_queues_on_the_engine(timeline):
+    assert timeline["refused"] == {}, f"the engines refused requests: {timeline['refused']}"
+    heavy = [r for r in timeline["rows"] if r["phase"] == "heavy"]
+    assert max(r["engines_waiting"] or 0 for r in heavy) > TARGET_WAITING, heavy
+    assert max(r["hpa_average_waiting"] or 0 for r in heavy) > TARGET_WAITING, heavy
 
 
 def test_the_external_metric_is_served_through_the_aggregation_layer(timeline):
@@ -191,6 +219,7 @@ def test_the_hpa_scales_up_under_load_and_down_after(timeline, capsys):
               f"{max(r['spec_replicas'] or 0 for r in rows)}; load stopped at {timeline['load_stopped']} s, "
               f"back to 1 at {down['t']} s (+{down['t'] - timeline['load_stopped']:.1f} s)")
     assert max(r["spec_replicas"] or 0 for r in rows) <= MAX_REPLICAS
+    assert up["hpa_desired"] >= 2 and all(r["spec_replicas"] == 1 for r in rows if r["t"] < timeline["load_started"])
 
 
 def test_the_operator_never_writes_replicas(timeline):
