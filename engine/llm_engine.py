@@ -17,9 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from iterserve.engine.block_manager import BlockManager
-from iterserve.engine.config import EngineConfig
+from iterserve.engine.config import ConfigError, EngineConfig
 from iterserve.engine.detokenizer import append_new_text
 from iterserve.engine.executor import Executor, load_executor
+from iterserve.engine.kv_transfer import params as kv_params
+from iterserve.engine.kv_transfer.connector import KVConnector
 from iterserve.engine.outputs import CompletionOutput, RequestOutput
 from iterserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -47,6 +49,13 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     prefix_cache_hit_rate: float = 0.0
+    # Prefill/decode disaggregation (engine/kv_transfer): requests whose prompt KV is being pulled,
+    # blocks pinned under leases for decode engines, and transfer outcomes since start.
+    num_waiting_for_kv: int = 0
+    num_pinned_blocks: int = 0
+    kv_pulls_ok: int = 0
+    kv_pulls_failed: int = 0
+    kv_leases_expired: int = 0
 
 
 @dataclass(slots=True)
@@ -86,6 +95,31 @@ class LLMEngine:
         self.last_step_was_idle = False
         self.num_request_failures = 0
         self.last_timing = StepTiming()
+        self.kv_connector: KVConnector | None = None
+        if hasattr(executor, "kv_layout"):
+            self.kv_connector = KVConnector(config, self.block_manager, executor.kv_layout(), executor.read_kv, clock)
+            self.scheduler.connector = self.kv_connector
+
+    def set_wake(self, wake: Callable[[], None]) -> None:
+        """Called (from any thread) when a KV pull finishes or a lease is released, so an engine loop
+        that sleeps while nothing can be scheduled steps again."""
+        if self.kv_connector is not None:
+            self.kv_connector.wake = wake
+
+    def start_kv_transfer(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None) -> int:
+        """Listen for decode engines' KV pulls (roles prefill and both); returns the bound port."""
+        if self.config.role == "decode":
+            raise ConfigError("--role decode serves no KV to other engines; it needs no KV transfer listener")
+        if self.kv_connector is None:
+            raise ConfigError("this executor cannot transfer KV")
+        enable = getattr(self.executor, "enable_kv_store", None)
+        if enable is not None:
+            enable()
+        return self.kv_connector.listen(host, port, advertise_host)
+
+    def collect_kv_leases(self) -> int:
+        """On the engine thread: free KV leases released by decode engines or past their expiry."""
+        return self.kv_connector.collect() if self.kv_connector is not None else 0
 
     @classmethod
     def from_config(cls, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> LLMEngine:
@@ -101,9 +135,12 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> str:
-        """Validate and queue a request; raises InvalidRequestError (nothing is queued then)."""
+        """Validate and queue a request; raises InvalidRequestError (nothing is queued then).
+        kv_transfer_params: the P/D wire contract's object (engine/kv_transfer/params.py)."""
         params = params or SamplingParams()
+        kv_transfer = self._check_kv_transfer(kv_transfer_params)
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
                 raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
@@ -117,6 +154,7 @@ class LLMEngine:
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             prompt=prompt,
             eos_token_id=self.tokenizer.eos_token_id,
+            kv_transfer=kv_transfer,
         )
         with self._lock:
             if request_id in self._sequences:
@@ -124,6 +162,29 @@ class LLMEngine:
             self._sequences[request_id] = seq
             self._inbox.append(seq)
         return request_id
+
+    def _check_kv_transfer(self, raw: dict | None):
+        kv = kv_params.parse_request(raw)
+        if kv is None:
+            return None
+        role = self.config.role
+        if kv.remote_decode:
+            if role == "decode":
+                raise InvalidRequestError(f"{kv_params.PARAM}.do_remote_decode: this engine runs --role decode and "
+                                          "leases no KV; send the prefill call to a --role prefill (or both) engine",
+                                          f"{kv_params.PARAM}.do_remote_decode")
+            if self.kv_connector is None or self.kv_connector.port is None:
+                raise InvalidRequestError(f"{kv_params.PARAM}.do_remote_decode: this engine has no KV transfer "
+                                          "listener (start it with --role prefill or both)",
+                                          f"{kv_params.PARAM}.do_remote_decode")
+        elif role == "prefill":
+            raise InvalidRequestError(f"{kv_params.PARAM}.do_remote_prefill: this engine runs --role prefill and "
+                                      "pulls no KV; send the decode call to a --role decode (or both) engine",
+                                      f"{kv_params.PARAM}.do_remote_prefill")
+        elif self.kv_connector is None:
+            raise InvalidRequestError(f"{kv_params.PARAM}.do_remote_prefill: this executor cannot load KV",
+                                      f"{kv_params.PARAM}.do_remote_prefill")
+        return kv
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -193,7 +254,17 @@ class LLMEngine:
             prefix_cache_queries=cache.queries if cache else 0,
             prefix_cache_hits=cache.hits if cache else 0,
             prefix_cache_hit_rate=cache.hit_rate() if cache else 0.0,
+            **self._kv_stats(),
         )
+
+    def _kv_stats(self) -> dict:
+        connector = self.kv_connector
+        if connector is None:
+            return {}
+        counts = connector.counts
+        return {"num_waiting_for_kv": len(self.scheduler.waiting_for_kv),
+                "num_pinned_blocks": connector.num_pinned_blocks, "kv_pulls_ok": counts.pulls_ok,
+                "kv_pulls_failed": counts.pulls_failed, "kv_leases_expired": counts.leases_expired}
 
     # -- the engine thread ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -201,7 +272,11 @@ class LLMEngine:
         cpu_start = time.thread_time() if self._step_log is not None else 0.0
         finished_now: list[Sequence] = []
         self._drain_inbox(finished_now)
+        if self.kv_connector is not None:
+            self.kv_connector.collect()
         out = self.scheduler.schedule()
+        for seq, message in out.kv_failed:
+            self._fail_request(seq, message, finished_now)
         now = self.clock()
         for chunk in out.chunks:
             if chunk.seq.metrics.first_scheduled_time is None:
@@ -308,6 +383,8 @@ class LLMEngine:
             metrics=seq.metrics,
             error=self._errors.pop(seq.request_id, None),
             prompt_logprobs=seq.prompt_logprobs,
+            kv_transfer_params=seq.kv_transfer.params_out if seq.kv_transfer is not None and seq.is_finished
+            else None,
         )
 
     def _log_step(self, out: SchedulerOutput, duration: float, cpu: float) -> None:
@@ -331,6 +408,9 @@ class LLMEngine:
                 # what a step-time model needs beyond the token counts (iterserve simulate fit).
                 "context_tokens": sum(c.start + c.num_tokens for c in out.chunks),
                 "max_context_tokens": max((c.start + c.num_tokens for c in out.chunks), default=0),
+                # Query-key pairs of the prompt chunks' attention (quadratic in the prompt).
+                "prefill_attention_pairs": sum(c.num_tokens * (c.start + c.num_tokens)
+                                               for c in out.chunks if not c.is_decode),
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
                 "kv_blocks_used": self.block_manager.gpu.num_used,
@@ -340,5 +420,7 @@ class LLMEngine:
         )
 
     def close(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.close()
         if self._step_log is not None:
             self._step_log.close()

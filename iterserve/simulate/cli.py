@@ -56,9 +56,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     fit.add_argument("--step-log", action="append", default=[], help="engine --step-log file (repeatable)")
     fit.add_argument("--test-step-log", action="append", default=[],
                      help="held-out step log to report errors on (default: every 4th step of --step-log)")
-    fit.add_argument("--timing", default="step", choices=["step", "interval"],
-                     help="step: each step's own duration; interval: end-to-end between back-to-back "
-                          "steps (adds the server loop's per-step cost)")
+    fit.add_argument("--timing", default="step", choices=list(profiles.TIMINGS),
+                     help="step: each step's own wall duration; cpu: each step's engine-thread CPU time "
+                          "(its own compute: what the step takes on a dedicated core, so fit a busy "
+                          "node's log this way); interval: end-to-end between back-to-back steps (adds "
+                          "the server loop's per-step cost)")
     fit.add_argument("--out", help="fit: the profile JSON to write; gen: the trace CSV to write")
     fit.add_argument("--name", default="fitted")
     fit.add_argument("--kv-bytes-per-token", type=int, default=SMOLLM2_KV_BYTES_PER_TOKEN,
@@ -187,7 +189,8 @@ def _fit(args) -> int:
                                    args.block_size, source=", ".join(Path(p).name for p in args.step_log))
     terms = ", ".join(f"{t}={c:.4g}" for t, c in profile.coefficients.items())
     print(f"fitted on {len(train)} steps: t = {terms} (seconds)")
-    print(f"extra terms considered (held-out mean error with each): {profile.fit['terms_considered']}")
+    for r in profile.fit["selection"][1:]:
+        print(f"extra terms considered (4-fold cross-validated mean error with each): {r['considered']}")
     print(f"relative error on {len(test)} held-out steps:")
     print(profiles.format_errors(profiles.evaluate(profile, test, args.block_size)))
     if args.out:

@@ -8,9 +8,16 @@ max(floor, everything but the context term) + c3*context tokens, the roofline sh
 accelerator, where a step reads all the weights once however small the batch (fitted CPU
 profiles have no floor).
 
-An extra term (per scheduled sequence; sequences x longest context, which is what a padded
-attention gather costs) is kept only when it cuts the error on held-out steps by at least a
-point. Rows are weighted by 1/t, so the fit minimises relative error, the figure it is judged on.
+Extra terms, each kept only when it cuts the relative error by at least a point in a 4-fold
+cross-validation on the training steps (greedy forward selection; the held-out steps are only
+ever used to report the error):
+  num_seqs           per scheduled sequence (a logits row and a sample each);
+  padded_context     sequences x longest context, what a padded attention gather costs;
+  prefill_attention  sum over prompt chunks of chunk tokens x tokens attended (query-key pairs:
+                     prefill attention is quadratic in the prompt);
+  multi_token        1 when the step runs more than one token: the matmuls leave the one-row
+                     (GEMV) path for the GEMM one, which on a CPU costs a step of its own.
+Rows are weighted by 1/t, so the fit minimises relative error, the figure it is judged on.
 """
 
 from __future__ import annotations
@@ -27,8 +34,10 @@ import numpy as np
 from iterserve.engine.scheduler import SchedulerOutput
 
 BASE_TERMS = ("const", "prefill_tokens", "decode_seqs", "context_tokens")
-EXTRA_TERMS = ("num_seqs", "padded_context")
+EXTRA_TERMS = ("num_seqs", "padded_context", "prefill_attention", "multi_token")
+CV_FOLDS = 4
 EARN_PLACE = 0.01  # an extra term must cut held-out mean relative error by this much (absolute)
+TIMINGS = ("step", "cpu", "interval")
 PROFILES = ("smollm2-135m-cpu", "modelled-accelerator", "fake-model")
 DEFAULT_PROFILE = "smollm2-135m-cpu"
 
@@ -40,34 +49,41 @@ class StepFeatures:
     context_tokens: int
     num_seqs: int
     max_context_tokens: int
+    prefill_attention: int = 0  # sum over prompt chunks of chunk tokens x (chunk start + chunk tokens)
 
     def value(self, term: str) -> float:
         if term == "const":
             return 1.0
         if term == "padded_context":
             return float(self.num_seqs * self.max_context_tokens)
+        if term == "multi_token":
+            return 1.0 if self.prefill_tokens + self.decode_seqs > 1 else 0.0
         return float(getattr(self, term))
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> StepFeatures:
-        decode = context = longest = 0
+        decode = context = longest = pairs = 0
         for chunk in out.chunks:
             end = chunk.start + chunk.num_tokens
             context += end
             longest = end if end > longest else longest
             if chunk.is_decode:
                 decode += 1
-        return cls(out.num_batched_tokens - decode, decode, context, len(out.chunks), longest)
+            else:
+                pairs += chunk.num_tokens * end
+        return cls(out.num_batched_tokens - decode, decode, context, len(out.chunks), longest, pairs)
 
     @classmethod
     def from_record(cls, record: dict, block_size: int = 16) -> StepFeatures:
         """From one step-log line. Logs older than the context fields get the KV blocks in use
-        (an upper bound on the context) instead."""
+        (an upper bound on the context) instead; logs without prefill_attention_pairs leave that
+        term out of the fit (see fit_profile)."""
         context = record.get("context_tokens")
         if context is None:
             context = record.get("kv_blocks_used", 0) * block_size
         return cls(int(record["prefill_tokens"]), int(record["decode_tokens"]), int(context),
-                   int(record["num_seqs"]), int(record.get("max_context_tokens", context)))
+                   int(record["num_seqs"]), int(record.get("max_context_tokens", context)),
+                   int(record.get("prefill_attention_pairs", 0)))
 
 
 @dataclass(frozen=True)
@@ -189,12 +205,16 @@ def _matrix(features: Sequence[StepFeatures], terms: Sequence[str]) -> np.ndarra
 
 
 def _solve(features, times, terms) -> np.ndarray:
-    a = _matrix(features, terms) / times[:, None]
+    return _solve_matrix(_matrix(features, terms), times)
+
+
+def _solve_matrix(matrix: np.ndarray, times: np.ndarray) -> np.ndarray:
+    a = matrix / times[:, None]
     coef = nnls(a, np.ones(len(times)))
     # Robust refit: steps the machine stalled on (another process, the GC) are not the model's to explain.
-    rel = np.abs(_matrix(features, terms) @ coef - times) / times
+    rel = np.abs(matrix @ coef - times) / times
     keep = rel < max(0.5, float(np.percentile(rel, 98)))
-    if keep.sum() >= len(terms) and not keep.all():
+    if keep.sum() >= matrix.shape[1] and not keep.all():
         coef = nnls(a[keep], np.ones(int(keep.sum())))
     return coef
 
@@ -217,13 +237,29 @@ def evaluate(profile: StepProfile, records: Sequence[dict], block_size: int = 16
             "all": Errors.of(predicted, measured)}
 
 
+def _cv_error(matrix: np.ndarray, times: np.ndarray, folds: int = CV_FOLDS) -> float:
+    """Mean relative error over `folds` interleaved folds, each predicted by a fit on the others."""
+    index = np.arange(len(times))
+    errors = []
+    for k in range(folds):
+        held = index % folds == k
+        if held.sum() == 0 or (~held).sum() < matrix.shape[1]:
+            continue
+        coef = _solve_matrix(matrix[~held], times[~held])
+        errors.append(np.abs(matrix[held] @ coef - times[held]) / times[held])
+    return float(np.concatenate(errors).mean()) if errors else math.inf
+
+
 def fit_profile(train: Sequence[dict], test: Sequence[dict], name: str, kv_bytes_per_token: int,
                 model_context_len: int | None = None, block_size: int = 16, source: str = "") -> StepProfile:
-    """Fits the base terms, then adds each extra term that earns its place on the test steps."""
+    """Fits the base terms, then adds, one at a time, the extra term that cuts the training steps'
+    cross-validated error most, while it cuts it by EARN_PLACE. `test` only reports the error."""
     features = [StepFeatures.from_record(r, block_size) for r in train]
     times = np.array([r["duration_s"] for r in train], dtype=float)
     if len(times) < len(BASE_TERMS) + len(EXTRA_TERMS):
         raise ValueError(f"{len(times)} steps to fit on; record a longer step log")
+    candidates = [t for t in EXTRA_TERMS
+                  if t != "prefill_attention" or all("prefill_attention_pairs" in r for r in train)]
 
     def make(terms) -> StepProfile:
         coef = _solve(features, times, terms)
@@ -231,17 +267,23 @@ def fit_profile(train: Sequence[dict], test: Sequence[dict], name: str, kv_bytes
                            model_context_len, source=source)
 
     terms = list(BASE_TERMS)
+    best_error = _cv_error(_matrix(features, terms), times)
+    rounds = [{"terms": list(terms), "cv_error": round(best_error, 4)}]
+    while True:
+        trials = {extra: _cv_error(_matrix(features, [*terms, extra]), times)
+                  for extra in candidates if extra not in terms}
+        if not trials:
+            break
+        extra = min(trials, key=trials.get)
+        rounds.append({"considered": {k: round(v, 4) for k, v in trials.items()}, "best": extra})
+        if trials[extra] >= best_error - EARN_PLACE:
+            break
+        terms.append(extra)
+        best_error = trials[extra]
     best = make(terms)
-    best_error = evaluate(best, test, block_size)["all"].mean
-    considered = {}
-    for extra in EXTRA_TERMS:
-        trial = make([*terms, extra])
-        error = evaluate(trial, test, block_size)["all"].mean
-        considered[extra] = round(error, 4)
-        if error < best_error - EARN_PLACE:
-            terms, best, best_error = [*terms, extra], trial, error
     errors = evaluate(best, test, block_size)
-    fit = {"train_steps": len(train), "test_steps": len(test), "terms_considered": considered,
+    fit = {"train_steps": len(train), "test_steps": len(test), "selection": rounds,
+           "cv_error": round(best_error, 4),
            "base_terms_test_error": round(evaluate(make(list(BASE_TERMS)), test, block_size)["all"].mean, 4),
            "test_errors": {k: {f: round(v, 4) if isinstance(v, float) else v for f, v in asdict(e).items()}
                            for k, e in errors.items()}}
@@ -257,14 +299,24 @@ def format_errors(errors: dict[str, Errors]) -> str:
 
 def step_log_records(paths: Iterable[str | Path], timing: str = "step") -> list[dict]:
     """Steps that did something. timing "step": each step's own duration (what step() took);
-    "interval": the time from the previous step's end to this one's, for steps that followed a
-    busy step back to back, so the serving loop's own per-step cost (streaming tokens to HTTP
-    clients, the event loop) is in the profile too."""
+    "cpu": each step's engine-thread CPU time (cpu_s): the step's own compute, which is its
+    duration on a core of its own, so a profile fitted on a busy node describes a dedicated
+    replica; "interval": the time from the previous step's end to this one's, for steps that
+    followed a busy step back to back, so the serving loop's own per-step cost (streaming tokens
+    to HTTP clients, the event loop) is in the profile too."""
+    if timing not in TIMINGS:
+        raise ValueError(f"timing {timing!r}: use one of {', '.join(TIMINGS)}")
     records = []
     for path in paths:
         previous = None
         for r in read_step_log(path):
-            if timing == "interval":
+            if timing == "cpu":
+                if "cpu_s" not in r:
+                    raise ValueError(f"{path}: step {r.get('step')} has no cpu_s (a log from an engine "
+                                     "older than the CPU-time field); fit it with --timing step")
+                if r.get("num_seqs", 0) > 0 and r["cpu_s"] > 0:
+                    records.append(dict(r, duration_s=r["cpu_s"], wall_duration_s=r["duration_s"]))
+            elif timing == "interval":
                 busy = previous is not None and (previous.get("running", 0) or previous.get("waiting", 0))
                 gap = r["time"] - previous["time"] if busy else 0.0
                 # a gap far above the step itself means the loop sat idle in between: not a step's cost
