@@ -2,6 +2,7 @@
 
     iterserve router --endpoints http://127.0.0.1:8001,http://127.0.0.1:8002 --port 8000
     iterserve router --infsvc NAME -n NAMESPACE        # the InferenceService's ready pods
+    iterserve router --prefill http://127.0.0.1:8001 --decode http://127.0.0.1:8002 --port 8000   # P/D
 """
 
 from __future__ import annotations
@@ -12,17 +13,32 @@ import logging
 import signal
 import sys
 
+from iterserve.router import disagg
+from iterserve.router.discovery import ROLE_LABEL, RolePools
 from iterserve.router.picking import PickPolicy
 from iterserve.router.proxy import RouterOptions
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.epilog = ("Each request goes to the replica with the least load = max(waiting + running "
-                     "from its /metrics, requests in flight from this router); ties at random.")
-    where = parser.add_argument_group("replicas (one of)")
-    where.add_argument("--endpoints", help="comma-separated base URLs of the engines (no Kubernetes)")
+                     "from its /metrics, requests in flight from this router); ties at random. "
+                     "With a prefill pool (--prefill, or pods labelled "
+                     f"{ROLE_LABEL}=prefill), a completions or chat request whose uncached prompt is longer "
+                     "than --pd-threshold-tokens is first prefilled on the least-loaded prefill replica "
+                     "(max_tokens 1) while its queue is under --pd-max-prefill-queue; its decode replica "
+                     "then pulls the prompt's KV and generates. A prefill that fails or times out falls "
+                     "back to the decode replica prefilling the prompt itself.")
+    where = parser.add_argument_group("replicas (--endpoints and/or --prefill + --decode, or --infsvc)")
+    where.add_argument("--endpoints", help="comma-separated base URLs of the engines (no Kubernetes); with "
+                       "--prefill/--decode, aggregated (role both) replicas that also take decode traffic")
+    where.add_argument("--prefill", metavar="URL[,URL...]",
+                       help="P/D: the prefill replicas (engines started with --role prefill)")
+    where.add_argument("--decode", metavar="URL[,URL...]",
+                       help="P/D: the decode replicas (engines started with --role decode)")
     where.add_argument("--infsvc", metavar="NAME",
-                       help="route to the Ready pods of this InferenceService (watched on the API server)")
+                       help="route to the Ready pods of this InferenceService (watched on the API server); "
+                            f"pods labelled {ROLE_LABEL}=prefill form the prefill pool, the others take "
+                            "requests")
     where.add_argument("-n", "--namespace", default="default", help="the InferenceService's namespace")
     where.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, else ~/.kube/config)")
     where.add_argument("--port-name", default="http", help="the pods' container port to send to (default http)")
@@ -60,6 +76,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     pick.add_argument("--seed", type=int, help="seed of the random tie-break")
     pick.add_argument("--policy", default="least-load", choices=["least-load", "round-robin"],
                       help="round-robin: ignore loads (a baseline for comparisons; default least-load)")
+    pdp = disagg.PdPolicy()
+    pd = parser.add_argument_group("prefill/decode disaggregation (with a prefill pool)")
+    pd.add_argument("--pd-threshold-tokens", type=int, default=pdp.threshold_tokens,
+                    help="prefill remotely only prompts with more uncached tokens than this (default "
+                         f"{pdp.threshold_tokens}: shorter prompts cost more to move than to compute)")
+    pd.add_argument("--pd-max-prefill-queue", type=int, default=pdp.max_prefill_queue,
+                    help="prefill remotely only while the least-loaded prefill replica has fewer requests "
+                         f"than this (waiting + running); otherwise prefill locally (default {pdp.max_prefill_queue})")
+    pd.add_argument("--pd-prefill-timeout", type=float, default=d.pd_prefill_timeout_s,
+                    help="seconds to wait for a prefill replica's answer before the decode replica prefills "
+                         f"locally (default {d.pd_prefill_timeout_s:g})")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -72,13 +99,29 @@ def options_from(args: argparse.Namespace) -> RouterOptions:
         policy=PickPolicy(max_queue=args.max_queue, affinity_tolerance=args.affinity_tolerance),
         prefix_affinity=args.prefix_affinity, prefix_tokens=args.prefix_tokens,
         block_size=args.block_size, seed=args.seed, round_robin=args.policy == "round-robin",
+        pd=disagg.PdPolicy(threshold_tokens=args.pd_threshold_tokens, max_prefill_queue=args.pd_max_prefill_queue),
+        pd_prefill_timeout_s=args.pd_prefill_timeout,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if bool(args.endpoints) == bool(args.infsvc):
-        print("iterserve router: give exactly one of --endpoints URL,... or --infsvc NAME", file=sys.stderr)
+    static = bool(args.endpoints or args.prefill or args.decode)
+    if static == bool(args.infsvc):
+        print("iterserve router: give the replicas either as URLs (--endpoints URL,..., and/or --prefill "
+              "URL,... --decode URL,...) or as --infsvc NAME, not both", file=sys.stderr)
+        return 2
+    if args.prefill and not (args.decode or args.endpoints):
+        print("iterserve router: --prefill needs replicas to decode on: add --decode URL,... (engines "
+              "started with --role decode) or --endpoints URL,... (role both)", file=sys.stderr)
+        return 2
+    if args.decode and not args.prefill:
+        print("iterserve router: --decode needs --prefill URL,... (the prefill pool); without one, give "
+              "the replicas as --endpoints", file=sys.stderr)
+        return 2
+    if args.pd_threshold_tokens < 0 or args.pd_max_prefill_queue < 1 or args.pd_prefill_timeout <= 0:
+        print("iterserve router: --pd-threshold-tokens must be >= 0, --pd-max-prefill-queue >= 1 and "
+              "--pd-prefill-timeout > 0", file=sys.stderr)
         return 2
     if args.scrape_interval <= 0 or args.queue_timeout < 0 or args.max_queue < 0:
         print("iterserve router: --scrape-interval must be > 0, --queue-timeout and --max-queue >= 0",
@@ -104,16 +147,27 @@ async def _main(args: argparse.Namespace, options: RouterOptions) -> int:
         print(f"iterserve router: cannot listen on {options.host}:{options.port}: {error}", file=sys.stderr)
         return 1
     watch = None
-    if args.endpoints:
-        router.set_endpoints(parse_endpoints(args.endpoints))
+    if not args.infsvc:
+        router.set_endpoints([*parse_endpoints(args.endpoints or ""), *parse_endpoints(args.decode or "")])
+        router.set_prefill_endpoints(parse_endpoints(args.prefill or ""))
         source = f"{len(router.endpoints)} static endpoint(s)"
+        if router.prefills:
+            pd = options.pd
+            source += (f" and {len(router.prefills)} prefill endpoint(s) (remote prefill above "
+                       f"{pd.threshold_tokens} uncached tokens, prefill queue under {pd.max_prefill_queue})")
     else:
         loop = asyncio.get_running_loop()
         selector = inference_service_selector(args.infsvc)
+
+        def on_change(pools: RolePools) -> None:
+            router.set_prefill_endpoints(pools.prefill)
+            router.set_endpoints(pools.serving)
+
         watch = PodWatch(api_client(args.kubeconfig), args.namespace, selector,
-                         lambda urls: loop.call_soon_threadsafe(router.set_endpoints, urls),
-                         args.port_name).start()
-        source = f"the ready pods of InferenceService {args.namespace}/{args.infsvc} ({selector})"
+                         lambda pools: loop.call_soon_threadsafe(on_change, pools), args.port_name,
+                         by_role=True).start()
+        source = (f"the ready pods of InferenceService {args.namespace}/{args.infsvc} ({selector}; "
+                  f"{ROLE_LABEL}=prefill pods prefill)")
     log.info("routing on http://%s:%d to %s (metrics at /metrics)", options.host, router.port, source)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

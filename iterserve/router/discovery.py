@@ -4,6 +4,10 @@ InferenceService, watched on the API server (not polled).
 Pods rather than EndpointSlices: the slices cannot hold loopback addresses, so on the local
 control plane (pod IPs 127.10.x.y) they stay empty; the Gateway API Inference Extension's endpoint
 picker watches pods too. A terminating pod leaves the list at once, before its engine drains.
+
+For prefill/decode disaggregation the pods carry their engine's role in the ROLE_LABEL label
+(set by the operator): `prefill` pods form the router's prefill pool; `decode`, `both` and
+unlabelled pods take requests.
 """
 
 from __future__ import annotations
@@ -13,8 +17,18 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 logger = logging.getLogger("iterserve.router")
+
+ROLE_LABEL = "iterserve.dev/role"  # the engine's --role: prefill | decode | both (absent: both)
+PREFILL_ROLE = "prefill"
+
+
+@dataclass(frozen=True, slots=True)
+class RolePools:
+    prefill: list[str]  # the prefill pool (pods labelled ROLE_LABEL=prefill)
+    serving: list[str]  # where requests go: decode and aggregated pods
 
 
 def parse_endpoints(text: str) -> list[str]:
@@ -29,7 +43,22 @@ def parse_endpoints(text: str) -> list[str]:
 
 def ready_urls(pods: list[dict], port_name: str) -> list[str]:
     """Base URLs of the Ready, non-terminating pods, at the container port named port_name."""
-    urls = []
+    return sorted(url for _, url in _ready(pods, port_name))
+
+
+def ready_pools(pods: list[dict], port_name: str) -> RolePools:
+    """The Ready, non-terminating pods' base URLs, split by their ROLE_LABEL."""
+    ready = _ready(pods, port_name)
+    return RolePools(prefill=sorted(url for pod, url in ready if _role(pod) == PREFILL_ROLE),
+                     serving=sorted(url for pod, url in ready if _role(pod) != PREFILL_ROLE))
+
+
+def _role(pod: dict) -> str | None:
+    return ((pod.get("metadata") or {}).get("labels") or {}).get(ROLE_LABEL)
+
+
+def _ready(pods: list[dict], port_name: str) -> list[tuple[dict, str]]:
+    found = []
     for pod in pods:
         status = pod.get("status") or {}
         ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or [])
@@ -37,8 +66,8 @@ def ready_urls(pods: list[dict], port_name: str) -> list[str]:
             continue
         ports = [p for c in pod["spec"]["containers"] for p in c.get("ports") or [] if p.get("name") == port_name]
         if ports:
-            urls.append(f"http://{status['podIP']}:{ports[0]['containerPort']}")
-    return sorted(urls)
+            found.append((pod, f"http://{status['podIP']}:{ports[0]['containerPort']}"))
+    return found
 
 
 def inference_service_selector(name: str) -> str:
@@ -57,14 +86,15 @@ def api_client(kubeconfig: str | None = None):
 
 
 class PodWatch:
-    """Calls on_change(urls) (from its own thread) whenever the set of ready URLs changes."""
+    """Calls on_change(urls) (from its own thread) whenever the set of ready URLs changes; with
+    by_role, on_change(RolePools) whenever either pool changes."""
 
     def __init__(self, api, namespace: str, selector: str, on_change: Callable[[list[str]], None],
-                 port_name: str = "http"):
+                 port_name: str = "http", by_role: bool = False):
         self.api, self.namespace, self.selector = api, namespace, selector
-        self.on_change, self.port_name = on_change, port_name
+        self.on_change, self.port_name, self.by_role = on_change, port_name, by_role
         self._stop = threading.Event()
-        self._last: list[str] | None = None
+        self._last: list[str] | RolePools | None = None
         self._thread = threading.Thread(target=self._run, name="pod watch", daemon=True)
 
     def start(self) -> PodWatch:
@@ -75,7 +105,8 @@ class PodWatch:
         self._stop.set()
 
     def _emit(self, pods: dict[str, dict]) -> None:
-        urls = ready_urls(list(pods.values()), self.port_name)
+        pods_ = list(pods.values())
+        urls = ready_pools(pods_, self.port_name) if self.by_role else ready_urls(pods_, self.port_name)
         if urls != self._last:
             self._last = urls
             self.on_change(urls)

@@ -6,11 +6,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from iterserve.engine import metrics as names
+from iterserve.router.disagg import FALLBACK_REASONS, PD_REASONS
 from iterserve.router.picking import PICK_REASONS
 
 disable_created_metrics()  # as the engine does: no consumer reads the _created series
@@ -29,6 +36,17 @@ class RouterMetrics:
                                  "connection error.", [names.ROUTER_ENDPOINT_LABEL], registry=self.registry)
         self.requests = Counter(names.ROUTER_REQUESTS_TOTAL, "Responses by the status the client got.",
                                 ["code"], registry=self.registry)
+        decisions = Counter(names.ROUTER_PD_DECISIONS_TOTAL, "P/D path: where each completions or chat "
+                            "request was prefilled (remote: on a prefill replica; any other reason: on its "
+                            "decode replica).", ["reason"], registry=self.registry)
+        self.pd_decisions = {reason: decisions.labels(reason) for reason in PD_REASONS}
+        fallbacks = Counter(names.ROUTER_PD_FALLBACKS_TOTAL, "P/D path: remote prefills given up "
+                            "(the decode replica prefilled locally), by why.", ["reason"], registry=self.registry)
+        self.pd_fallbacks = {reason: fallbacks.labels(reason) for reason in FALLBACK_REASONS}
+        self.pd_prefill_seconds = Histogram(
+            names.ROUTER_PD_PREFILL_SECONDS, "P/D path: seconds of a successful remote prefill call "
+            "(the prompt's forward pass on the prefill replica, plus queueing).", registry=self.registry,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.registry.register(_EndpointCollector(endpoints, now, stale_after_s))
 
     def exposition(self) -> bytes:

@@ -64,6 +64,14 @@ class PrefixTable:
                 return url
         return None
 
+    def longest(self, keys: list[int]) -> tuple[str | None, int]:
+        """(the replica that served the longest recorded prefix of keys, how many blocks long)."""
+        for depth in range(len(keys), 0, -1):
+            url = self._owner.get(keys[depth - 1])
+            if url is not None:
+                return url, depth
+        return None, 0
+
     def record(self, keys: list[int], url: str) -> None:
         for key in keys:
             self._owner[key] = url

@@ -6,17 +6,25 @@ with Retry-After; 503 at once when none is routable), send, relay the answer byt
 A request whose replica fails before any byte reached the client (connection refused or reset,
 or a 503 from a draining engine) is sent once more, to another replica. A client that goes away
 closes the upstream connection, which makes the engine abort the request.
+
+With a prefill pool (`set_prefill_endpoints`), a completions or chat request whose uncached prompt
+is long goes first to a prefill replica (max_tokens 1), and its decode replica then pulls the KV
+(disagg.py decides and shapes the bodies); a prefill that fails or times out falls back to the
+decode replica prefilling locally. The client sees one ordinary answer from the decode replica.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from iterserve.engine import metrics as names
+from iterserve.router import disagg
 from iterserve.router.endpoints import CONNECTION_ERRORS, Endpoint, ScrapeFailed, scrape_once
 from iterserve.router.http import (
     HOP_BY_HOP,
@@ -33,7 +41,7 @@ from iterserve.router.http import (
 )
 from iterserve.router.metrics import RouterMetrics
 from iterserve.router.picking import NONE_READY, PickPolicy, pick, pick_round_robin
-from iterserve.router.prefix import PrefixTable, prompt_keys
+from iterserve.router.prefix import CHARS_PER_TOKEN, PrefixTable, block_hashes, prompt_keys
 
 logger = logging.getLogger("iterserve.router")
 
@@ -58,10 +66,17 @@ class RouterOptions:
     block_size: int = 16  # the engines' KV block size
     seed: int | None = None
     round_robin: bool = False  # the comparison baseline instead of least load
+    pd: disagg.PdPolicy = field(default_factory=disagg.PdPolicy)  # with a prefill pool only
+    pd_prefill_timeout_s: float = 30.0  # a remote prefill slower than this falls back to local
+    pd_tokenize_timeout_s: float = 2.0  # counting a long text prompt's tokens on the decode replica
 
 
 class _Retry(Exception):
     """This replica failed before the client saw a byte; try another."""
+
+
+class _ClientGone(Exception):
+    """The client closed its connection while the router worked on its request."""
 
 
 class Router:
@@ -70,27 +85,45 @@ class Router:
         self.clock = time.monotonic
         self.rng = random.Random(options.seed)
         self._turn = 0
-        self.endpoints: dict[str, Endpoint] = {}
+        self.endpoints: dict[str, Endpoint] = {}  # where requests go (decode and aggregated replicas)
+        self.prefills: dict[str, Endpoint] = {}  # the prefill pool of the P/D path (empty: no P/D)
         self._scrapers: dict[str, asyncio.Task] = {}
         self._changed_event = asyncio.Event()
         self.prefixes = PrefixTable()
-        self.metrics = RouterMetrics(lambda: list(self.endpoints.values()), self.clock, options.stale_after_s)
+        self.decode_prefixes = PrefixTable()  # P/D: which decode replica has which prompt blocks cached
+        self.metrics = RouterMetrics(lambda: list({**self.prefills, **self.endpoints}.values()), self.clock,
+                                     options.stale_after_s)
+        self._fallback_logged: dict[str, float] = {}
         self.server: asyncio.Server | None = None
 
     # -- endpoints ------------------------------------------------------------------------------
     def set_endpoints(self, urls: Iterable[str]) -> None:
+        """The replicas requests are sent to (decode and aggregated ones)."""
+        self._sync(self.endpoints, urls, "endpoint")
+
+    def set_prefill_endpoints(self, urls: Iterable[str]) -> None:
+        """The prefill pool of the P/D path; empty turns the P/D path off."""
+        self._sync(self.prefills, urls, "prefill endpoint")
+
+    def _sync(self, table: dict[str, Endpoint], urls: Iterable[str], what: str) -> None:
         wanted = {u.rstrip("/") for u in urls}
-        for url in wanted - self.endpoints.keys():
-            self.endpoints[url] = endpoint = Endpoint(url, self.clock)
+        for url in wanted - table.keys():
+            if url in self._scrapers:  # the same URL in both pools: one scraper, one Endpoint
+                table[url] = (self.endpoints.get(url) or self.prefills[url])
+                continue
+            table[url] = endpoint = Endpoint(url, self.clock)
             self._scrapers[url] = asyncio.create_task(self._scrape_loop(endpoint), name=f"scrape {url}")
-            logger.info("endpoint added: %s", url)
-        for url in self.endpoints.keys() - wanted:
-            endpoint = self.endpoints.pop(url)
+            logger.info("%s added: %s", what, url)
+        for url in table.keys() - wanted:
+            endpoint = table.pop(url)
+            self.prefixes.forget(url)
+            self.decode_prefixes.forget(url)
+            logger.info("%s removed: %s", what, url)
+            if url in self.endpoints or url in self.prefills:
+                continue
             endpoint.removed = True
             endpoint.close_idle()
             self._scrapers.pop(url).cancel()
-            self.prefixes.forget(url)
-            logger.info("endpoint removed: %s", url)
         self._changed()
 
     def _changed(self) -> None:
@@ -150,7 +183,7 @@ class Router:
             self.server.close()
         for task in self._scrapers.values():
             task.cancel()
-        for endpoint in self.endpoints.values():
+        for endpoint in [*self.endpoints.values(), *self.prefills.values()]:
             endpoint.removed = True
             endpoint.close_idle()
 
@@ -216,6 +249,9 @@ class Router:
         keys = prompt_keys(body, o.block_size, o.prefix_tokens) if o.prefix_affinity and body else []
         affinity = self.prefixes.lookup(keys) if keys else None
         request = self._upstream_request(method, target, headers, body)
+        path = target.split(b"?", 1)[0]
+        pd = bool(self.prefills) and method == b"POST" and path in disagg.GENERATION_PATHS
+        decode_keys: list[int] = []
         tried: set[str] = set()
         for attempt in range(2):
             endpoint = await self._choose(client, tried, affinity, close)
@@ -223,21 +259,164 @@ class Router:
                 return close
             endpoint.in_flight += 1
             try:
+                if pd:
+                    pd = False  # decided once: a retry re-sends the same body to another decode replica
+                    request, decode_keys = await self._disaggregate(client, endpoint, path, headers, body, request)
                 close = await self._exchange(endpoint, client, request, method == b"HEAD", close)
             except _Retry:
                 tried.add(endpoint.url)
                 if attempt == 0:
                     self.metrics.retries.inc()
                 continue
+            except _ClientGone:
+                return True
             finally:
                 endpoint.in_flight -= 1
                 self._changed()
             if keys:
                 self.prefixes.record(keys, endpoint.url)
+            if decode_keys:
+                self.decode_prefixes.record(decode_keys, endpoint.url)
             return close
         self._reply(client, error_json(502, "the replica failed before answering, and so did the retry",
                                        "service_unavailable", "upstream_failed", close=close), 502)
         return close
+
+    # -- the P/D path ---------------------------------------------------------------------------
+    async def _disaggregate(self, client: Conn, decode: Endpoint, path: bytes, headers, body: bytes,
+                            request: list[bytes]) -> tuple[list[bytes], list[int]]:
+        """The request to send to the decode replica (with the prefill's kv_transfer_params when
+        a prefill replica ran the prompt; unchanged otherwise), and the prompt's block keys (to
+        remember what that decode replica now has cached)."""
+        o = self.options
+        parsed = disagg.parse_request(path, body)
+        if parsed is None:
+            self.metrics.pd_decisions[disagg.UNSUPPORTED].inc()
+            return request, []
+        fields, prompt = parsed
+        token_ids = prompt.token_ids
+        if token_ids is None and not disagg.surely_short(prompt, o.pd.threshold_tokens):
+            token_ids = await self._tokenize(decode, headers, fields, prompt)
+        keys: list[int] = []
+        if token_ids is not None:
+            salt = fields.get("cache_salt")
+            keys = block_hashes(token_ids, o.block_size, len(token_ids), (salt,) if isinstance(salt, str) and salt
+                                else ())
+            owner, cached_blocks = self.decode_prefixes.longest(keys)
+            uncached = len(token_ids) - (cached_blocks * o.block_size if owner == decode.url else 0)
+        else:  # surely short, or /tokenize failed: estimate from the text
+            uncached = prompt.utf8_len // CHARS_PER_TOKEN
+        now = self.clock()
+        loads = [e.load(now, o.stale_after_s) for e in self.prefills.values()]
+        decision = disagg.decide(uncached, loads, self.rng, o.pd)
+        self.metrics.pd_decisions[decision.reason].inc()
+        if decision.prefill is None:
+            logger.debug("P/D: %s (%s uncached tokens) -> %s prefills", decision.reason, uncached, decode.url)
+            return request, keys
+        prefill = self.prefills[decision.prefill]
+        prefill.in_flight += 1
+        started = self.clock()
+        try:
+            params = await self._remote_prefill(client, prefill, path, headers, disagg.prefill_body(fields))
+        finally:
+            prefill.in_flight -= 1
+            self._changed()
+        if isinstance(params, str):  # a fallback reason
+            self.metrics.pd_fallbacks[params].inc()
+            return request, keys
+        self.metrics.pd_prefill_seconds.observe(self.clock() - started)
+        return self._upstream_request(b"POST", path, headers, disagg.decode_body(fields, params)), keys
+
+    async def _tokenize(self, decode: Endpoint, headers, fields: dict, prompt: disagg.Prompt) -> list[int] | None:
+        """The prompt's token ids from the decode replica's /tokenize (the engine's own tokenizer and
+        chat template), or None if it cannot say in time."""
+        try:
+            status, answer = await asyncio.wait_for(
+                self._call(decode, b"/tokenize", headers, disagg.tokenize_body(fields, prompt)),
+                self.options.pd_tokenize_timeout_s)
+            tokens = json.loads(answer)["tokens"] if status == 200 else None
+        except (*CONNECTION_ERRORS, TimeoutError, ProtocolError, ValueError, KeyError, TypeError) as error:
+            logger.debug("P/D: /tokenize on %s failed (%s); estimating the prompt's length", decode.url, error)
+            return None
+        return tokens if isinstance(tokens, list) else None
+
+    async def _remote_prefill(self, client: Conn, prefill: Endpoint, path: bytes, headers,
+                              body: bytes) -> dict | str:
+        """Runs the prompt on the prefill replica: its kv_transfer_params, or why not (a fallback
+        reason). Raises _ClientGone if the client leaves meanwhile (the prefill call is cut, so
+        the prefill replica aborts the request)."""
+        o = self.options
+        call = asyncio.ensure_future(asyncio.wait_for(self._call(prefill, path, headers, body), o.pd_prefill_timeout_s))
+        watcher = asyncio.ensure_future(client.wait_eof())
+        try:
+            await asyncio.wait([call, watcher], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (call, watcher):
+                task.cancel()
+            await asyncio.wait([call, watcher])  # nothing else may read the client until it has stopped
+        if not call.cancelled() and call.exception() is None:
+            status, answer = call.result()
+            if status != 200:
+                return self._fallback(disagg.FALLBACK_STATUS, prefill, f"it answered {status}: {answer[:200]!r}")
+            params = disagg.kv_params_of(answer)
+            if params is None:
+                return self._fallback(disagg.FALLBACK_NO_PARAMS, prefill, "its answer has no kv_transfer_params "
+                                      "(is it an iterserve engine started with --role prefill or both?)")
+            return params
+        if watcher.done() and not watcher.cancelled():
+            raise _ClientGone
+        error = call.exception() if not call.cancelled() else TimeoutError()
+        if isinstance(error, TimeoutError):
+            return self._fallback(disagg.FALLBACK_TIMEOUT, prefill, f"no answer within {o.pd_prefill_timeout_s:g} s "
+                                  "(--pd-prefill-timeout)")
+        if isinstance(error, (*CONNECTION_ERRORS, ProtocolError, ValueError)):
+            self._eject(prefill, f"prefill: {type(error).__name__}: {error}")
+            return self._fallback(disagg.FALLBACK_CONNECT, prefill, f"{type(error).__name__}: {error}")
+        raise error
+
+    def _fallback(self, reason: str, prefill: Endpoint, why: str) -> str:
+        now = self.clock()
+        if now - self._fallback_logged.get(reason, -1e9) >= 10.0:  # one line per reason per 10 s
+            self._fallback_logged[reason] = now
+            logger.warning("P/D: remote prefill on %s failed (%s); the decode replica prefills locally "
+                           "%s{reason=%r} counts every one)", prefill.url, why,
+                           names.ROUTER_PD_FALLBACKS_TOTAL, reason)
+        return reason
+
+    async def _call(self, endpoint: Endpoint, path: bytes, headers, body: bytes) -> tuple[int, bytes]:
+        """POST body to endpoint's path on a kept-alive connection: (status, de-chunked body).
+        The connection is aborted if the caller is cancelled (so the engine aborts the request)."""
+        o = self.options
+        head = self._upstream_request(b"POST", path, headers, body)
+        conn = endpoint.take_idle(o.max_idle_conn_s)
+        for _ in range(2):
+            reused = conn is not None
+            if conn is None:
+                conn = await endpoint.connect(o.connect_timeout_s)
+            done = False
+            try:
+                conn.writer.write(head[0] + b"\r\nhost: " + endpoint.host_header + b"\r\n\r\n" + head[1])
+                answer_head = await conn.read_head()
+                if answer_head is None:
+                    raise ConnectionResetError("closed before answering")
+                start, answer_headers = parse_head(answer_head)
+                answer = await read_body(conn, answer_headers, o.max_body_bytes)
+                done = True
+            except CONNECTION_ERRORS:
+                conn.abort()
+                if not reused:
+                    raise
+                conn = None  # a kept-alive connection the engine had just closed: open a new one
+                continue
+            finally:
+                if not done and conn is not None:
+                    conn.abort()
+            if b"close" in (header(answer_headers, b"connection") or b"").lower():
+                conn.writer.close()
+            else:
+                endpoint.put_idle(conn)
+            return int(start[1]), answer
+        raise ConnectionResetError("closed before answering")
 
     def _upstream_request(self, method: bytes, target: bytes, headers, body: bytes) -> list[bytes]:
         """The request head (without host) as lines; host is added per endpoint."""

@@ -54,10 +54,11 @@ ROUTER_FLAGS = {
     "--eject-backoff": True, "--max-eject-backoff": True, "--prefix-affinity": False,
     "--affinity-tolerance": True, "--prefix-tokens": True, "--block-size": True, "--seed": True,
     "--policy": True, "--log-level": True,
+    "--pd-threshold-tokens": True, "--pd-max-prefill-queue": True, "--pd-prefill-timeout": True,
 }
 # `router` flags a pod may not pass: a file of this machine (--kubeconfig: the runtime gives its
 # own), or addresses to dial that no API server vouches for (--endpoints).
-REFUSED_ROUTER_FLAGS = ("--endpoints", "--kubeconfig", "-h", "--help")
+REFUSED_ROUTER_FLAGS = ("--endpoints", "--prefill", "--decode", "--kubeconfig", "-h", "--help")
 # What each command a pod may run accepts.
 COMMAND_FLAGS = {"serve": SERVE_FLAGS, "router": ROUTER_FLAGS}
 # Variables that change which code the interpreter, the dynamic loader, libc or the engine's
