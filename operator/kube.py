@@ -66,6 +66,18 @@ class Kube:
             raise ApiException(status=response.status, reason=response.reason)
         return any(r.get("name") == PLURAL for r in json.loads(response.data).get("resources", []))
 
+    def api_resource_served(self, group: str, version: str, plural: str) -> bool:
+        """Whether API discovery lists group/version's `plural` (e.g. a CRD another project installs)."""
+        api = self.core.api_client
+        request = api.param_serialize("GET", f"/apis/{group}/{version}", auth_settings=["BearerToken"])
+        response = api.call_api(*request)
+        response.read()
+        if response.status == 404:
+            return False
+        if not 200 <= response.status < 300:
+            raise ApiException(status=response.status, reason=response.reason)
+        return any(r.get("name") == plural for r in json.loads(response.data).get("resources", []))
+
     def inference_services_listable(self, namespace: str | None) -> bool:
         """Whether listing answers (a fresh CRD's storage answers 429 while it initializes)."""
         try:
@@ -101,17 +113,48 @@ class Kube:
         return _json(self.custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, namespace, PLURAL, name, body, _content_type=MERGE, _preload_content=False))
 
-    # apps deployments, core services and configmaps: get, patch (server-side apply)
+    # apps deployments, core services, configmaps and serviceaccounts, rbac roles and rolebindings,
+    # inference.networking.k8s.io inferencepools: get, patch (server-side apply), delete (the
+    # routing objects a mode switch leaves behind); core secrets: get
     def _methods(self, kind: str):
+        """(read, server-side apply, delete) of a kind, each called as f(name, namespace, ...)."""
+        if kind == "InferencePool":
+            from iterserve.operator.routing import (
+                INFERENCE_POOL_GROUP,
+                INFERENCE_POOL_PLURAL,
+                INFERENCE_POOL_VERSION,
+            )
+
+            where = (INFERENCE_POOL_GROUP, INFERENCE_POOL_VERSION)
+
+            def read(name, namespace, **kw):
+                return self.custom.get_namespaced_custom_object(*where, namespace, INFERENCE_POOL_PLURAL, name, **kw)
+
+            def patch(name, namespace, body, **kw):
+                return self.custom.patch_namespaced_custom_object(*where, namespace, INFERENCE_POOL_PLURAL, name,
+                                                                  body, **kw)
+
+            def delete(name, namespace, **kw):
+                return self.custom.delete_namespaced_custom_object(*where, namespace, INFERENCE_POOL_PLURAL, name,
+                                                                   **kw)
+
+            return read, patch, delete
+        rbac = client.RbacAuthorizationV1Api(self.core.api_client)
         return {
-            "Deployment": (self.apps.read_namespaced_deployment, self.apps.patch_namespaced_deployment),
-            "Service": (self.core.read_namespaced_service, self.core.patch_namespaced_service),
-            "ConfigMap": (self.core.read_namespaced_config_map, self.core.patch_namespaced_config_map),
-            "Secret": (self.core.read_namespaced_secret, None),
+            "Deployment": (self.apps.read_namespaced_deployment, self.apps.patch_namespaced_deployment,
+                           self.apps.delete_namespaced_deployment),
+            "Service": (self.core.read_namespaced_service, self.core.patch_namespaced_service, None),
+            "ConfigMap": (self.core.read_namespaced_config_map, self.core.patch_namespaced_config_map, None),
+            "ServiceAccount": (self.core.read_namespaced_service_account, self.core.patch_namespaced_service_account,
+                               self.core.delete_namespaced_service_account),
+            "Role": (rbac.read_namespaced_role, rbac.patch_namespaced_role, rbac.delete_namespaced_role),
+            "RoleBinding": (rbac.read_namespaced_role_binding, rbac.patch_namespaced_role_binding,
+                            rbac.delete_namespaced_role_binding),
+            "Secret": (self.core.read_namespaced_secret, None, None),
         }[kind]
 
     def get(self, kind: str, namespace: str, name: str) -> dict | None:
-        read, _ = self._methods(kind)
+        read, _, _ = self._methods(kind)
         try:
             return _json(read(name, namespace, _preload_content=False))
         except ApiException as exc:
@@ -120,10 +163,23 @@ class Kube:
             raise
 
     def apply(self, manifest: dict, dry_run: bool = False) -> dict:
-        _, patch = self._methods(manifest["kind"])
+        _, patch, _ = self._methods(manifest["kind"])
         meta = manifest["metadata"]
         return _json(patch(meta["name"], meta["namespace"], manifest, field_manager=FIELD_MANAGER, force=True,
                            dry_run="All" if dry_run else None, _content_type=APPLY, _preload_content=False))
+
+    def delete(self, obj: dict) -> None:
+        """Deletes exactly `obj` (a uid precondition: never a same-named object created since it was
+        read); a 404 or 409 means it is gone or replaced already, which is fine."""
+        _, _, delete = self._methods(obj["kind"])
+        meta = obj["metadata"]
+        body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=meta["uid"]),
+                                      propagation_policy="Background")
+        try:
+            delete(meta["name"], meta["namespace"], body=body, _preload_content=False)
+        except ApiException as exc:
+            if exc.status not in (404, 409):
+                raise
 
     # core pods: list
     def list_pods(self, namespace: str, label_selector: str) -> list[dict]:

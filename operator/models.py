@@ -258,9 +258,11 @@ class RoutingSpec(WireModel):
     """How requests reach the engine pods (operator/routing.py builds the objects)."""
 
     mode: Literal["Router", "Gateway", "None"] = Field(
-        "Router", description=("Router: a load-aware `iterserve router` Deployment behind the InferenceService's "
+        "Router", description=("Router: a load-aware `iterserve router` Deployment (NAME-router, scheduled with "
+                               "spec.scheduling's nodeSelector and tolerations) behind the InferenceService's "
                                "Service. Gateway: an InferencePool (inference.networking.k8s.io/v1) for a Gateway "
-                               "API Inference Extension gateway. None: the Service selects the engine pods."))
+                               "API Inference Extension gateway (condition RoutingUnavailable while its CRD is not "
+                               "installed). None: the Service selects the engine pods."))
     endpoint_picker: str | None = Field(
         None, description="Gateway mode: the endpoint picker's Service (default: NAME-epp), port 9002.")
 
@@ -306,7 +308,10 @@ INVALID_SPEC = "InvalidSpec"
 CONFLICT = "Conflict"  # an object of an owned object's name exists and is not this InferenceService's
 METRICS_AVAILABLE = "MetricsAvailable"
 SCALING_LIMITED = "ScalingLimited"
-CONDITION_TYPES = (READY, PROGRESSING, DEGRADED, INVALID_SPEC, CONFLICT, METRICS_AVAILABLE, SCALING_LIMITED)
+# spec.routing cannot be served as asked (Gateway mode without the InferencePool CRD installed).
+ROUTING_UNAVAILABLE = "RoutingUnavailable"
+CONDITION_TYPES = (READY, PROGRESSING, DEGRADED, INVALID_SPEC, CONFLICT, ROUTING_UNAVAILABLE, METRICS_AVAILABLE,
+                   SCALING_LIMITED)
 
 
 class Condition(WireModel):

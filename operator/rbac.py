@@ -27,8 +27,9 @@ RULES: tuple[Rule, ...] = (
          "the reconcile writes status (conditions, replicas, selector)"),
     Rule("iterserve.dev", "inferenceservices/finalizers", ("update",),
          "owner references with blockOwnerDeletion, where OwnerReferencesPermissionEnforcement is on"),
-    Rule("apps", "deployments", ("get", "list", "watch", "create", "patch"),
-         "engine Deployments: server-side apply (patch, or create when missing); drift watch"),
+    Rule("apps", "deployments", ("get", "list", "watch", "create", "patch", "delete"),
+         "engine and router Deployments: server-side apply (patch, or create when missing); drift watch; "
+         "delete: the router's, when spec.routing.mode leaves Router"),
     Rule("", "services", ("get", "list", "watch", "create", "patch"),
          "engine Services: server-side apply; a deleted one is noticed and recreated"),
     Rule("", "configmaps", ("get", "list", "watch", "create", "patch"),
@@ -37,8 +38,18 @@ RULES: tuple[Rule, ...] = (
          "the engine admin token, created once, never listed or watched"),
     Rule("", "events", ("create",),
          "an Event on the InferenceService for every change"),
-    Rule("", "pods", ("list",),
-         "the autoscaler finds the engine pods, their readiness and addresses, to read their metrics"),
+    Rule("", "pods", ("get", "list", "watch"),
+         "list: the autoscaler finds the engine pods, their readiness and addresses, to read their metrics; "
+         "get, watch: only held so that the operator may grant them to the router's Role (RBAC lets no one "
+         "grant what it lacks)"),
+    Rule("", "serviceaccounts", ("get", "create", "patch", "delete"),
+         "the router's ServiceAccount (Router mode): server-side apply; delete on a mode switch"),
+    Rule("rbac.authorization.k8s.io", "roles", ("get", "create", "patch", "delete"),
+         "the router's Role (get/list/watch pods in its namespace): server-side apply; delete on a mode switch"),
+    Rule("rbac.authorization.k8s.io", "rolebindings", ("get", "create", "patch", "delete"),
+         "binds the router's Role to its ServiceAccount: server-side apply; delete on a mode switch"),
+    Rule("inference.networking.k8s.io", "inferencepools", ("get", "create", "patch", "delete"),
+         "the InferencePool (Gateway mode): server-side apply; delete on a mode switch"),
     Rule("apps", "replicasets", ("list",),
          "the autoscaler trusts only pods of its Deployment's current ReplicaSet"),
 )

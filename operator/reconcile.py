@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from iterserve.operator import metrics
+from iterserve.operator import metrics, routing
 from iterserve.operator.autoscaling.report import (
     AutoscalerTick,
     events_for,
@@ -31,14 +31,23 @@ from iterserve.operator.autoscaling.report import (
 )
 from iterserve.operator.autoscaling.settings import settings_from_spec
 from iterserve.operator.kube import Kube, conflict, invalid, server_message
-from iterserve.operator.models import CONFLICT, DEGRADED, INVALID_SPEC, READY, InferenceServiceSpec
+from iterserve.operator.models import (
+    CONFLICT,
+    DEGRADED,
+    INVALID_SPEC,
+    READY,
+    ROUTING_UNAVAILABLE,
+    InferenceServiceSpec,
+)
 from iterserve.operator.resources import (
     Owner,
     build_admin_secret,
     build_owned,
     controlled_by,
+    deployment_name,
     effective_max_num_seqs,
     secret_name,
+    service_name,
 )
 from iterserve.operator.status import (
     changed_fields,
@@ -95,6 +104,21 @@ def first_difference(desired: Any, actual: Any, path: str = "") -> str | None:
     return path
 
 
+def drift(desired: dict, actual: dict) -> str | None:
+    """first_difference, and for a Deployment a pod label the operator no longer sets (e.g. the
+    endpoint picker's, after leaving Gateway mode): pod labels decide what selects the pods."""
+    found = first_difference(desired, actual)
+    if found or desired["kind"] != "Deployment":
+        return found
+    want = desired["spec"]["template"]["metadata"].get("labels") or {}
+    have = (((actual.get("spec") or {}).get("template") or {}).get("metadata") or {}).get("labels") or {}
+    return None if set(have) <= set(want) else ".spec.template.metadata.labels"
+
+
+def _key(manifest: dict) -> tuple[str, str]:
+    return manifest["kind"], manifest["metadata"]["name"]
+
+
 class Reconciler:
     def __init__(self, kube: Kube, clock: Callable[[], datetime] = utcnow,
                  allowed_pod_security: frozenset[str] = frozenset()):
@@ -144,14 +168,30 @@ class Reconciler:
         previous = body.get("status") or {}
         tuned = tuned_max_num_seqs(settings_from_spec(spec), tick, previous)
         max_num_seqs = effective_max_num_seqs(spec, tuned)
-        manifests = build_owned(owner, spec, max_num_seqs)
-        live = {m["kind"]: self.kube.get(m["kind"], namespace, m["metadata"]["name"]) for m in manifests}
+        mode = spec.routing.mode
+        pool_served = mode != routing.GATEWAY or self.kube.api_resource_served(
+            routing.INFERENCE_POOL_GROUP, routing.INFERENCE_POOL_VERSION, routing.INFERENCE_POOL_PLURAL)
+        # Every object some routing mode makes, read once: what this mode wants is applied, what
+        # another mode left behind (and is ours) is deleted.
+        leftovers = {key: self.kube.get(key[0], namespace, key[1]) for key in routing.routing_object_keys(name)}
+        router = leftovers.get(("Deployment", routing.router_name(name)))
+        service = self.kube.get("Service", namespace, service_name(name))
+        router_serving = routing.router_ready(router) or (
+            service is not None and (service.get("spec") or {}).get("selector") == routing.router_labels(name))
+        manifests = [build_owned(owner, spec, max_num_seqs, router_serving)[0],
+                     *routing.build_routing(owner, spec, pool_served),
+                     *build_owned(owner, spec, max_num_seqs, router_serving)[1:]]
+        live = {}
+        for m in manifests:
+            key = (m["kind"], m["metadata"]["name"])
+            live[key] = service if key == ("Service", service_name(name)) else (
+                leftovers.pop(key) if key in leftovers else self.kube.get(m["kind"], namespace, key[1]))
         secret = self.kube.get("Secret", namespace, secret_name(name))
         taken = [obj for obj in (*live.values(), secret) if obj is not None and not controlled_by(obj, owner)]
         if taken:
             return self._report_conflict(body, generation, taken[0])
-        stale = [(m, first_difference(m, live[m["kind"]]) if live[m["kind"]] else None) for m in manifests]
-        stale = [(m, difference) for m, difference in stale if live[m["kind"]] is None or difference]
+        stale = [(m, drift(m, live[_key(m)]) if live[_key(m)] else None) for m in manifests]
+        stale = [(m, difference) for m, difference in stale if live[_key(m)] is None or difference]
         refused = self._refused_by_server([m for m, _ in stale])
         if refused is not None:
             return self._report_invalid(body, generation, refused)
@@ -160,16 +200,23 @@ class Reconciler:
         if secret is None and self._create_secret(body, owner):
             changes.append(f"created Secret {secret_name(owner.name)}")
         for manifest, difference in stale:
-            applied, change = self._write(body, manifest, live[manifest["kind"]], difference)
-            live[manifest["kind"]] = applied
+            applied, change = self._write(body, manifest, live[_key(manifest)], difference)
+            live[_key(manifest)] = applied
             if change:
                 changes.append(change)
-        deployment = live["Deployment"]
+        # Written after the Service stopped selecting them: a mode switch drops no request on the floor.
+        for obj in leftovers.values():
+            if obj is not None and controlled_by(obj, owner):
+                changes.append(self._delete(body, obj, f"spec.routing.mode is {mode}"))
+        deployment = live[("Deployment", deployment_name(name))]
+        router = live.get(("Deployment", routing.router_name(name)))
+        routing_state = routing.routing_condition(name, spec, pool_served, router)
 
         now = self.clock()
 
         def wanted_status(prev: dict) -> dict:
-            status = reconciled_status(prev, spec, name, generation, deployment, max_num_seqs, now)
+            status = reconciled_status(prev, spec, name, generation, deployment, max_num_seqs, now,
+                                       routing=routing_state, router=router)
             if tick is not None:
                 status.update(status_patch({**prev, **status}, tick.settings, tick.decision, tick.record,
                                            max_num_seqs, tick.at))
@@ -181,6 +228,13 @@ class Reconciler:
             for event in events_for(tick.decision, tick.record) if tick is not None else ():
                 self._event(written, event.type, event.reason, event.message)
         return Outcome("applied" if changes else "unchanged", changes, written, spec)
+
+    def _delete(self, owner_body: dict, obj: dict, why: str) -> str:
+        kind, obj_name = obj["kind"], obj["metadata"]["name"]
+        self.kube.delete(obj)
+        metrics.OBJECT_WRITES.labels(kind=kind, action="deleted").inc()
+        self._event(owner_body, "Normal", "Deleted", f"Deleted {kind} {obj_name} ({why})")
+        return f"deleted {kind} {obj_name} ({why})"
 
     def _create_secret(self, owner_body: dict, owner: Owner) -> bool:
         """The admin token is generated once; an existing Secret is never rewritten."""
@@ -283,6 +337,10 @@ class Reconciler:
                 self._event(body, "Warning", condition["reason"], condition["message"] or DEGRADED)
             elif kind == INVALID_SPEC and condition["status"] == "False" and before.get(kind) == "True":
                 self._event(body, "Normal", "SpecValid", "The spec is valid again and has been applied.")
+            elif kind == ROUTING_UNAVAILABLE and condition["status"] == "True":
+                self._event(body, "Warning", condition["reason"], condition["message"])
+            elif kind == ROUTING_UNAVAILABLE and before.get(kind) == "True":
+                self._event(body, "Normal", "RoutingAvailable", condition["message"])
             elif kind == CONFLICT and condition["status"] == "False" and before.get(kind) == "True":
                 self._event(body, "Normal", "ConflictResolved", "No other object holds an owned object's name now.")
 

@@ -241,9 +241,11 @@ def pod_template(spec: InferenceServiceSpec, name: str) -> dict[str, Any]:
         pod_spec["affinity"] = scheduling.affinity
     if scheduling.priority_class_name:
         pod_spec["priorityClassName"] = scheduling.priority_class_name
+    from iterserve.operator.routing import engine_pod_labels  # routing builds on this module
+
     template = {
         "metadata": {
-            "labels": common_labels(name),
+            "labels": {**common_labels(name), **engine_pod_labels(spec)},
             "annotations": {
                 "prometheus.io/scrape": "true",
                 "prometheus.io/port": str(ENGINE_PORT),
@@ -276,14 +278,18 @@ def build_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]
     }
 
 
-def build_service(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+def build_service(owner: Owner, spec: InferenceServiceSpec, router_serving: bool = False) -> dict[str, Any]:
+    """The InferenceService's Service: the engines, or in Router mode once `router_serving` the
+    router pods (operator/routing.py decides)."""
+    from iterserve.operator.routing import service_selector  # routing builds on this module
+
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(owner, service_name(owner.name)),
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(owner.name),
+            "selector": service_selector(owner.name, spec, router_serving),
             "ports": [
                 {"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"},
                 # The engine serves /metrics on its HTTP port; a named port lets monitors select it.
@@ -303,10 +309,12 @@ def build_configmap(owner: Owner, spec: InferenceServiceSpec, max_num_seqs: int)
     }
 
 
-def build_owned(owner: Owner, spec: InferenceServiceSpec, max_num_seqs: int) -> tuple[dict[str, Any], ...]:
+def build_owned(owner: Owner, spec: InferenceServiceSpec, max_num_seqs: int,
+                router_serving: bool = False) -> tuple[dict[str, Any], ...]:
     """The objects the reconcile keeps applied, in write order. Only the ConfigMap depends on
     `max_num_seqs`: a retune never changes the Deployment, so it never rolls pods."""
-    return build_configmap(owner, spec, max_num_seqs), build_service(owner, spec), build_deployment(owner, spec)
+    return (build_configmap(owner, spec, max_num_seqs), build_service(owner, spec, router_serving),
+            build_deployment(owner, spec))
 
 
 def build_admin_secret(owner: Owner, token: str | None = None) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from iterserve.operator.models import InferenceServiceSpec
+from iterserve.operator.models import ROUTING_UNAVAILABLE, InferenceServiceSpec
 from iterserve.operator.resources import (
     ENGINE_PORT,
     ENGINE_UID,
@@ -41,8 +41,7 @@ ENGINE_TYPE_LABEL = "llm-d.ai/engine-type"
 ENGINE_TYPE_VLLM = "vllm"
 # The gauges an unmodified endpoint picker reads (exactly one series per name, GIE #2950).
 ENDPOINT_PICKER_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
-# Condition the reconcile sets when Gateway mode is asked for and the InferencePool CRD is absent.
-ROUTING_UNAVAILABLE = "RoutingUnavailable"
+__all__ = ["ROUTING_UNAVAILABLE"]  # the condition's type, defined in models.py
 
 
 def router_name(name: str) -> str:
@@ -63,9 +62,11 @@ def _metadata(owner: Owner, name: str, labels: dict[str, str]) -> dict[str, Any]
             "ownerReferences": [owner_reference(owner)]}
 
 
-def service_selector(name: str, spec: InferenceServiceSpec) -> dict[str, str]:
-    """What the InferenceService's Service selects: the router pods in Router mode, else the engines."""
-    return router_labels(name) if spec.routing.mode == ROUTER else selector_labels(name)
+def service_selector(name: str, spec: InferenceServiceSpec, router_serving: bool = True) -> dict[str, str]:
+    """What the InferenceService's Service selects: the router pods in Router mode once the router
+    serves (`router_serving`: a ready router pod, or the Service selects the router already), else
+    the engines; so switching to Router never leaves the Service without endpoints."""
+    return router_labels(name) if spec.routing.mode == ROUTER and router_serving else selector_labels(name)
 
 
 def engine_pod_labels(spec: InferenceServiceSpec) -> dict[str, str]:
@@ -124,6 +125,7 @@ def build_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[st
                                              "prometheus.io/path": "/metrics"}},
                 "spec": {
                     "serviceAccountName": name,
+                    **_router_scheduling(spec),
                     "containers": [container],
                     "volumes": [{"name": "tmp", "emptyDir": {}}],
                     "enableServiceLinks": False,
@@ -133,6 +135,19 @@ def build_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[st
             },
         },
     }
+
+
+def _router_scheduling(spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The engines' nodeSelector and tolerations: the router runs where its engines may (near them,
+    and on clusters that keep workloads on labelled or tainted nodes)."""
+    scheduling, out = spec.scheduling, {}
+    if scheduling.node_selector:
+        out["nodeSelector"] = dict(scheduling.node_selector)
+    if scheduling.tolerations:
+        out["tolerations"] = [t.to_wire() for t in scheduling.tolerations]
+    if scheduling.priority_class_name:
+        out["priorityClassName"] = scheduling.priority_class_name
+    return out
 
 
 def build_inference_pool(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
@@ -151,11 +166,44 @@ def build_inference_pool(owner: Owner, spec: InferenceServiceSpec) -> dict[str, 
     }
 
 
-def build_routing(owner: Owner, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
-    """The objects the routing mode adds to the engine Deployment, Service and ConfigMap."""
+def build_routing(owner: Owner, spec: InferenceServiceSpec, pool_served: bool = True) -> list[dict[str, Any]]:
+    """The objects the routing mode adds to the engine Deployment, Service and ConfigMap, in write
+    order (`pool_served`: whether the API server serves InferencePools; none is built otherwise)."""
     mode = spec.routing.mode
     if mode == ROUTER:
         return [*build_router_rbac(owner), build_router_deployment(owner, spec)]
-    if mode == GATEWAY:
+    if mode == GATEWAY and pool_served:
         return [build_inference_pool(owner, spec)]
     return []
+
+
+def routing_object_keys(name: str) -> list[tuple[str, str]]:
+    """(kind, name) of every object some routing mode creates: what a mode switch may leave behind."""
+    router = router_name(name)
+    return [("Deployment", router), ("RoleBinding", router), ("Role", router), ("ServiceAccount", router),
+            ("InferencePool", name)]
+
+
+def routing_condition(name: str, spec: InferenceServiceSpec, pool_served: bool,
+                      router: dict | None) -> tuple[str, str, str]:
+    """(status, reason, message) of the RoutingUnavailable condition; `router`: the live router Deployment."""
+    mode = spec.routing.mode
+    if mode == GATEWAY and not pool_served:
+        return ("True", "InferencePoolCRDMissing",
+                f"spec.routing.mode is Gateway but the API server does not serve {INFERENCE_POOL_PLURAL}."
+                f"{INFERENCE_POOL_GROUP}/{INFERENCE_POOL_VERSION}: install the Gateway API Inference Extension's "
+                f"CRDs (its manifests.yaml), or set spec.routing.mode to Router or None. Meanwhile Service {name} "
+                "selects the engine pods directly.")
+    if mode == GATEWAY:
+        return ("False", "InferencePoolApplied",
+                f"InferencePool {name} selects the engine pods; endpoint picker Service "
+                f"{endpoint_picker_name(name, spec)}:{ENDPOINT_PICKER_PORT} (FailOpen).")
+    if mode == ROUTER:
+        ready = ((router or {}).get("status") or {}).get("readyReplicas", 0)
+        return ("False", "RouterDeployed", f"Service {name} -> router Deployment {router_name(name)} "
+                                           f"({ready}/{ROUTER_REPLICAS} ready) -> the engine pods.")
+    return "False", "ServiceSelectsEngines", f"spec.routing.mode is None: Service {name} selects the engine pods."
+
+
+def router_ready(router: dict | None) -> bool:
+    return ((router or {}).get("status") or {}).get("readyReplicas", 0) >= 1

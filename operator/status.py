@@ -18,6 +18,7 @@ from iterserve.operator.models import (
     METRICS_AVAILABLE,
     PROGRESSING,
     READY,
+    ROUTING_UNAVAILABLE,
     SCALING_HISTORY_LIMIT,
     SCALING_LIMITED,
     InferenceServiceSpec,
@@ -74,8 +75,11 @@ def _deployment_condition(deployment: dict, type_: str) -> dict | None:
 
 
 def reconciled_status(previous: dict | None, spec: InferenceServiceSpec, name: str, generation: int,
-                      deployment: dict, max_num_seqs: int, now: datetime) -> dict[str, Any]:
-    """The fields the reconcile owns, computed from the Deployment it just applied."""
+                      deployment: dict, max_num_seqs: int, now: datetime,
+                      routing: tuple[str, str, str] | None = None, router: dict | None = None) -> dict[str, Any]:
+    """The fields the reconcile owns, computed from the Deployment it just applied. `routing`: the
+    RoutingUnavailable condition's (status, reason, message); `router`: the router Deployment in
+    Router mode (Ready waits for a ready router pod too: requests reach engines only through it)."""
     previous = previous or {}
     dep_status = deployment.get("status") or {}
     desired = spec.replicas
@@ -91,6 +95,9 @@ def reconciled_status(previous: dict | None, spec: InferenceServiceSpec, name: s
                                "Every owned object is this InferenceService's own.", now, generation)
     if desired == 0:
         conditions = set_condition(conditions, READY, FALSE, "ScaledToZero", "spec.replicas is 0.", now, generation)
+    elif ready >= desired and rolled_out and router is not None and not (router.get("status") or {}).get("readyReplicas"):
+        conditions = set_condition(conditions, READY, FALSE, "RouterNotReady",
+                                   f"{ready}/{desired} engine pods ready; no router pod ready yet.", now, generation)
     elif ready >= desired and rolled_out:
         conditions = set_condition(conditions, READY, TRUE, "AllReplicasReady",
                                    f"{ready}/{desired} engine pods ready.", now, generation)
@@ -113,6 +120,8 @@ def reconciled_status(previous: dict | None, spec: InferenceServiceSpec, name: s
                                    failure.get("message", ""), now, generation)
     else:
         conditions = set_condition(conditions, DEGRADED, FALSE, "AsExpected", "", now, generation)
+    if routing is not None:
+        conditions = set_condition(conditions, ROUTING_UNAVAILABLE, *routing, now, generation)
     conditions = ensure_condition(conditions, METRICS_AVAILABLE, "NotCollected",
                                   "The autoscaler has not read engine metrics yet.", now)
     conditions = ensure_condition(conditions, SCALING_LIMITED, "NotEvaluated",

@@ -30,7 +30,8 @@ def test_transition_time_moves_only_when_status_changes():
 
 
 def test_ready_stable_service():
-    status = s.reconciled_status(None, SPEC, "llm", 3, deployment(), 64, T0)
+    status = s.reconciled_status(None, SPEC, "llm", 3, deployment(), 64, T0,
+                                 routing=(s.FALSE, "ServiceSelectsEngines", "mode None"))
     c = conditions_of(status)
     assert c["Ready"]["status"] == "True" and c["Progressing"]["status"] == "False"
     assert c["Degraded"]["status"] == "False" and c["InvalidSpec"]["status"] == "False"

@@ -26,6 +26,7 @@ class MemoryKube:
         self.writes: list[tuple[str, str]] = []
         self.events: list[str] = []
         self.version = 1
+        self.served = False  # whether the API server serves InferencePools
 
     def _bump(self, obj: dict) -> dict:
         self.version += 1
@@ -60,6 +61,13 @@ class MemoryKube:
         self.objects[(manifest["kind"], manifest["metadata"]["name"])] = obj
         return copy.deepcopy(obj)
 
+    def delete(self, obj):
+        self.writes.append(("delete " + obj["kind"], obj["metadata"]["name"]))
+        del self.objects[(obj["kind"], obj["metadata"]["name"])]
+
+    def api_resource_served(self, group, version, plural):
+        return self.served
+
     def create_secret(self, manifest):
         self.writes.append(("Secret", manifest["metadata"]["name"]))
         self.objects[("Secret", manifest["metadata"]["name"])] = self._bump(copy.deepcopy(manifest))
@@ -85,6 +93,7 @@ def test_the_reconcile_records_a_tick_in_status_configmap_and_events():
     kube = MemoryKube(copy.deepcopy(SPEC))
     reconciler = Reconciler(kube)
     reconciler.reconcile("ns", "llm")
+    reconciler.reconcile("ns", "llm")  # the router is ready now: the Service moves to it
     assert kube.objects[("ConfigMap", "llm-engine")]["data"] == {"max_num_seqs": "16"}
     kube.writes.clear()
 
