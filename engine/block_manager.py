@@ -128,6 +128,15 @@ class BlockManager:
         """Grow seq's block table to hold its computed tokens plus num_new_tokens."""
         seq.block_table.extend(self.gpu.take(self.new_blocks_needed(seq, num_new_tokens)))
 
+    def pin(self, blocks: list[int]) -> None:
+        """Hold blocks once more for a KV transfer lease (engine/kv_transfer): they outlive the
+        sequence that filled them, and no preemption can take them (they belong to no sequence)."""
+        self.gpu.share(blocks)
+
+    def unpin(self, blocks: list[int]) -> None:
+        """A lease ended (released, expired or aborted): drop its hold."""
+        self.gpu.give_back(blocks)
+
     def free(self, seq: Sequence) -> None:
         self.gpu.give_back(seq.block_table)
         seq.block_table = []

@@ -64,6 +64,12 @@ class EngineConfig:
     enable_prefix_caching: bool | None = None
     # The fake model's modelled step time is multiplied by this (2.0: a replica twice as slow).
     fake_step_time_scale: float = 1.0
+    # Prefill/decode disaggregation (engine/kv_transfer). role: both (default; serves plain requests and
+    # either half of a split one), prefill (never pulls KV) or decode (never leases KV).
+    role: str = "both"
+    kv_lease_seconds: float = 30.0  # a prefill engine frees unpulled leased blocks after this
+    kv_transfer_timeout: float = 10.0  # a decode engine gives up a pull after this
+    kv_failure_policy: str = "recompute"  # after a failed pull: recompute the prompt locally, or fail
 
     def resolve(self, model_context_len: int | None = None) -> EngineConfig:
         """A copy with the defaults that depend on the model filled in, every rule checked."""
@@ -105,6 +111,15 @@ class EngineConfig:
         _choice("--device", self.device, ("auto", "cpu", "cuda"))
         _choice("--dtype", self.dtype, ("auto", "float32", "float16", "bfloat16"))
         _choice("--quantization", self.quantization, ("none", "int8", "int4"))
+        _choice("--role", self.role, ("both", "prefill", "decode"))
+        _choice("--kv-failure-policy", self.kv_failure_policy, ("recompute", "fail"))
+        if not self.kv_lease_seconds > 0:
+            raise ConfigError(f"--kv-lease-seconds must be above 0, got {self.kv_lease_seconds}")
+        if not self.kv_transfer_timeout > 0:
+            raise ConfigError(f"--kv-transfer-timeout must be above 0, got {self.kv_transfer_timeout}")
+        if self.role != "both" and self.scheduling == "static":
+            raise ConfigError(f"--role {self.role} needs --scheduling continuous (the static baseline has no "
+                              "KV transfer)")
         if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is below --max-model-len "

@@ -104,3 +104,17 @@ ENGINE_METRIC_NAMES += [REQUEST_FAILURES_TOTAL, ENGINE_FAILURES_TOTAL]
 # not its Deployment's (look-alikes), ignored at its last tick: never read, never sent the token.
 AUTOSCALER_UNTRUSTED_PODS = "iterserve_autoscaler_untrusted_pods"
 OPERATOR_METRIC_NAMES += [AUTOSCALER_UNTRUSTED_PODS]
+
+# Prefill/decode disaggregation, engine side (issue 17; engine/kv_transfer). A decode engine observes
+# each finished pull (seconds from start to the last byte, bytes received) and counts failed pulls
+# (then the prompt is recomputed or the request fails, per --kv-failure-policy) and the requests
+# whose KV is in flight; a prefill engine counts leases that expired unreleased and the blocks
+# pinned under leases. Both roles serve every name (zeros where a role never moves).
+KV_TRANSFER_SECONDS = "iterserve_kv_transfer_seconds"
+KV_TRANSFER_BYTES = "iterserve_kv_transfer_bytes"
+KV_TRANSFER_FAILURES_TOTAL = "iterserve_kv_transfer_failures_total"
+KV_TRANSFER_EXPIRED_TOTAL = "iterserve_kv_transfer_expired_leases_total"
+KV_PINNED_BLOCKS = "iterserve_kv_pinned_blocks"
+WAITING_FOR_KV_REQUESTS = "iterserve_scheduler_waiting_for_kv_requests"
+ENGINE_METRIC_NAMES += [KV_TRANSFER_SECONDS, KV_TRANSFER_BYTES, KV_TRANSFER_FAILURES_TOTAL, KV_TRANSFER_EXPIRED_TOTAL,
+                        KV_PINNED_BLOCKS, WAITING_FOR_KV_REQUESTS]

@@ -9,6 +9,7 @@ import torch
 
 from iterserve.engine.attention.backend import AttentionMetadata, get_backend
 from iterserve.engine.config import ConfigError, EngineConfig, kv_pool_blocks
+from iterserve.engine.kv_transfer.layout import KVLayout
 from iterserve.engine.logprobs import record_prompt_logprobs
 from iterserve.engine.model.llama import LlamaModel
 from iterserve.engine.model.loader import load_model
@@ -59,6 +60,9 @@ class ModelRunner:
         bytes_per_block = 2 * model_config.num_layers * kv_shape[0] * kv_shape[1] * kv_shape[2] * self.dtype.itemsize
         self.num_kv_blocks, self.num_cpu_blocks = kv_pool_blocks(config, bytes_per_block // config.block_size)
         config.check_kv_capacity(self.num_kv_blocks, self.num_cpu_blocks)
+        self._kv_layout = KVLayout(model=f"{self.model_name}/{config.quantization}", dtype=str(self.dtype).removeprefix(
+            "torch."), num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
+            head_size=model_config.head_dim, block_size=config.block_size, itemsize=self.dtype.itemsize)
         # Zeros, not empty: padded decode attention multiplies unused slots by 0, and 0 * NaN is NaN.
         self.kv_caches = [
             (torch.zeros((self.num_kv_blocks, *kv_shape), dtype=self.dtype, device=self.device),
@@ -87,6 +91,8 @@ class ModelRunner:
             self._copy_blocks(out.swap_out, self.kv_caches, self.cpu_caches)
         if out.swap_in:
             self._copy_blocks(out.swap_in, self.cpu_caches, self.kv_caches)
+        if out.kv_loads:
+            self._load_kv(out.kv_loads)
         chunks = out.chunks
         if not chunks:
             return []
@@ -135,5 +141,29 @@ class ModelRunner:
             dst_k[dst] = src_k[src].to(dst_k.device)
             dst_v[dst] = src_v[src].to(dst_v.device)
 
+    # -- KV transfer (engine/kv_transfer) ----------------------------------------------------------
+    def kv_layout(self) -> KVLayout:
+        return self._kv_layout
+
+    def read_kv(self, block_ids: list[int]):
+        """Per layer, (K bytes, V bytes) of these blocks; runs on a KV transfer thread, reading only
+        blocks a lease pins (no step writes into them)."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for k, v in self.kv_caches:
+            yield (_raw_bytes(k.index_select(0, index)), _raw_bytes(v.index_select(0, index)))
+
+    def _load_kv(self, loads) -> None:
+        """Copy pulled KV (per layer K bytes then V bytes) into the blocks the scheduler gave it."""
+        for load in loads:
+            index = torch.tensor(load.block_ids, dtype=torch.long, device=self.device)
+            for (k, v), payload in zip(self.kv_caches, load.layers, strict=True):
+                data = torch.frombuffer(payload, dtype=self.dtype).view(2, len(load.block_ids), *k.shape[1:])
+                k[index] = data[0].to(self.device)
+                v[index] = data[1].to(self.device)
+
     def release(self, request_ids: list[str]) -> None:
         self.sampler.release(request_ids)
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())

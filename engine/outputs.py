@@ -38,3 +38,5 @@ class RequestOutput:
     error: str | None = None
     # Per prompt token (None for the first), when the request asked for prompt_logprobs.
     prompt_logprobs: list | None = None
+    # Prefill role: the lease on the prompt's KV blocks, for a decode engine to pull (kv_transfer).
+    kv_transfer_params: dict | None = None

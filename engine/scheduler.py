@@ -9,11 +9,21 @@ resumed and then waiting requests admitted while the budget and max_num_seqs all
 With prefix caching, an admitted request starts with the cached blocks of its longest cached
 prefix and prefills only the rest; blocks become shareable once a step has computed them.
 
+Prefill/decode disaggregation (engine/kv_transfer): a request whose prompt KV comes from a
+prefill engine is admitted without using the step's token budget: it gets its blocks and waits
+for KV (WAITING_FOR_KV) outside the running list, so preemption never picks it mid-transfer. It
+counts toward max_num_seqs. Once its pull has finished, the step that follows loads the KV into
+its blocks (SchedulerOutput.kv_loads, before the model runs) and computes its last prompt token;
+a failed pull recomputes the prompt locally (policy recompute) or fails the request (policy fail).
+On a prefill engine, a request that asked for do_remote_decode has its prompt blocks leased
+(pinned) by the connector when it finishes.
+
 The scheduler knows nothing of time, torch or HTTP.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,6 +32,8 @@ from iterserve.engine.block_manager import BlockManager
 from iterserve.engine.config import EngineConfig
 from iterserve.engine.sequence import Sequence, SequenceStatus
 from iterserve.engine.stop import token_stop_reason
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -37,11 +49,23 @@ class ScheduledChunk:
 
 
 @dataclass(slots=True)
+class KVLoad:
+    """Pulled KV to copy into seq's blocks before this step's model run: per layer, K then V bytes."""
+
+    seq: Sequence
+    block_ids: list[int]
+    layers: list
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block, cpu_block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block, gpu_block)
     preempted: list[Sequence] = field(default_factory=list)
+    kv_loads: list[KVLoad] = field(default_factory=list)
+    # Requests whose KV pull failed under --kv-failure-policy fail: (seq, why); already finished.
+    kv_failed: list[tuple[Sequence, str]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -57,7 +81,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks and not self.swap_out and not self.swap_in
+        return not self.chunks and not self.swap_out and not self.swap_in and not self.kv_loads
 
 
 class Scheduler:
@@ -70,6 +94,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
+        self.waiting_for_kv: list[Sequence] = []  # decode role: blocks held, prompt KV in flight
+        self.connector = None  # engine/kv_transfer/connector.KVConnector, when KV transfer is on
         self.num_preemptions = 0
 
     # -- the running-sequence cap ------------------------------------------------------------
@@ -98,7 +124,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self.waiting_for_kv)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.is_finished:
@@ -107,8 +133,16 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
+        elif seq.status is SequenceStatus.WAITING_FOR_KV:
+            # Aborted mid-transfer: the pull writes only its own staging buffers, so the blocks can
+            # go back at once; the connector stops the pull and releases the prefill engine's lease.
+            self.waiting_for_kv.remove(seq)
+            self.connector.cancel(seq)
         else:
             self.running.remove(seq)
+        kv = seq.kv_transfer
+        if kv is not None and kv.remote_decode and reason in ("stop", "length") and self.connector is not None:
+            kv.params_out = self.connector.pin(seq)  # before free: the lease's hold keeps the blocks
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -117,6 +151,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self._apply_max_num_seqs()
         out = SchedulerOutput()
+        if self.waiting_for_kv:
+            self._poll_kv_transfers(out)
         if self.config.scheduling == "static" and not self.running and not self.swapped:
             self._admit_static_batch()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
@@ -160,8 +196,12 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self._max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.waiting_for_kv) < self._max_num_seqs:
             seq = self.waiting[0]
+            if seq.kv_transfer is not None and seq.kv_transfer.wants_pull and self.connector is not None:
+                if not self._admit_for_kv(seq):
+                    break
+                continue
             prefix = self.block_manager.match_prefix(seq)
             num_cached = len(prefix) * self.block_manager.block_size
             num_new = self._chunk_size(seq, budget, len(self.waiting) > 1, num_cached)
@@ -173,6 +213,49 @@ class Scheduler:
             self.block_manager.start_with_prefix(seq, prefix)
             self._schedule(seq, num_new, out)
             budget -= num_new
+
+    def _admit_for_kv(self, seq: Sequence) -> bool:
+        """Give seq blocks for its whole prompt and start pulling its KV; no token budget is used."""
+        if not self.block_manager.can_allocate(seq, seq.num_prompt_tokens, keep_watermark=True):
+            return False
+        self.waiting.popleft()
+        self.block_manager.allocate(seq, seq.num_prompt_tokens)
+        seq.status = SequenceStatus.WAITING_FOR_KV
+        self.waiting_for_kv.append(seq)
+        self.connector.start_pull(seq)
+        return True
+
+    def _poll_kv_transfers(self, out: SchedulerOutput) -> None:
+        for seq in list(self.waiting_for_kv):
+            pull = self.connector.poll(seq)
+            if pull is None:
+                continue
+            self.waiting_for_kv.remove(seq)
+            kv = seq.kv_transfer
+            if pull.error is None:
+                num_blocks = len(kv.remote_prefill.block_ids)
+                out.kv_loads.append(KVLoad(seq, seq.block_table[:num_blocks], pull.result.layers))
+                kv.loaded = True
+                # The prompt's KV is all here, but a step must sample from something: the last prompt
+                # token is computed again (as with a full prefix cache hit).
+                seq.num_computed_tokens = seq.num_prompt_tokens - 1
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                continue
+            kv.failure = pull.error
+            self.block_manager.free(seq)
+            seq.num_computed_tokens = 0
+            if self.config.kv_failure_policy == "fail":
+                logger.warning("request %s: pulling its KV failed (%s); failing it (--kv-failure-policy fail)",
+                               seq.request_id, pull.error)
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = "error"
+                out.kv_failed.append((seq, f"pulling the prompt's KV from the prefill engine failed: {pull.error}"))
+            else:
+                logger.warning("request %s: pulling its KV failed (%s); computing its prompt here instead "
+                               "(--kv-failure-policy recompute)", seq.request_id, pull.error)
+                seq.status = SequenceStatus.WAITING
+                self.waiting.appendleft(seq)
 
     def _admit_static_batch(self) -> None:
         """Static batching baseline: a whole batch enters together, nothing joins until it ends."""
@@ -201,8 +284,12 @@ class Scheduler:
         self.num_preemptions += 1
         seq.num_preemptions += 1
         out.preempted.append(seq)
+        pending_load = any(load.seq is seq for load in out.kv_loads)
+        if pending_load:  # its pulled KV never reached its blocks: drop the load, recompute the prompt
+            out.kv_loads = [load for load in out.kv_loads if load.seq is not seq]
         if (
-            self.config.preemption_mode == "swap"
+            not pending_load
+            and self.config.preemption_mode == "swap"
             and seq.block_table
             and self.block_manager.can_swap_out(seq)
         ):

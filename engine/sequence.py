@@ -13,6 +13,7 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"
+    WAITING_FOR_KV = "waiting_for_kv"  # decode role: has its blocks, its prompt KV is being pulled
     FINISHED = "finished"
 
 
@@ -44,6 +45,8 @@ class Sequence:
     # position (None for the first), filled by the sampler and the model runner.
     logprobs: list | None = None
     prompt_logprobs: list | None = None
+    # Prefill/decode disaggregation (engine/kv_transfer/params.py KVTransferState), or None.
+    kv_transfer: object | None = None
 
     def __post_init__(self) -> None:
         if self.metrics is None:

@@ -93,6 +93,7 @@ class AsyncEngine:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self.engine.set_wake(self._notify)  # a finished KV pull or a released lease wakes the loop
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -105,7 +106,8 @@ class AsyncEngine:
 
     # -- the event loop side ---------------------------------------------------------------------
     def add_request(
-        self, prompt: str | None, params: SamplingParams, prompt_token_ids: list[int] | None = None
+        self, prompt: str | None, params: SamplingParams, prompt_token_ids: list[int] | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> RequestStream:
         """Queue a request; raises InvalidRequestError, QueueFull or NotAccepting."""
         if self.failed is not None:
@@ -119,7 +121,8 @@ class AsyncEngine:
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         try:
-            self.engine.add_request(prompt, params, prompt_token_ids=prompt_token_ids, request_id=request_id)
+            self.engine.add_request(prompt, params, prompt_token_ids=prompt_token_ids, request_id=request_id,
+                                    kv_transfer_params=kv_transfer_params)
         except BaseException:
             del self._streams[request_id]
             raise
@@ -192,7 +195,13 @@ class AsyncEngine:
                     while not self._stopping and (
                         not engine.has_unfinished_requests() or stalled_at == self._changes
                     ):
-                        if not self._wake.wait(timeout=1.0 if stalled_at is not None else None):
+                        # Leases released by decode engines or past their expiry are freed even while
+                        # idle (then the wait below times out at least every second).
+                        leases = engine.kv_connector is not None and engine.kv_connector.num_leases
+                        if leases:
+                            engine.collect_kv_leases()
+                        timeout = 1.0 if stalled_at is not None or leases else None
+                        if not self._wake.wait(timeout=timeout):
                             stalled_at = None  # a periodic retry, in case a change came unannounced
                     if self._stopping:
                         return

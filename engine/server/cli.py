@@ -85,6 +85,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--swap-space", default="256MiB", help="CPU swap pool size for --preemption-mode swap")
     engine.add_argument("--step-log", help="write one JSON line per engine step to this file")
 
+    pd = parser.add_argument_group(
+        "prefill/decode disaggregation",
+        "A prefill engine runs prompts and leases their KV blocks to decode engines, which pull them over TCP "
+        "and generate (requests carry kv_transfer_params; the router's P/D path sends them).")
+    pd.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
+                    help="both (default): plain requests and either half of a split one; prefill: never pulls "
+                         "KV; decode: never leases KV (and opens no KV listener)")
+    pd.add_argument("--kv-transfer-port", type=int, default=0,
+                    help="port of the KV transfer listener, beside HTTP (roles prefill and both; default 0: any "
+                         "free port, reported in kv_transfer_params)")
+    pd.add_argument("--kv-transfer-host",
+                    help="address the KV transfer listener binds (default: --host)")
+    pd.add_argument("--kv-advertise-host",
+                    help="address written into kv_transfer_params for decode engines to connect to (default: the "
+                         "bind address; this host's address when binding 0.0.0.0 or ::)")
+    pd.add_argument("--kv-lease-seconds", type=float, default=30.0,
+                    help="a prefill engine frees leased KV blocks no decode engine released after this (default 30)")
+    pd.add_argument("--kv-transfer-timeout", type=float, default=10.0,
+                    help="seconds a decode engine waits for a KV pull before its failure policy applies (default 10)")
+    pd.add_argument("--kv-failure-policy", default="recompute", choices=["recompute", "fail"],
+                    help="after a failed or timed-out pull: recompute the prompt locally (default) or fail the "
+                         "request (HTTP 500)")
+
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
@@ -108,6 +131,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         step_log=args.step_log,
         fake_step_time_scale=args.fake_step_time_scale,
+        role=args.role,
+        kv_lease_seconds=args.kv_lease_seconds,
+        kv_transfer_timeout=args.kv_transfer_timeout,
+        kv_failure_policy=args.kv_failure_policy,
     )
 
 
@@ -150,6 +177,10 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--max-logprobs must be in [0, 1024]")
         if args.drain_timeout < 0:
             raise ConfigError("--drain-timeout must be >= 0 seconds")
+        if not 0 <= args.kv_transfer_port < 65536:
+            raise ConfigError("--kv-transfer-port must be in 0..65535 (0: any free port)")
+        if args.kv_transfer_port and args.kv_transfer_port == args.port:
+            raise ConfigError(f"--kv-transfer-port {args.kv_transfer_port} is the HTTP --port; pick another")
         max_body = parse_size(args.max_request_body, "--max-request-body")
         if max_body < 1024:
             raise ConfigError("--max-request-body must be at least 1KiB")
@@ -170,6 +201,9 @@ def run(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         max_request_body_bytes=max_body,
         max_logprobs=args.max_logprobs,
+        kv_transfer_host=args.kv_transfer_host or args.host,
+        kv_transfer_port=args.kv_transfer_port,
+        kv_advertise_host=args.kv_advertise_host,
     )
     state = ServerState(options)
     server = DrainingServer(

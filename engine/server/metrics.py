@@ -36,6 +36,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+KV_TRANSFER_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+KV_TRANSFER_BYTES_BUCKETS = tuple(float(2**k) for k in range(16, 34, 2))  # 64 KiB .. 8 GiB
 THROUGHPUT_WINDOW_S = 10.0
 
 
@@ -103,6 +105,12 @@ class ServerMetrics:
         self.engine_failures = Counter(names.ENGINE_FAILURES_TOTAL,
                                        "Times the engine loop died (GET /health then answers 503).", labels,
                                        registry=h).labels(model_name)
+        self.kv_transfer_seconds = Histogram(
+            names.KV_TRANSFER_SECONDS, "Decode role: time to pull one request's prompt KV from a prefill engine.",
+            labels, buckets=KV_TRANSFER_SECONDS_BUCKETS, registry=h).labels(model_name)
+        self.kv_transfer_bytes = Histogram(
+            names.KV_TRANSFER_BYTES, "Decode role: bytes received per KV pull (frames included).", labels,
+            buckets=KV_TRANSFER_BYTES_BUCKETS, registry=h).labels(model_name)
         self.registry.register(_SchedulerCollector(model_name, stats, self.throughput, vllm_names))
         self._last_token_time: dict[str, float] = {}
 
@@ -134,6 +142,11 @@ class ServerMetrics:
         if generated:
             self.generation_tokens.inc(generated)
             self.throughput.add(generated)
+
+    def observe_kv_transfer(self, seconds: float, num_bytes: int) -> None:
+        """Called on a KV pull thread when a pull finished."""
+        self.kv_transfer_seconds.observe(seconds)
+        self.kv_transfer_bytes.observe(num_bytes)
 
     def observe_engine_failure(self, error: BaseException) -> None:
         self.engine_failures.inc()
@@ -175,6 +188,15 @@ class _SchedulerCollector(Collector):
         yield _gauge(names.KV_CACHE_CACHED_FRACTION, "Fraction of KV cache blocks cached but held by no sequence "
                      "(free for allocation, kept for prefix reuse).", label,
                      s.num_cached_blocks / s.num_kv_blocks if s and s.num_kv_blocks else 0.0)
+        yield _counter(names.KV_TRANSFER_FAILURES_TOTAL, "Decode role: KV pulls that failed (the prompt was then "
+                       "recomputed, or the request failed, per --kv-failure-policy).", label,
+                       s.kv_pulls_failed if s else 0)
+        yield _counter(names.KV_TRANSFER_EXPIRED_TOTAL, "Prefill role: KV leases freed at expiry, never released by "
+                       "a decode engine.", label, s.kv_leases_expired if s else 0)
+        yield _gauge(names.KV_PINNED_BLOCKS, "Prefill role: KV blocks pinned under leases for decode engines.", label,
+                     s.num_pinned_blocks if s else 0)
+        yield _gauge(names.WAITING_FOR_KV_REQUESTS, "Decode role: requests holding blocks while their prompt KV is "
+                     "pulled.", label, s.num_waiting_for_kv if s else 0)
         if not self.vllm_names:
             return
         yield _gauge(names.VLLM_WAITING, "Requests waiting (vLLM name).", label, waiting)

@@ -106,14 +106,15 @@ async def create_completion(body: CompletionRequest, request: Request, response:
     if body.echo:
         echo_texts = [text if text is not None else await asyncio.to_thread(tokenizer.decode, token_ids)
                       for text, token_ids in encoded]
+    kv_transfer = _kv_transfer(body, len(encoded))
     if body.stream:
         text, token_ids = encoded[0]
-        stream = _submit(engine, text, token_ids, params[0], "prompt")
+        stream = _submit(engine, text, token_ids, params[0], "prompt", kv_transfer)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _completion_events(_watch(request, engine, stream), ids, include_usage, tokenizer, echo_texts[0],
                                     body.logprobs is not None)
         return _sse(events, headers)
-    finals = await _generate(request, engine, encoded, params, body.n, "prompt")
+    finals = await _generate(request, engine, encoded, params, body.n, "prompt", kv_transfer)
     response.headers.update(headers)
     choices = []
     for index, final in enumerate(finals):
@@ -135,7 +136,7 @@ async def create_completion(body: CompletionRequest, request: Request, response:
                         "finish_reason": out.finish_reason})
     return {
         "id": ids.id, "object": "text_completion", "created": ids.created, "model": ids.model,
-        "choices": choices, "usage": _usage_of(finals, body.n),
+        "choices": choices, "usage": _usage_of(finals, body.n), **_kv_answer(finals),
     }
 
 
@@ -163,12 +164,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     ids = _Ids("chatcmpl", state.model_name)
     if body.stream and body.n > 1:
         raise invalid("stream: n > 1 is answered whole, not streamed; send stream: false", "stream")
+    kv_transfer = _kv_transfer(body, 1)
     if body.stream:
-        stream = _submit(engine, text, token_ids, params, "messages")
+        stream = _submit(engine, text, token_ids, params, "messages", kv_transfer)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return _sse(_chat_events(_watch(request, engine, stream), ids, include_usage, tokenizer, body.logprobs),
                     headers)
-    finals = await _generate(request, engine, [(text, token_ids)], [params], body.n, "messages")
+    finals = await _generate(request, engine, [(text, token_ids)], [params], body.n, "messages", kv_transfer)
     response.headers.update(headers)
     choices = []
     for index, final in enumerate(finals):
@@ -180,12 +182,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                         "finish_reason": out.finish_reason})
     return {
         "id": ids.id, "object": "chat.completion", "created": ids.created, "model": ids.model,
-        "choices": choices, "usage": _usage_of(finals, body.n),
+        "choices": choices, "usage": _usage_of(finals, body.n), **_kv_answer(finals),
     }
 
 
 async def _generate(request: Request, engine: AsyncEngine, prompts: list[tuple[str | None, list[int]]],
-                    params: list[SamplingParams], n: int, prompt_field: str) -> list[RequestOutput]:
+                    params: list[SamplingParams], n: int, prompt_field: str,
+                    kv_transfer_params: dict | None = None) -> list[RequestOutput]:
     """Every prompt's n choices, in order (prompt i's choice j at i*n + j). The first choice of a prompt
     goes first; the other n-1 are submitted once it has been prefilled, so with prefix caching they
     reuse its full KV blocks and prefill only the last partial block. A seed s gives choice j seed s+j."""
@@ -193,7 +196,7 @@ async def _generate(request: Request, engine: AsyncEngine, prompts: list[tuple[s
     try:
         for (text, token_ids), base in zip(prompts, params, strict=True):
             prefilled = asyncio.Event()
-            first = _submit(engine, text, token_ids, base, prompt_field)
+            first = _submit(engine, text, token_ids, base, prompt_field, kv_transfer_params)
             tasks.append(asyncio.create_task(_final_output(request, engine, first, on_output=prefilled.set)))
             if n == 1:
                 continue
@@ -208,6 +211,26 @@ async def _generate(request: Request, engine: AsyncEngine, prompts: list[tuple[s
     finally:
         for task in tasks:
             task.cancel()  # on an error: the others are aborted (their _watch aborts them in the engine)
+
+
+def _kv_transfer(body: _SamplingFields, num_prompts: int) -> dict | None:
+    """The request's kv_transfer_params (P/D disaggregation), checked against the request's shape;
+    the engine checks the object itself (engine/kv_transfer/params.py)."""
+    kv = body.kv_transfer_params
+    if kv is None:
+        return None
+    if body.n > 1 or num_prompts > 1:
+        raise invalid("kv_transfer_params: only with one prompt and n 1", "kv_transfer_params")
+    if kv.get("do_remote_decode") is True and body.stream:
+        raise invalid("kv_transfer_params.do_remote_decode: a prefill call is answered whole (its answer carries "
+                      "the kv_transfer_params); send stream: false", "stream")
+    return kv
+
+
+def _kv_answer(finals: list[RequestOutput]) -> dict:
+    """A prefill call's lease on its prompt's KV, for the decode call (empty for other requests)."""
+    params = finals[0].kv_transfer_params if len(finals) == 1 else None
+    return {"kv_transfer_params": params} if params is not None else {}
 
 
 def _usage_of(finals: list[RequestOutput], n: int) -> dict:
@@ -317,9 +340,9 @@ def _sampling_params(body: _SamplingFields, max_tokens: int | None, prompt_len: 
 
 
 def _submit(engine: AsyncEngine, text: str | None, token_ids: list[int], params: SamplingParams,
-            prompt_field: str) -> RequestStream:
+            prompt_field: str, kv_transfer_params: dict | None = None) -> RequestStream:
     try:
-        return engine.add_request(text, params, prompt_token_ids=token_ids)
+        return engine.add_request(text, params, prompt_token_ids=token_ids, kv_transfer_params=kv_transfer_params)
     except InvalidRequestError as error:
         raise invalid(str(error), prompt_field if error.param == "prompt" else error.param) from None
     except QueueFull as error:
@@ -461,4 +484,3 @@ async def _chat_events(outputs: AsyncIterator[RequestOutput], ids: _Ids, include
 def _usage_chunk(ids: _Ids, kind: str, final: RequestOutput) -> dict:
     return {"id": ids.id, "object": kind, "created": ids.created, "model": ids.model, "choices": [],
             "usage": _usage(final)}
-

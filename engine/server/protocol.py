@@ -99,6 +99,12 @@ class _SamplingFields(_Request):
     # Prefix caching per request: vLLM's cache_salt (only requests with the same salt share cached KV
     # blocks) and an opt-out (the request neither reuses cached blocks nor offers its own).
     cache_salt: str | None = None
+    # Prefill/decode disaggregation (engine/kv_transfer/params.py; vLLM's field): {"do_remote_decode": true}
+    # on a prefill call, the prefill answer's object plus "do_remote_prefill": true on a decode call.
+    kv_transfer_params: dict[str, Any] | None = Field(
+        None, description='P/D disaggregation (vLLM\'s): {"do_remote_decode": true} asks a prefill engine to lease '
+                          'the prompt\'s KV and return its kv_transfer_params; that object plus "do_remote_prefill": '
+                          'true asks a decode engine to pull it. One prompt, n 1.')
     skip_prefix_cache: bool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
 
@@ -192,6 +198,9 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = Field(
+        None, exclude_if=lambda value: value is None,
+        description="Prefill calls (do_remote_decode) only: the lease on the prompt's KV blocks.")
 
 
 class AssistantMessage(BaseModel):
@@ -227,6 +236,9 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    kv_transfer_params: dict[str, Any] | None = Field(
+        None, exclude_if=lambda value: value is None,
+        description="Prefill calls (do_remote_decode) only: the lease on the prompt's KV blocks.")
 
 
 class ModelCard(BaseModel):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +31,11 @@ class ServerOptions:
     drain_timeout_s: float = 30.0
     max_request_body_bytes: int = 8 * 1024**2
     max_logprobs: int = 20  # most top logprobs a request may ask for (per token); vLLM's default
+    # KV transfer listener (roles prefill and both): bind address and port (0: any free port), and the
+    # address written into kv_transfer_params for decode engines to connect to.
+    kv_transfer_host: str = "127.0.0.1"
+    kv_transfer_port: int = 0
+    kv_advertise_host: str | None = None
 
 
 class ServerState:
@@ -56,6 +62,18 @@ class ServerState:
             logger.error("could not start the engine: %s", error)
             self.load_error = error
             return
+        if engine.kv_connector is not None:
+            engine.kv_connector.on_transfer = self.metrics.observe_kv_transfer
+        if config.role != "decode":
+            options = self.options
+            try:
+                engine.start_kv_transfer(options.kv_transfer_host, options.kv_transfer_port,
+                                         options.kv_advertise_host or advertise_address(options.kv_transfer_host))
+            except Exception as error:  # noqa: BLE001 - reported, and the process exits non-zero
+                logger.error("could not start the KV transfer listener: %s", error)
+                self.load_error = error
+                engine.close()
+                return
         self.engine = AsyncEngine(engine, self.options.max_waiting_requests, on_step=self.metrics.observe_step,
                                   on_failure=self.metrics.observe_engine_failure)
         self.engine.draining = self.draining
@@ -132,6 +150,17 @@ class ServerState:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.stop()
+
+
+def advertise_address(bind_host: str) -> str:
+    """The address decode engines reach a listener bound to bind_host at: bind_host itself, or for a
+    wildcard bind this host's address by name (a pod's IP in Kubernetes)."""
+    if bind_host not in ("0.0.0.0", "::", ""):
+        return bind_host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 async def _in_daemon_thread(function, *args):

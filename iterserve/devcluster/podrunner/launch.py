@@ -44,6 +44,8 @@ SERVE_FLAGS = {
     "--scheduling": True, "--attention-backend": True, "--kv-cache-memory": True, "--num-kv-blocks": True,
     "--block-size": True, "--swap-space": True, "--enable-prefix-caching": False, "--no-enable-prefix-caching": False,
     "--max-request-body": True, "--quantization": True, "--max-logprobs": True,
+    "--role": True, "--kv-transfer-port": True, "--kv-transfer-host": True, "--kv-advertise-host": True,
+    "--kv-lease-seconds": True, "--kv-transfer-timeout": True, "--kv-failure-policy": True,
 }
 # `serve` flags a pod may not pass: they name a file of this machine to write or read.
 REFUSED_SERVE_FLAGS = ("--step-log", "--admin-token-file", "--help")
@@ -313,4 +315,3 @@ def build_launch(pod: dict, configmaps: Lookup, secrets: Lookup, workdir: Path,
     # -I: isolated (no PYTHON* variables, no user site, no current folder on sys.path); -u: unbuffered logs
     return Launch([sys.executable, "-I", "-u", "-m", "iterserve.cli", *args], process_env, host,
                   _port(args, container), container)
-

@@ -1,0 +1,55 @@
+"""What a KV block holds, and whether two engines' blocks are interchangeable.
+
+Two engines can exchange blocks only if the model (and its quantization), the dtype, the layer
+count, the KV heads, the head size and the block size all match. The compatibility hash names
+that tuple; the transport's handshake compares the fields themselves so a refusal can say which
+one differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    model: str  # the model's identity, including a quantization that changes its KV
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    itemsize: int
+
+    @property
+    def block_bytes_per_layer(self) -> int:
+        """K and V of one block in one layer."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.itemsize
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.block_bytes_per_layer * self.num_layers // self.block_size
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, value: dict) -> KVLayout:
+        names = [f.name for f in dataclasses.fields(cls)]
+        missing = [n for n in names if n not in value]
+        if missing:
+            raise ValueError(f"the peer's KV layout lacks {', '.join(missing)}")
+        return cls(**{n: value[n] for n in names})
+
+    @property
+    def compat_hash(self) -> str:
+        raw = json.dumps(self.as_dict(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.blake2b(raw, digest_size=8).hexdigest()
+
+    def mismatch(self, other: KVLayout) -> list[str]:
+        """'field: ours vs theirs' for every field that differs."""
+        return [f"{name}: {getattr(self, name)!r} here vs {getattr(other, name)!r} there"
+                for name in (f.name for f in dataclasses.fields(self)) if getattr(self, name) != getattr(other, name)]
