@@ -22,8 +22,6 @@ from iterserve.engine.detokenizer import append_new_text
 from iterserve.engine.executor import Executor, load_executor
 from iterserve.engine.kv_transfer import params as kv_params
 from iterserve.engine.kv_transfer.connector import KVConnector
-from iterserve.engine.kv_transfer import params as kv_params
-from iterserve.engine.kv_transfer.connector import KVConnector
 from iterserve.engine.outputs import CompletionOutput, RequestOutput
 from iterserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -51,13 +49,6 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     prefix_cache_hit_rate: float = 0.0
-    # Prefill/decode disaggregation (engine/kv_transfer): requests whose prompt KV is being pulled,
-    # blocks pinned under leases for decode engines, and transfer outcomes since start.
-    num_waiting_for_kv: int = 0
-    num_pinned_blocks: int = 0
-    kv_pulls_ok: int = 0
-    kv_pulls_failed: int = 0
-    kv_leases_expired: int = 0
     # Prefill/decode disaggregation (engine/kv_transfer): requests whose prompt KV is being pulled,
     # blocks pinned under leases for decode engines, and transfer outcomes since start.
     num_waiting_for_kv: int = 0
@@ -171,29 +162,6 @@ class LLMEngine:
             self._sequences[request_id] = seq
             self._inbox.append(seq)
         return request_id
-
-    def _check_kv_transfer(self, raw: dict | None):
-        kv = kv_params.parse_request(raw)
-        if kv is None:
-            return None
-        role = self.config.role
-        if kv.remote_decode:
-            if role == "decode":
-                raise InvalidRequestError(f"{kv_params.PARAM}.do_remote_decode: this engine runs --role decode and "
-                                          "leases no KV; send the prefill call to a --role prefill (or both) engine",
-                                          f"{kv_params.PARAM}.do_remote_decode")
-            if self.kv_connector is None or self.kv_connector.port is None:
-                raise InvalidRequestError(f"{kv_params.PARAM}.do_remote_decode: this engine has no KV transfer "
-                                          "listener (start it with --role prefill or both)",
-                                          f"{kv_params.PARAM}.do_remote_decode")
-        elif role == "prefill":
-            raise InvalidRequestError(f"{kv_params.PARAM}.do_remote_prefill: this engine runs --role prefill and "
-                                      "pulls no KV; send the decode call to a --role decode (or both) engine",
-                                      f"{kv_params.PARAM}.do_remote_prefill")
-        elif self.kv_connector is None:
-            raise InvalidRequestError(f"{kv_params.PARAM}.do_remote_prefill: this executor cannot load KV",
-                                      f"{kv_params.PARAM}.do_remote_prefill")
-        return kv
 
     def _check_kv_transfer(self, raw: dict | None):
         kv = kv_params.parse_request(raw)
