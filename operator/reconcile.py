@@ -30,7 +30,7 @@ from iterserve.operator.autoscaling.report import (
     tuned_max_num_seqs,
 )
 from iterserve.operator.autoscaling.settings import settings_from_spec
-from iterserve.operator.kube import Kube, conflict, invalid, server_message
+from iterserve.operator.kube import Kube, conflict, invalid, not_found, server_message
 from iterserve.operator.models import (
     CONFLICT,
     DEGRADED,
@@ -255,6 +255,8 @@ class Reconciler:
             try:
                 self.kube.apply(manifest, dry_run=True)
             except Exception as exc:
+                if manifest["kind"] == "RoleBinding" and not_found(exc):
+                    continue  # its Role, written just before it, does not exist yet in a dry run
                 if not invalid(exc):
                     raise
                 return SpecError("spec", f"the {manifest['kind']} built from it is invalid: {server_message(exc)}")

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from iterserve.devcluster.waiting import free_port, wait_for
 from iterserve.engine import metrics as names
@@ -116,3 +117,174 @@ def _up(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+# ------------------------------------------------------------------ the operator deploys routing
+
+
+@pytest.fixture
+def operated(k8s_cluster, tmp_path):
+    """A local-runtime node, a namespace with the operator (exactly rbac.RULES) and the pod runtime."""
+    from iterserve.devcluster.podrunner import PodRunner, add_local_runtime_node
+    from tests import operator_fixture as fx
+
+    fx.install_crd(k8s_cluster)
+    node = f"router-node-{uuid.uuid4().hex[:6]}"
+    add_local_runtime_node(k8s_cluster, node, gpus=2)
+    namespace, kubeconfig = fx.operator_namespace(k8s_cluster, prefix="rt")
+    operator = fx.OperatorProcess(kubeconfig, namespace, tmp_path / "operator.log", resync_seconds=1).start()
+    runner = PodRunner(k8s_cluster.api_client(), tmp_path / "pods", namespaces=[namespace],
+                       work_dir=tmp_path / "pod-workdirs").start()
+    api = k8s_cluster.api_client()
+    try:
+        yield namespace, operator, api, tmp_path
+    finally:
+        k8s_cluster.kubectl("-n", namespace, "delete", "inferenceservices", "--all", "--wait=true", "--timeout=60s",
+                            check=False, timeout=90)
+        operator.stop()
+        runner.stop()
+        api.close()
+        k8s_cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+        k8s_cluster.kubectl("delete", "node", node, "--wait=false", check=False)
+    forbidden = [line for line in (tmp_path / "operator.log").read_text().splitlines() if "Forbidden" in line]
+    assert not forbidden, "the operator hit RBAC denials; add the rule to operator/rbac.py:\n" + "\n".join(forbidden)
+
+
+def inference_service(name: str, replicas: int = 2) -> dict:
+    from iterserve.devcluster.podrunner import local_runtime_scheduling
+
+    return {"apiVersion": "iterserve.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": name},
+            "spec": {"model": {"uri": "smollm2-135m"}, "replicas": replicas,
+                     "engine": {"extraArgs": ["--fake-model"], "maxNumSeqs": 8, "startupSeconds": 60,
+                                "drainSeconds": 2},
+                     "scheduling": local_runtime_scheduling(),
+                     "podTemplatePatch": {"spec": {"containers": [{
+                         "name": "engine", "startupProbe": {"periodSeconds": 1, "failureThreshold": 60},
+                         "readinessProbe": {"periodSeconds": 1}}]}}}}
+
+
+def test_router_mode_end_to_end_and_mode_switches(k8s_cluster, operated):
+    """Router (default): the operator's router Deployment becomes Ready on the local runtime, the
+    Service selects it, and requests sent to the Service's endpoint reach both engines. Gateway
+    without the InferencePool CRD: RoutingUnavailable; with it: the pool, condition cleared.
+    None: the router objects are gone and the Service selects the engines."""
+    from kubernetes import client
+
+    from iterserve.operator.kube import Kube
+    from iterserve.operator.models import GROUP, PLURAL, VERSION
+    from iterserve.router.discovery import ready_urls
+    from tests.operator_fixture import wait_for as wait
+
+    namespace, operator, api, tmp = operated
+    kube, custom = Kube(api), client.CustomObjectsApi(api)
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, inference_service("chat"))
+    router = routing.router_name("chat")
+    logs = lambda: f"operator:\n{operator.log_tail()}\npods: {tmp / 'pods'}"  # noqa: E731
+
+    def condition(type_: str) -> dict:
+        body = kube.get_inference_service(namespace, "chat") or {}
+        return next((c for c in (body.get("status") or {}).get("conditions", []) if c["type"] == type_), {})
+
+    def service_urls() -> list[str]:
+        """What a kube-proxy would route the Service to: its selected pods that are Ready."""
+        service = kube.get("Service", namespace, "chat")
+        if service is None:
+            return []
+        selector = ",".join(f"{k}={v}" for k, v in service["spec"]["selector"].items())
+        return ready_urls(kube.list_pods(namespace, selector), "http")
+
+    wait(lambda: condition("Ready").get("status") == "True", 120, 0.5, lambda: f"Ready; {logs()}")
+    assert kube.get("Service", namespace, "chat")["spec"]["selector"] == routing.router_labels("chat")
+    assert condition(routing.ROUTING_UNAVAILABLE)["reason"] == "RouterDeployed"
+    (router_url,) = wait(service_urls, 30, 0.5, "the Service's ready endpoint")
+    router_pod = kube.list_pods(namespace, ",".join(f"{k}={v}" for k, v in routing.router_labels("chat").items()))[0]
+    assert router_url == f"http://{router_pod['status']['podIP']}:{routing.ROUTER_PORT}"
+    engines = ready_urls(kube.list_pods(namespace, selector_string_of("chat")), "http")
+    assert len(engines) == 2
+
+    def router_endpoints() -> set[str]:
+        text = httpx.get(f"{router_url}/metrics", timeout=2).text
+        return {line.split('"')[1] for line in text.splitlines() if line.startswith(names.ROUTER_ENDPOINT_IN_FLIGHT + "{")}
+
+    wait(lambda: router_endpoints() == set(engines), 30, 0.5, "the router to list both engines")
+    for i in range(12):
+        response = httpx.post(f"{router_url}/v1/completions", timeout=30,
+                              json={"model": "fake", "prompt": f"hello {i}", "max_tokens": 4})
+        assert response.status_code == 200, response.text
+    served = {url: _requests_served(url) for url in engines}
+    assert sum(served.values()) >= 12 and all(served.values()), served
+
+    # Gateway without the InferencePool CRD: the condition names the fix; the router objects go.
+    crd = yaml.safe_load(CRD.read_text())
+    k8s_cluster.kubectl("delete", "crd", crd["metadata"]["name"], "--ignore-not-found", "--wait=true", timeout=60)
+    custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "chat",
+                                          {"spec": {"routing": {"mode": "Gateway"}}})
+    wait(lambda: condition(routing.ROUTING_UNAVAILABLE).get("status") == "True", 30, 0.5,
+         lambda: f"RoutingUnavailable=True; {logs()}")
+    unavailable = condition(routing.ROUTING_UNAVAILABLE)
+    assert unavailable["reason"] == "InferencePoolCRDMissing" and "install the Gateway API" in unavailable["message"]
+    wait(lambda: kube.get("Deployment", namespace, router) is None and kube.get("Role", namespace, router) is None
+         and kube.get("ServiceAccount", namespace, router) is None, 30, 0.5, "the router objects deleted")
+    assert kube.get("Service", namespace, "chat")["spec"]["selector"] == selector_labels("chat")
+    wait(lambda: len(service_urls()) >= 1, 60, 0.5, lambda: f"the Service to select the engines; {logs()}")
+
+    k8s_cluster.kubectl("apply", "-f", str(CRD))
+    k8s_cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd['metadata']['name']}", "--timeout=30s")
+    wait(lambda: condition(routing.ROUTING_UNAVAILABLE).get("status") == "False", 60, 0.5,
+         lambda: f"RoutingUnavailable cleared; {logs()}")
+    pool = kube.get("InferencePool", namespace, "chat")
+    assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
+
+    def labelled_for_the_picker() -> bool:  # the engines roll to pods carrying the endpoint picker's label
+        pods = kube.list_pods(namespace, selector_string_of("chat"))
+        return bool(pods) and all(p["metadata"]["labels"].get(routing.ENGINE_TYPE_LABEL) == routing.ENGINE_TYPE_VLLM
+                                  for p in pods)
+
+    wait(labelled_for_the_picker, 120, 0.5, "engine pods labelled for the endpoint picker")
+    wait(lambda: len(ready_urls(kube.list_pods(namespace, selector_string_of("chat")), "http")) == 2, 60, 0.5,
+         "two ready engines after the roll")
+
+    # None: the pool goes, the Service keeps selecting the engines.
+    custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "chat",
+                                          {"spec": {"routing": {"mode": "None"}}})
+    wait(lambda: kube.get("InferencePool", namespace, "chat") is None, 30, 0.5, lambda: f"pool deleted; {logs()}")
+    assert condition(routing.ROUTING_UNAVAILABLE)["reason"] in ("ServiceSelectsEngines", "InferencePoolApplied")
+    wait(lambda: condition(routing.ROUTING_UNAVAILABLE)["reason"] == "ServiceSelectsEngines", 30, 0.5, "condition")
+    assert kube.get("Deployment", namespace, router) is None
+
+
+def test_switching_router_to_none_removes_the_router(k8s_cluster, operated):
+    from kubernetes import client
+
+    from iterserve.operator.kube import Kube
+    from iterserve.operator.models import GROUP, PLURAL, VERSION
+    from tests.operator_fixture import wait_for as wait
+
+    namespace, operator, api, tmp = operated
+    kube, custom = Kube(api), client.CustomObjectsApi(api)
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, inference_service("solo", replicas=1))
+    router = routing.router_name("solo")
+    wait(lambda: kube.get("Service", namespace, "solo") is not None and
+         kube.get("Service", namespace, "solo")["spec"]["selector"] == routing.router_labels("solo"), 120, 0.5,
+         lambda: f"the Service on the router; operator:\n{operator.log_tail()}")
+    custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "solo",
+                                          {"spec": {"routing": {"mode": "None"}}})
+    wait(lambda: all(kube.get(kind, namespace, router) is None
+                     for kind in ("Deployment", "Role", "RoleBinding", "ServiceAccount")), 30, 0.5,
+         lambda: f"the router objects deleted; operator:\n{operator.log_tail()}")
+    assert kube.get("Service", namespace, "solo")["spec"]["selector"] == selector_labels("solo")
+    # and the router pod itself goes (the garbage collector / Deployment deletion)
+    wait(lambda: not kube.list_pods(namespace, ",".join(f"{k}={v}" for k, v in routing.router_labels("solo").items())),
+         60, 0.5, "the router pod gone")
+
+
+def selector_string_of(name: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
+
+
+def _requests_served(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=2).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        total += sum(s.value for s in family.samples if s.name == names.REQUESTS_TOTAL)
+    return total
