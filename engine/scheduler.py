@@ -248,8 +248,7 @@ class Scheduler:
             if self.config.kv_failure_policy == "fail":
                 logger.warning("request %s: pulling its KV failed (%s); failing it (--kv-failure-policy fail)",
                                seq.request_id, pull.error)
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_reason = "error"
+                seq.status = SequenceStatus.FINISHED  # the engine finishes it with the error
                 out.kv_failed.append((seq, f"pulling the prompt's KV from the prefill engine failed: {pull.error}"))
             else:
                 logger.warning("request %s: pulling its KV failed (%s); computing its prompt here instead "

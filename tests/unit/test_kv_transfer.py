@@ -1,0 +1,391 @@
+"""Prefill/decode KV transfer, engine side (engine/kv_transfer): the wire format, the handshake,
+leases, the decode engine's waiting-for-KV state and its failure policies. Engines run the real
+scheduler on the fake model, whose KV slots hold the token ids computed there, so a pull moves
+bytes the decode side checks against its prompt; transfers go over real loopback TCP."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+
+from iterserve.engine.config import EngineConfig
+from iterserve.engine.fake_executor import FakeExecutor, FakeTokenizer
+from iterserve.engine.kv_transfer import wire
+from iterserve.engine.kv_transfer.layout import KVLayout
+from iterserve.engine.kv_transfer.transport import PullRequest, TcpTransport
+from iterserve.engine.kv_transfer.wire import FrameError, KVTransferError
+from iterserve.engine.llm_engine import LLMEngine
+from iterserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from iterserve.engine.sequence import SequenceStatus
+from tests.unit.engine_helpers import ManualClock
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PREFILL_CALL = SamplingParams(temperature=0, max_tokens=1)
+BLOCK = 16
+
+
+def make_engine(role: str = "both", num_blocks: int = 64, clock=time.monotonic, **options) -> LLMEngine:
+    options.setdefault("max_model_len", 256)
+    config = EngineConfig(model="fake", role=role, block_size=BLOCK, **options).resolve()
+    return LLMEngine(config, FakeExecutor(num_blocks, 0, block_size=BLOCK), FakeTokenizer(), clock)
+
+
+def run(engine: LLMEngine, timeout: float = 10.0) -> dict:
+    """Step until nothing is unfinished (pulls run on their own threads); finished outputs by id."""
+    finished = {}
+    deadline = time.monotonic() + timeout
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if engine.last_step_was_idle:
+            time.sleep(0.002)
+        assert time.monotonic() < deadline, "engine did not finish"
+    return finished
+
+
+def prefill(engine: LLMEngine, prompt: str, request_id: str = "p") -> dict:
+    engine.add_request(prompt, PREFILL_CALL, request_id=request_id, kv_transfer_params={"do_remote_decode": True})
+    out = run(engine)[request_id]
+    assert out.error is None
+    return out.kv_transfer_params
+
+
+def reference(prompt: str, params: SamplingParams = GREEDY) -> list[int]:
+    engine = make_engine()
+    engine.add_request(prompt, params, request_id="ref")
+    return run(engine)["ref"].outputs[0].token_ids
+
+
+def assert_baseline(*engines: LLMEngine) -> None:
+    for engine in engines:
+        engine.collect_kv_leases()
+        manager = engine.block_manager
+        assert manager.num_free_blocks == manager.num_blocks, "blocks leaked"
+        assert manager.gpu.num_used == 0
+        assert engine.stats().num_pinned_blocks == 0 and engine.stats().num_waiting_for_kv == 0
+
+
+@pytest.fixture
+def pair():
+    prefill_engine, decode_engine = make_engine("prefill"), make_engine("decode")
+    prefill_engine.start_kv_transfer()
+    yield prefill_engine, decode_engine
+    prefill_engine.close()
+    decode_engine.close()
+
+
+@contextmanager
+def black_hole():
+    """A listener that accepts connections and never answers (a hung prefill engine)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        listener.close()
+        for conn in held:
+            conn.close()
+
+
+def remote(params: dict, **changes) -> dict:
+    return {**params, **changes, "do_remote_prefill": True}
+
+
+def fake_params(port: int, num_tokens: int, engine: LLMEngine, **changes) -> dict:
+    blocks = -(-num_tokens // BLOCK)
+    return remote({"transfer_id": "t", "engine_id": "e", "host": "127.0.0.1", "port": port,
+                   "block_ids": list(range(blocks)), "num_tokens": num_tokens, "block_size": BLOCK,
+                   "compat_hash": engine.kv_connector.compat_hash, "lease_expires_at": time.time() + 60}, **changes)
+
+
+# -- the wire -------------------------------------------------------------------------------------
+def _socketpair_with(data: bytes):
+    a, b = socket.socketpair()
+    a.sendall(data)
+    a.close()
+    return b
+
+
+def test_frames_round_trip_and_corruption_is_refused():
+    a, b = socket.socketpair()
+    wire.send_frame(a, wire.LAYER, b"key-bytes", b"value-bytes")
+    assert wire.recv_frame(b, [wire.LAYER]) == (wire.LAYER, bytearray(b"key-bytesvalue-bytes"))
+    a.close()
+    b.close()
+
+    good = wire.frame_header(wire.LAYER, [b"payload"]) + b"payload"
+    with pytest.raises(FrameError, match="checksum mismatch"):
+        wire.recv_frame(_socketpair_with(good[:-1] + b"X"))
+    with pytest.raises(FrameError, match="bad frame magic"):
+        wire.recv_frame(_socketpair_with(b"HTTP" + good[4:]))
+    other_version = wire.HEADER.pack(wire.MAGIC, wire.VERSION + 1, wire.LAYER, 7, 0) + b"payload"
+    with pytest.raises(FrameError, match=f"version {wire.VERSION + 1}, this engine speaks {wire.VERSION}"):
+        wire.recv_frame(_socketpair_with(other_version))
+    huge = wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.LAYER, wire.MAX_PAYLOAD + 1, 0)
+    with pytest.raises(FrameError, match="exceeds"):
+        wire.recv_frame(_socketpair_with(huge))
+    with pytest.raises(FrameError, match="closed the connection after 3 of 7 bytes"):
+        wire.recv_frame(_socketpair_with(good[:-4]))
+    with pytest.raises(FrameError, match="expected PULL, got LAYER"):
+        wire.recv_frame(_socketpair_with(good), [wire.PULL])
+
+
+LAYOUT = KVLayout(model="m/none", dtype="float32", num_layers=30, num_kv_heads=3, head_size=64, block_size=16,
+                  itemsize=4)
+
+
+@pytest.mark.parametrize("change", [{"model": "other/none"}, {"dtype": "bfloat16", "itemsize": 2}, {"num_layers": 24},
+                                    {"num_kv_heads": 4}, {"head_size": 128}, {"block_size": 32}])
+def test_handshake_refuses_a_different_layout_naming_the_field(change):
+    class Source:
+        layout, engine_id = LAYOUT, "prefill"
+
+        def open_read(self, *args):
+            raise AssertionError("a refused peer must not read")
+
+    transport = TcpTransport()
+    port = transport.listen(Source(), "127.0.0.1", 0)
+    try:
+        theirs = dataclasses.replace(LAYOUT, **change)
+        with pytest.raises(KVTransferError, match="REFUSED.*KV layouts differ") as refused:
+            transport.pull(PullRequest("127.0.0.1", port, "t", 0, 1, time.monotonic() + 5), theirs, "decode")
+        for name in change:
+            assert f"{name}: " in str(refused.value)
+        assert theirs.compat_hash != LAYOUT.compat_hash
+    finally:
+        transport.close()
+
+
+# -- prefill -> decode ----------------------------------------------------------------------------
+@pytest.mark.parametrize("length", [1, BLOCK, BLOCK + 1, 3 * BLOCK, 3 * BLOCK + 1, 150])
+def test_decode_after_a_pull_equals_local_greedy_and_frees_both_sides(pair, length):
+    prefill_engine, decode_engine = pair
+    prompt = "".join(chr(97 + (i * 7) % 26) for i in range(length))
+    params = prefill(prefill_engine, prompt)
+    assert params["num_tokens"] == length and len(params["block_ids"]) == -(-length // BLOCK)
+    assert params["compat_hash"] == decode_engine.kv_connector.compat_hash
+    assert prefill_engine.stats().num_pinned_blocks == len(params["block_ids"])
+    decode_engine.add_request(prompt, GREEDY, request_id="d", kv_transfer_params=remote(params))
+    out = run(decode_engine)["d"]
+    assert out.error is None
+    assert out.outputs[0].token_ids == reference(prompt)
+    stats = decode_engine.stats()
+    assert (stats.kv_pulls_ok, stats.kv_pulls_failed) == (1, 0)
+    # Decode released the lease over the transfer connection; the prefill engine frees it next step.
+    deadline = time.monotonic() + 5
+    while prefill_engine.kv_connector.num_leases and time.monotonic() < deadline:
+        prefill_engine.collect_kv_leases()
+        time.sleep(0.005)
+    assert prefill_engine.kv_connector.counts.leases_released == 1
+    assert_baseline(prefill_engine, decode_engine)
+
+
+def test_pulled_bytes_are_checked_against_the_prompt(pair):
+    """The fake KV is token ids: a pull of another prompt's blocks (same length) fails the request."""
+    prefill_engine, decode_engine = pair
+    params = prefill(prefill_engine, "x" * 40)
+    decode_engine.add_request("y" * 40, GREEDY, request_id="d", kv_transfer_params=remote(params))
+    out = run(decode_engine)["d"]
+    assert out.error == "the pulled KV does not match the prompt"
+    assert_baseline(decode_engine)
+    prefill_engine.kv_connector.release_all()
+    assert_baseline(prefill_engine)
+
+
+def test_lease_expiry_frees_pinned_blocks_and_a_late_pull_recomputes():
+    clock = ManualClock()
+    prefill_engine = make_engine("prefill", clock=clock, kv_lease_seconds=5)
+    decode_engine = make_engine("decode")
+    prefill_engine.start_kv_transfer()
+    try:
+        prompt = "the lease runs out " * 3
+        params = prefill(prefill_engine, prompt)
+        pinned = len(params["block_ids"])
+        assert prefill_engine.block_manager.num_free_blocks == 64 - pinned
+        clock.now += 4.9
+        assert prefill_engine.collect_kv_leases() == 0
+        clock.now += 0.2
+        assert prefill_engine.collect_kv_leases() == pinned
+        assert prefill_engine.stats().kv_leases_expired == 1
+        assert_baseline(prefill_engine)
+        # The decode engine learns only at pull time: the listener answers ERROR, and it recomputes.
+        decode_engine.add_request(prompt, GREEDY, request_id="d", kv_transfer_params=remote(params))
+        out = run(decode_engine)["d"]
+        assert out.error is None and out.outputs[0].token_ids == reference(prompt)
+        assert decode_engine.stats().kv_pulls_failed == 1
+        assert_baseline(decode_engine)
+    finally:
+        prefill_engine.close()
+        decode_engine.close()
+
+
+def test_prefill_host_gone_recomputes_or_fails_per_policy():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead_port = probe.getsockname()[1]  # closed again: nothing listens there
+    prompt = "nobody is home " * 4
+    for policy in ("recompute", "fail"):
+        engine = make_engine("decode", kv_failure_policy=policy)
+        engine.add_request(prompt, GREEDY, request_id="d",
+                           kv_transfer_params=fake_params(dead_port, len(prompt), engine))
+        out = run(engine)["d"]
+        if policy == "recompute":
+            assert out.error is None and out.outputs[0].token_ids == reference(prompt)
+        else:
+            assert out.outputs[0].finish_reason == "error"
+            assert "pulling the prompt's KV from the prefill engine failed" in out.error
+            assert "cannot connect" in out.error
+        assert engine.stats().kv_pulls_failed == 1
+        assert_baseline(engine)
+
+
+def test_a_hung_prefill_engine_times_out_then_recomputes():
+    prompt = "hung " * 10
+    with black_hole() as port:
+        engine = make_engine("decode", kv_transfer_timeout=0.5)
+        started = time.monotonic()
+        engine.add_request(prompt, GREEDY, request_id="d", kv_transfer_params=fake_params(port, len(prompt), engine))
+        out = run(engine)["d"]
+        assert time.monotonic() - started < 5
+        assert out.error is None and out.outputs[0].token_ids == reference(prompt)
+        assert engine.stats().kv_pulls_failed == 1
+        assert_baseline(engine)
+
+
+def test_incompatible_params_fail_fast_and_recompute(pair):
+    prefill_engine, decode_engine = pair
+    prompt = "z" * 33
+    params = prefill(prefill_engine, prompt)
+    decode_engine.add_request(prompt, GREEDY, request_id="d",
+                              kv_transfer_params=remote(params, compat_hash="0" * 16))
+    out = run(decode_engine)["d"]
+    assert out.error is None and out.outputs[0].token_ids == reference(prompt)
+    assert decode_engine.stats().kv_pulls_failed == 1
+    prefill_engine.kv_connector.release_all()
+    assert_baseline(prefill_engine, decode_engine)
+
+
+# -- the scheduler's waiting-for-KV state ---------------------------------------------------------
+def test_waiting_for_kv_holds_blocks_but_no_token_budget():
+    with black_hole() as port:
+        engine = make_engine("decode", max_num_batched_tokens=64, kv_transfer_timeout=60)
+        engine.add_request("w" * 40, GREEDY, request_id="remote", kv_transfer_params=fake_params(port, 40, engine))
+        engine.add_request("a" * 100, GREEDY, request_id="local")
+        engine.step()
+        remote_seq = engine._sequences["remote"]
+        assert remote_seq.status is SequenceStatus.WAITING_FOR_KV
+        assert len(remote_seq.block_table) == 3
+        assert engine.stats().num_waiting_for_kv == 1
+        # The local prompt got the whole 64-token budget though the remote one was admitted first.
+        assert engine._sequences["local"].num_computed_tokens == 64
+        engine.abort_request("remote")
+        run(engine)
+        assert_baseline(engine)
+
+
+def test_waiting_for_kv_is_never_preempted_and_abort_frees_it():
+    with black_hole() as port:
+        # 16 blocks of 16: two growing local requests must preempt; the remote one holds 4 blocks.
+        engine = make_engine("decode", num_blocks=16, max_model_len=128, kv_transfer_timeout=60, watermark=0.0)
+        engine.add_request("r" * 64, GREEDY, request_id="remote", kv_transfer_params=fake_params(port, 64, engine))
+        long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+        engine.add_request("a" * 40, long, request_id="a")
+        engine.add_request("b" * 40, long, request_id="b")
+        remote_seq = engine._sequences["remote"]
+        done = {}
+        while "a" not in done or "b" not in done:
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+            assert remote_seq.status is SequenceStatus.WAITING_FOR_KV and len(remote_seq.block_table) == 4
+        assert engine.stats().num_preemptions > 0  # the pool was short, and the others paid for it
+        assert remote_seq.num_preemptions == 0
+        engine.abort_request("remote")
+        aborted = run(engine)
+        assert aborted["remote"].outputs[0].finish_reason == "abort"
+        assert_baseline(engine)
+
+
+def test_abort_mid_transfer_frees_both_engines(pair):
+    """The prefill engine's read is held in flight; decode aborts: its blocks go back at once, and the
+    lease it releases is freed only once the read in flight has ended."""
+    prefill_engine, decode_engine = pair
+    connector = prefill_engine.kv_connector
+    reading, resume = threading.Event(), threading.Event()
+    original = connector._read_layers
+
+    def slow_read(block_ids):
+        reading.set()
+        resume.wait(10)
+        yield from original(block_ids)
+
+    connector._read_layers = slow_read
+    prompt = "abort me " * 6
+    params = prefill(prefill_engine, prompt)
+    decode_engine.add_request(prompt, GREEDY, request_id="d", kv_transfer_params=remote(params))
+    decode_engine.step()
+    assert reading.wait(5)
+    decode_engine.abort_request("d")
+    out = run(decode_engine)["d"]
+    assert out.outputs[0].finish_reason == "abort"
+    assert_baseline(decode_engine)
+    deadline = time.monotonic() + 5
+    while not connector._leases[params["transfer_id"]].released:  # the abort's RELEASE arrived
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert prefill_engine.collect_kv_leases() == 0  # still being read
+    assert connector.num_pinned_blocks == len(params["block_ids"])
+    resume.set()
+    while connector.num_leases:
+        assert time.monotonic() < deadline
+        prefill_engine.collect_kv_leases()
+        time.sleep(0.01)
+    assert_baseline(prefill_engine)
+    # And the pair still works after the abort.
+    params = prefill(prefill_engine, prompt)
+    decode_engine.add_request(prompt, GREEDY, request_id="again", kv_transfer_params=remote(params))
+    assert run(decode_engine)["again"].outputs[0].token_ids == reference(prompt)
+
+
+# -- requests ------------------------------------------------------------------------------------
+def test_roles_refuse_the_other_half_and_bad_params_name_the_field():
+    prefill_engine, decode_engine, both = make_engine("prefill"), make_engine("decode"), make_engine("both")
+    with pytest.raises(InvalidRequestError, match="runs --role decode") as error:
+        decode_engine.add_request("x", PREFILL_CALL, kv_transfer_params={"do_remote_decode": True})
+    assert error.value.param == "kv_transfer_params.do_remote_decode"
+    with pytest.raises(InvalidRequestError, match="no KV transfer listener"):
+        both.add_request("x", PREFILL_CALL, kv_transfer_params={"do_remote_decode": True})
+    good = fake_params(1, 1, prefill_engine)
+    with pytest.raises(InvalidRequestError, match="runs --role prefill"):
+        prefill_engine.add_request("x", GREEDY, kv_transfer_params=good)
+    for name in ("transfer_id", "host", "port", "block_ids", "num_tokens", "compat_hash"):
+        with pytest.raises(InvalidRequestError) as error:
+            decode_engine.add_request("x", GREEDY, kv_transfer_params={k: v for k, v in good.items() if k != name})
+        assert error.value.param == f"kv_transfer_params.{name}"
+    with pytest.raises(InvalidRequestError, match="block_ids"):
+        decode_engine.add_request("x", GREEDY, kv_transfer_params={**good, "block_ids": [-1]})
+    with pytest.raises(InvalidRequestError, match="exclude each other"):
+        both.add_request("x", GREEDY, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": True})
+    # Neither flag: an ordinary request (vLLM ignores such an object too).
+    both.add_request("x", GREEDY, request_id="plain", kv_transfer_params={"do_remote_decode": False})
+    assert run(both)["plain"].outputs[0].token_ids == reference("x")
+    assert not decode_engine.has_unfinished_requests() and not prefill_engine.has_unfinished_requests()
