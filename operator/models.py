@@ -265,6 +265,13 @@ class RoutingSpec(WireModel):
                                "installed). None: the Service selects the engine pods."))
     endpoint_picker: str | None = Field(
         None, description="Gateway mode: the endpoint picker's Service (default: NAME-epp), port 9002.")
+    max_queue: int | None = Field(
+        None, ge=0, description=("Router mode: requests a replica may queue beyond its max_num_seqs before the router "
+                                 "counts it saturated (`iterserve router --max-queue`; default: the router's). Raise it "
+                                 "with the engines' --max-waiting-requests when queueing should happen in the engines."))
+    queue_timeout_seconds: float | None = Field(
+        None, ge=0, description=("Router mode: how long a request waits while every replica is saturated before the "
+                                 "router answers 429 with Retry-After (`--queue-timeout`; default: the router's)."))
 
 
 class InferenceServiceSpec(WireModel):

@@ -74,8 +74,14 @@ def engine_pod_labels(spec: InferenceServiceSpec) -> dict[str, str]:
     return {ENGINE_TYPE_LABEL: ENGINE_TYPE_VLLM} if spec.routing.mode == GATEWAY else {}
 
 
-def router_args(owner: Owner) -> list[str]:
-    return ["--infsvc", owner.name, "-n", owner.namespace, "--host", "0.0.0.0", "--port", str(ROUTER_PORT)]
+def router_args(owner: Owner, spec: InferenceServiceSpec | None = None) -> list[str]:
+    args = ["--infsvc", owner.name, "-n", owner.namespace, "--host", "0.0.0.0", "--port", str(ROUTER_PORT)]
+    settings = spec.routing if spec is not None else None
+    if settings is not None and settings.max_queue is not None:
+        args += ["--max-queue", str(settings.max_queue)]
+    if settings is not None and settings.queue_timeout_seconds is not None:
+        args += ["--queue-timeout", f"{settings.queue_timeout_seconds:g}"]
+    return args
 
 
 def build_router_rbac(owner: Owner) -> list[dict[str, Any]]:
@@ -101,7 +107,7 @@ def build_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[st
         "image": spec.engine.image,  # the engine image holds the whole iterserve package
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["iterserve", "router"],
-        "args": router_args(owner),
+        "args": router_args(owner, spec),
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "env": [{"name": "HOME", "value": "/tmp"}],
         # /health, not /ready: a router with no ready engine must stay behind the Service and answer

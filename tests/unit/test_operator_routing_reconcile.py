@@ -123,3 +123,23 @@ def test_a_router_deployment_that_is_not_ours_is_never_adopted_nor_deleted():
     set_mode(kube, "None")  # not wanted and not ours: left alone
     assert Reconciler(kube).reconcile("ns", "llm").result == "applied"
     assert kube.objects[("Deployment", "llm-router")] == foreign
+
+
+def test_router_queue_settings_reach_the_router_flags_and_the_pod_runtime_accepts_them(tmp_path):
+    from iterserve.devcluster.podrunner.launch import build_launch
+    from iterserve.operator.models import InferenceServiceSpec
+    from iterserve.operator.resources import Owner
+
+    owner = Owner("llm", "ns", "u1")
+    plain = routing.build_router_deployment(owner, InferenceServiceSpec.model_validate({"model": {"uri": "m"}}))
+    assert "--max-queue" not in plain["spec"]["template"]["spec"]["containers"][0]["args"]  # the router's default
+    spec = InferenceServiceSpec.model_validate({"model": {"uri": "m"},
+                                                "routing": {"maxQueue": 1000, "queueTimeoutSeconds": 60}})
+    deployment = routing.build_router_deployment(owner, spec)
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-queue") + 1] == "1000" and args[args.index("--queue-timeout") + 1] == "60"
+    pod = {"metadata": {"name": "llm-router-x", "namespace": "ns", "uid": "p1"},
+           "spec": deployment["spec"]["template"]["spec"], "status": {"podIP": "127.10.0.9"}}
+    launch = build_launch(pod, lambda *a: None, lambda *a: None, tmp_path,
+                          token_kubeconfig=lambda p, sa, folder: folder / f"{sa}.kubeconfig")
+    assert launch.argv[5] == "router" and launch.argv[-1] == str(tmp_path / "llm-router.kubeconfig")
