@@ -71,7 +71,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--systems", default="llama.cpp,vllm,iterserve",
                         help="comma-separated, in run order (default %(default)s); iterserve variants: "
-                             "iterserve, iterserve-int8, iterserve-int4")
+                             "iterserve, iterserve-int8, iterserve-int4, each optionally followed by @t<N> "
+                             "(N torch threads) and/or @passive (OMP_WAIT_POLICY=PASSIVE), e.g. iterserve-int8@t1")
     parser.add_argument("--loads", default="tail,throughput,online", help="default %(default)s")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2,
                         help="compute threads every server gets (default: all cores)")
@@ -311,13 +312,31 @@ def server_for(system: str, args, tmp: Path, gguf: Path, max_len: int) -> tuple[
         script = Path(sys.executable).parent / "iterserve"
         command = [str(script), "serve", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
                    "--max-num-seqs", str(args.slots)]
-        variant = system.removeprefix("iterserve").lstrip("-")
+        variant, thread_env = iterserve_variant(system)
+        env.update(thread_env)
         if variant:
             command += ["--quantization", variant]
         return Server(system, command, port, log, env, ready_path="/ready"), {
-            "command": command[1:], "weights": {"": "fp32 (dequantized GGUF)", "int8": "int8 weight-only",
-                                                "int4": "Q4_1 blocks as int4"}.get(variant, variant)}
+            "command": command[1:], "env": thread_env,
+            "weights": {"": "fp32 (dequantized GGUF)", "int8": "int8 weight-only",
+                        "int4": "Q4_1 blocks as int4"}.get(variant, variant)}
     raise SystemExit(f"unknown system {system!r}")
+
+
+def iterserve_variant(system: str) -> tuple[str, dict]:
+    """'iterserve[-int8|-int4][@t<N>][@passive]' -> (quantization, environment): @t<N> runs the server
+    with N torch (OpenMP) threads, @passive sets OMP_WAIT_POLICY=PASSIVE (idle OpenMP workers sleep
+    instead of spinning, leaving the core to the HTTP loop)."""
+    name, *options = system.split("@")
+    env = {}
+    for option in options:
+        if option.startswith("t") and option[1:].isdigit():
+            env["OMP_NUM_THREADS"] = option[1:]
+        elif option == "passive":
+            env["OMP_WAIT_POLICY"] = "PASSIVE"
+        else:
+            raise SystemExit(f"unknown iterserve option @{option} in {system!r}; use @t<N> or @passive")
+    return name.removeprefix("iterserve").lstrip("-"), env
 
 
 def run_loads(url: str, specs: dict[str, LoadSpec], seed: int) -> dict:
