@@ -1,0 +1,363 @@
+"""Prefill/decode disaggregation: aggregated (2 replicas of role both behind `iterserve router`)
+against disaggregated (1 prefill + 1 decode replica behind `iterserve router --prefill --decode`),
+each engine pinned to one core (taskset, OMP_NUM_THREADS=1), the embedded SmolLM2-135M.
+
+Workloads (the same seeded Poisson arrivals and prompts for every arm):
+- mixed: long prompts (--long-tokens, default 2000) among short ones (--short-tokens, default
+  128), --long-share of them long (default 0.25); every request generates --max-tokens (32);
+- short: short prompts only. Disaggregated twice: with the default threshold (512: the short
+  prompts never go remote, so the prefill replica idles) and with --pd-threshold-tokens 0 (every
+  prompt goes remote: what the threshold saves).
+
+Figures per arm: TTFT p50/p90 (all, long, short), ITL p90/p99, end-to-end p50, and for the
+disaggregated arms the KV transfer cost (the decode engine's iterserve_kv_transfer_seconds and
+_bytes per transferred prompt token) and the router's remote prefill seconds. The arrival rate
+is set from a calibration on one replica (--utilization of two replicas' estimated capacity)
+unless --rate is given. The router and the load generator are not pinned: they share the two
+cores with the engines, as the rest of this machine's work does (the load average is recorded).
+
+    python bench/disaggregation.py --json docs/perf/disaggregation.json --plot docs/perf/disaggregation.png
+    python bench/disaggregation.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import common
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from iterserve.devcluster.waiting import free_port, wait_for
+from iterserve.engine import metrics as names
+from iterserve.engine.loadgen import PROMPT_TOKEN_RANGE, percentiles
+
+ITERSERVE = [str(Path(sys.executable).parent / "iterserve")]
+ENGINE_ARGS = ["--max-model-len", "4096", "--max-num-seqs", "8", "--log-level", "warning"]
+
+
+@dataclass
+class Result:
+    prompt_tokens: int
+    start: float = 0.0
+    first: float | None = None
+    end: float | None = None
+    times: list[float] = field(default_factory=list)
+    status: str = ""
+
+
+class Procs:
+    """The benchmark's child processes, all stopped at the end."""
+
+    def __init__(self, logdir: Path):
+        self.logdir, self.procs = logdir, []
+        self.pin = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
+
+    def start(self, name: str, command: list[str], core: int | None = None) -> subprocess.Popen:
+        if core is not None and self.pin:
+            command = ["taskset", "-c", str(core % (os.cpu_count() or 1)), *command]
+        log = open(self.logdir / f"{name}.log", "wb")  # noqa: SIM115
+        # Not from the repository root: its folder operator/ must not shadow the stdlib module.
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd="/",
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self.procs.append(proc)
+        return proc
+
+    def engine(self, name: str, core: int, *extra: str) -> str:
+        port = free_port()
+        self.start(name, [*ITERSERVE, "serve", "--port", str(port), *ENGINE_ARGS, *extra], core)
+        return f"http://127.0.0.1:{port}"
+
+    def router(self, name: str, *args: str) -> str:
+        port = free_port()
+        self.start(name, [*ITERSERVE, "router", "--port", str(port), "--seed", "0", "--log-level", "warning", *args])
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _ok(f"{url}/health"), 30, 0.1, what=f"router {name} up")
+        return url
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def scrape(url: str) -> dict[str, float]:
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for s in family.samples:
+            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
+            samples[key] = samples.get(key, 0.0) + s.value
+    return samples
+
+
+def workload(args, long_share: float, seed: int) -> list[tuple[float, list[int]]]:
+    """(arrival offset in seconds, prompt token ids) per request; no two prompts share a prefix."""
+    rng = random.Random(seed)
+    at, out = 0.0, []
+    for _ in range(args.requests):
+        n = args.long_tokens if rng.random() < long_share else args.short_tokens
+        out.append((at, [rng.randint(*PROMPT_TOKEN_RANGE) for _ in range(n)]))
+        at += rng.expovariate(args.rate)
+    return out
+
+
+async def one(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, result: Result) -> None:
+    body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    result.start = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.status = str(response.status_code)
+                await response.aread()
+                return
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    if any(c.get("text") for c in json.loads(line[6:]).get("choices", [])):
+                        now = time.perf_counter()
+                        result.first = result.first or now
+                        result.times.append(now)
+                elif line == "data: [DONE]":
+                    result.status = "ok"
+    except httpx.HTTPError as error:
+        result.status = type(error).__name__
+    finally:
+        result.end = time.perf_counter()
+
+
+async def drive(url: str, requests: list[tuple[float, list[int]]], max_tokens: int) -> tuple[list[Result], float]:
+    results = [Result(len(p)) for _, p in requests]
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900, connect=10)) as client:
+        started = time.perf_counter()
+
+        async def later(offset, prompt, result):
+            await asyncio.sleep(max(0.0, started + offset - time.perf_counter()))
+            await one(client, url, prompt, max_tokens, result)
+
+        await asyncio.gather(*(later(o, p, r) for (o, p), r in zip(requests, results, strict=True)))
+        return results, time.perf_counter() - started
+
+
+def summarize(results: list[Result], elapsed: float, long_tokens: int) -> dict:
+    done = [r for r in results if r.status == "ok" and r.first is not None]
+
+    def ttft(rs):
+        return stats([r.first - r.start for r in rs])
+
+    itl = [b - a for r in done for a, b in itertools.pairwise(r.times)]
+    return {
+        "requests": len(results), "completed": len(done),
+        "errors": sorted({r.status for r in results if r.status != "ok"}),
+        "duration_s": elapsed,
+        "ttft_s": ttft(done), "ttft_long_s": ttft([r for r in done if r.prompt_tokens >= long_tokens]),
+        "ttft_short_s": ttft([r for r in done if r.prompt_tokens < long_tokens]),
+        "itl_s": stats(itl), "e2e_s": stats([r.end - r.start for r in done]),
+        "output_tokens_per_s": sum(len(r.times) for r in done) / elapsed if elapsed else 0.0,
+    }
+
+
+def stats(values: list[float]) -> dict:
+    """loadgen's mean/p50/p95/p99/max plus p90, interpolated the same way."""
+    out = percentiles(values)
+    out["p90"] = None
+    if values:
+        ordered = sorted(values)
+        pos = 0.9 * (len(ordered) - 1)
+        low = int(pos)
+        high = min(low + 1, len(ordered) - 1)
+        out["p90"] = ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+    return out
+
+
+def transfer_cost(before: dict, after: dict, router_before: dict, router_after: dict) -> dict:
+    delta = lambda d0, d1, k: d1.get(k, 0.0) - d0.get(k, 0.0)  # noqa: E731
+    seconds = delta(before, after, names.KV_TRANSFER_SECONDS + "_sum")
+    count = delta(before, after, names.KV_TRANSFER_SECONDS + "_count")
+    nbytes = delta(before, after, names.KV_TRANSFER_BYTES + "_sum")
+    tokens = delta(router_before, router_after, "tokens")
+    remote = delta(router_before, router_after, f"{names.ROUTER_PD_DECISIONS_TOTAL}{{reason=remote}}")
+    prefill_s = delta(router_before, router_after, names.ROUTER_PD_PREFILL_SECONDS + "_sum")
+    return {
+        "transfers": count, "remote_prefills": remote,
+        "fallbacks": sum(v for k, v in router_after.items() if k.startswith(names.ROUTER_PD_FALLBACKS_TOTAL))
+        - sum(v for k, v in router_before.items() if k.startswith(names.ROUTER_PD_FALLBACKS_TOTAL)),
+        "transfer_failures": delta(before, after, names.KV_TRANSFER_FAILURES_TOTAL),
+        "transfer_seconds_total": seconds, "transfer_bytes_total": nbytes, "transferred_tokens": tokens,
+        "transfer_ms_per_token": 1000 * seconds / tokens if tokens else None,
+        "transfer_bytes_per_token": nbytes / tokens if tokens else None,
+        "mean_transfer_s": seconds / count if count else None,
+        "mean_remote_prefill_s": prefill_s / remote if remote else None,
+    }
+
+
+def run_arm(name: str, url: str, requests, args, decode: str | None) -> dict:
+    engine0 = scrape(decode) if decode else {}
+    router0 = scrape(url)
+    results, elapsed = asyncio.run(drive(url, requests, args.max_tokens))
+    engine1 = scrape(decode) if decode else {}
+    router1 = scrape(url)
+    summary = summarize(results, elapsed, args.long_tokens)
+    if decode:
+        # Tokens whose KV moved: the prompts the router sent remote (each remote prompt is long in
+        # the mixed workload; in short-forced every prompt is remote).
+        remote = router1.get(f"{names.ROUTER_PD_DECISIONS_TOTAL}{{reason=remote}}", 0) - router0.get(
+            f"{names.ROUTER_PD_DECISIONS_TOTAL}{{reason=remote}}", 0)
+        threshold = args.threshold if name != "disaggregated_threshold_0" else 0
+        moved = sorted((len(p) for _, p in requests if len(p) > threshold), reverse=True)[:int(remote)]
+        router1 = {**router1, "tokens": float(sum(moved))}
+        router0 = {**router0, "tokens": 0.0}
+        summary["transfer"] = transfer_cost(engine0, engine1, router0, router1)
+    summary["load_average"] = list(os.getloadavg())
+    print(f"  {name}: {_line(summary)}", flush=True)
+    return summary
+
+
+def _line(s: dict) -> str:
+    f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    line = (f"{s['completed']}/{s['requests']} ok, TTFT p50 {f(s['ttft_s']['p50'])} s p90 {f(s['ttft_s']['p90'])} s, "
+            f"ITL p90 {f(s['itl_s']['p90'])} s p99 {f(s['itl_s']['p99'])} s")
+    if "transfer" in s:
+        t = s["transfer"]
+        per_token = t["transfer_bytes_per_token"]
+        line += (f"; remote {t['remote_prefills']:.0f}, transfer {f(t['transfer_ms_per_token'])} ms/token, "
+                 f"{'-' if per_token is None else f'{per_token:.0f}'} B/token")
+    return line
+
+
+def calibrate(url: str, args) -> dict:
+    """Seconds for one long and one short request alone on one replica (after a warm-up)."""
+    rng = random.Random(args.seed + 99)
+
+    def alone(n: int) -> float:
+        results, elapsed = asyncio.run(drive(url, [(0.0, [rng.randint(*PROMPT_TOKEN_RANGE) for _ in range(n)])],
+                                             args.max_tokens))
+        assert results[0].status == "ok", results[0].status
+        return elapsed
+
+    alone(args.short_tokens)  # warm-up
+    return {"long_s": alone(args.long_tokens), "short_s": alone(args.short_tokens)}
+
+
+def plot(report: dict, path: str) -> None:
+    plt = common.pyplot()
+    workloads = report["workloads"]
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.5), squeeze=False)
+    figures = [("TTFT p50", "ttft_s", "p50"), ("TTFT p90", "ttft_s", "p90"), ("ITL p90", "itl_s", "p90"),
+               ("ITL p99", "itl_s", "p99")]
+    for ax, (workload_name, arms) in zip(axes[0], workloads.items(), strict=True):
+        width = 0.8 / len(arms)
+        for i, (arm, r) in enumerate(arms.items()):
+            values = [r[k][q] or 0 for _, k, q in figures]
+            ax.bar([x + i * width for x in range(len(figures))], values, width, label=arm)
+        ax.set_xticks([x + width * (len(arms) - 1) / 2 for x in range(len(figures))], [f[0] for f in figures])
+        ax.set_yscale("log")
+        ax.set_ylabel("seconds (log)")
+        ax.set_title(f"{workload_name} prompts")
+        ax.legend(fontsize=8)
+    m = report["machine"]
+    fig.suptitle(f"P/D disaggregation, SmolLM2-135M, one core per engine; {m['cpu_model']}, load "
+                 f"{m['load_average_at_start'][0]:.1f} -> {m['load_average_at_end'][0]:.1f}", fontsize=9)
+    common.save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common.add_common_args(parser)
+    parser.add_argument("--long-tokens", type=int, help="long prompts' length (default 2000; quick: 700)")
+    parser.add_argument("--short-tokens", type=int, help="short prompts' length (default 128; quick: 48)")
+    parser.add_argument("--long-share", type=float, default=0.25, help="share of long prompts in the mixed workload")
+    parser.add_argument("--requests", type=int, help="requests per arm (default 32; quick: 8)")
+    parser.add_argument("--max-tokens", type=int, help="output tokens per request (default 32; quick: 16)")
+    parser.add_argument("--rate", type=float, help="arrivals per second (default: --utilization of the calibrated "
+                                                   "capacity of two replicas)")
+    parser.add_argument("--utilization", type=float, default=0.5)
+    parser.add_argument("--threshold", type=int, default=512, help="the router's --pd-threshold-tokens (default 512)")
+    args = parser.parse_args(argv)
+    args.long_tokens = args.long_tokens or (700 if args.quick else 2000)
+    args.short_tokens = args.short_tokens or (48 if args.quick else 128)
+    args.requests = args.requests or (8 if args.quick else 32)
+    args.max_tokens = args.max_tokens or (16 if args.quick else 32)
+    if args.threshold >= args.long_tokens or args.short_tokens > args.threshold:
+        parser.error("the threshold must lie between the short and the long prompts' lengths")
+    common.set_threads(args.threads)
+    info = common.machine(args.threads)
+    info["pinned_one_core_per_engine"] = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
+    report: dict = {"machine": info, "args": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
+                    "workloads": {}}
+    with tempfile.TemporaryDirectory(prefix="disagg-bench-") as tmp:
+        procs = Procs(Path(tmp))
+        try:
+            engines = {"both0": procs.engine("both0", 0), "both1": procs.engine("both1", 1),
+                       "prefill": procs.engine("prefill", 0, "--role", "prefill"),
+                       "decode": procs.engine("decode", 1, "--role", "decode")}
+            for name, url in engines.items():
+                wait_for(lambda url=url: _ok(f"{url}/ready"), 900, 0.5, what=f"engine {name} ready")
+            calibration = calibrate(engines["both0"], args)
+            if args.rate is None:
+                mean_s = args.long_share * calibration["long_s"] + (1 - args.long_share) * calibration["short_s"]
+                args.rate = args.utilization * 2 / mean_s
+            report["calibration"] = {**calibration, "rate_per_s": args.rate}
+            print(f"calibration: long {calibration['long_s']:.2f} s, short {calibration['short_s']:.2f} s alone; "
+                  f"rate {args.rate:.3f}/s", flush=True)
+            aggregated = procs.router("router-agg", "--endpoints", f"{engines['both0']},{engines['both1']}")
+            pd = ["--prefill", engines["prefill"], "--decode", engines["decode"]]
+            disaggregated = procs.router("router-pd", *pd, "--pd-threshold-tokens", str(args.threshold))
+            forced = procs.router("router-pd0", *pd, "--pd-threshold-tokens", "0")
+            for workload_name, share, arms in (
+                    ("mixed", args.long_share, [("aggregated", aggregated, None),
+                                                ("disaggregated", disaggregated, engines["decode"])]),
+                    ("short", 0.0, [("aggregated", aggregated, None),
+                                    ("disaggregated", disaggregated, engines["decode"]),
+                                    ("disaggregated_threshold_0", forced, engines["decode"])])):
+                print(f"{workload_name} workload:", flush=True)
+                requests = workload(args, share, args.seed)
+                report["workloads"][workload_name] = {name: run_arm(name, url, requests, args, decode)
+                                                      for name, url, decode in arms}
+        finally:
+            procs.close()
+    common.finish_machine(info)
+    rows = []
+    for workload_name, arms in report["workloads"].items():
+        for arm, r in arms.items():
+            t = r.get("transfer") or {}
+            rows.append([f"{workload_name}/{arm}", r["ttft_s"]["p50"], r["ttft_s"]["p90"], r["itl_s"]["p90"],
+                         r["itl_s"]["p99"], r["ttft_long_s"]["p50"], t.get("transfer_ms_per_token"),
+                         f"{r['completed']}/{r['requests']}"])
+    print()
+    print(common.format_table(["arm", "TTFT p50 s", "TTFT p90 s", "ITL p90 s", "ITL p99 s", "long TTFT p50 s",
+                               "transfer ms/token", "ok"], rows))
+    print(f"cpu {info['cpu_model']}, {info['cpus']} cpus, load average {info['load_average_at_start']} -> "
+          f"{info['load_average_at_end']}")
+    common.write_json(args.json, report)
+    if args.plot:
+        plot(report, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
