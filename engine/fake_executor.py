@@ -124,7 +124,7 @@ class FakeExecutor:
         size = self.block_size
         for load in loads:
             keys = array("i", bytes(load.layers[0][: len(load.layers[0]) // 2]))
-            prompt = load.seq.prompt_token_ids
+            prompt = load.seq.prompt_token_ids[load.first_block * size :]
             if list(keys[: len(prompt)]) != prompt:
                 failed.add(load.seq)
             if self._kv is not None:

@@ -55,6 +55,7 @@ class KVLoad:
     seq: Sequence
     block_ids: list[int]
     layers: list
+    first_block: int = 0  # the prompt block block_ids[0] holds (earlier ones came from the prefix cache)
 
 
 @dataclass(slots=True)
@@ -215,14 +216,19 @@ class Scheduler:
             budget -= num_new
 
     def _admit_for_kv(self, seq: Sequence) -> bool:
-        """Give seq blocks for its whole prompt and start pulling its KV; no token budget is used."""
-        if not self.block_manager.can_allocate(seq, seq.num_prompt_tokens, keep_watermark=True):
+        """Give seq blocks for its whole prompt and start pulling its KV; no token budget is used.
+        Blocks of a locally cached prefix are shared, not pulled."""
+        prefix = self.block_manager.match_prefix(seq)
+        num_cached = len(prefix) * self.block_manager.block_size
+        if not self.block_manager.can_allocate(seq, seq.num_prompt_tokens - num_cached, keep_watermark=True,
+                                               prefix=prefix):
             return False
         self.waiting.popleft()
-        self.block_manager.allocate(seq, seq.num_prompt_tokens)
+        self.block_manager.start_with_prefix(seq, prefix)
+        self.block_manager.allocate(seq, seq.num_prompt_tokens - num_cached)
         seq.status = SequenceStatus.WAITING_FOR_KV
         self.waiting_for_kv.append(seq)
-        self.connector.start_pull(seq)
+        self.connector.start_pull(seq, first_block=len(prefix))
         return True
 
     def _poll_kv_transfers(self, out: SchedulerOutput) -> None:
@@ -233,8 +239,8 @@ class Scheduler:
             self.waiting_for_kv.remove(seq)
             kv = seq.kv_transfer
             if pull.error is None:
-                num_blocks = len(kv.remote_prefill.block_ids)
-                out.kv_loads.append(KVLoad(seq, seq.block_table[:num_blocks], pull.result.layers))
+                first, num_blocks = pull.request.first_block, len(kv.remote_prefill.block_ids)
+                out.kv_loads.append(KVLoad(seq, seq.block_table[first:num_blocks], pull.result.layers, first))
                 kv.loaded = True
                 # The prompt's KV is all here, but a step must sample from something: the last prompt
                 # token is computed again (as with a full prefix cache hit).

@@ -57,6 +57,8 @@ class TransferCounts:
     leases_created: int = 0
     leases_released: int = 0
     leases_expired: int = 0
+    blocks_pulled: int = 0  # decode side: blocks received by successful pulls
+    blocks_from_cache: int = 0  # decode side: lease blocks not pulled, found in the local prefix cache
 
 
 class KVConnector:
@@ -181,12 +183,14 @@ class KVConnector:
         return True
 
     # -- decode side -------------------------------------------------------------------------
-    def start_pull(self, seq: Sequence) -> None:
-        """Begin fetching seq's prompt KV into staging (seq already has its blocks)."""
+    def start_pull(self, seq: Sequence, first_block: int = 0) -> None:
+        """Begin fetching seq's prompt KV into staging (seq already has its blocks), from the lease's
+        block first_block on (the earlier ones are in this engine's prefix cache)."""
         kv: KVTransferState = seq.kv_transfer
         remote = kv.remote_prefill
-        request = PullRequest(remote.host, remote.port, remote.transfer_id, 0, len(remote.block_ids),
-                              time.monotonic() + self.config.kv_transfer_timeout)
+        request = PullRequest(remote.host, remote.port, remote.transfer_id, first_block,
+                              len(remote.block_ids) - first_block, time.monotonic() + self.config.kv_transfer_timeout)
+        self.counts.blocks_from_cache += first_block
         pull = Pull(request, time.monotonic())
         self._pulls[seq.request_id] = pull
         problem = self._check_remote(seq)
@@ -236,6 +240,7 @@ class KVConnector:
         del self._pulls[seq.request_id]
         if pull.error is None:
             self.counts.pulls_ok += 1
+            self.counts.blocks_pulled += pull.request.num_blocks
             if self.on_transfer is not None:
                 self.on_transfer(pull.result.seconds, pull.result.num_bytes)
         else:

@@ -389,3 +389,26 @@ def test_roles_refuse_the_other_half_and_bad_params_name_the_field():
     both.add_request("x", GREEDY, request_id="plain", kv_transfer_params={"do_remote_decode": False})
     assert run(both)["plain"].outputs[0].token_ids == reference("x")
     assert not decode_engine.has_unfinished_requests() and not prefill_engine.has_unfinished_requests()
+
+
+def test_decode_pulls_only_what_its_prefix_cache_lacks(pair):
+    """A decode engine that has served the prompt's first blocks before shares them from its prefix
+    cache and pulls only the rest of the lease."""
+    prefill_engine, _ = pair
+    decode_engine = make_engine("decode", enable_prefix_caching=True)
+    shared = "a conversation so far, " * 3  # 69 tokens: 4 full blocks cached after the first turn
+    decode_engine.add_request(shared, GREEDY, request_id="turn1")
+    run(decode_engine)
+    prompt = shared + "and the next question?"  # 91 tokens, 6 blocks
+    params = prefill(prefill_engine, prompt)
+    decode_engine.add_request(prompt, GREEDY, request_id="turn2", kv_transfer_params=remote(params))
+    out = run(decode_engine)["turn2"]
+    assert out.error is None and out.outputs[0].token_ids == reference(prompt)
+    counts = decode_engine.kv_connector.counts
+    assert (counts.blocks_from_cache, counts.blocks_pulled) == (4, 2)
+    deadline = time.monotonic() + 5
+    while prefill_engine.kv_connector.num_leases:
+        assert time.monotonic() < deadline
+        prefill_engine.collect_kv_leases()
+        time.sleep(0.005)
+    assert_baseline(prefill_engine, decode_engine)
