@@ -3,15 +3,26 @@ local API server with the chart's PodMonitor turned into kubernetes_sd_configs, 
 chart's PrometheusRule (rendered with short `for` windows, thresholds as shipped), and sends to a
 real Alertmanager running the chart's example config, whose receiver is a webhook sink here.
 
-Two engine pods of InferenceService `chat`, run by the local pod runtime: chat-a gets 90 long
-concurrent requests (16 run, the rest wait: backlog > 50; a 48-block pool: preemptions), chat-b a
-16-block pool that a few long requests keep full. The backlog, preemption and KV alerts must
-reach the sink with namespace, inferenceservice, pod and a runbook URL naming a section of
-docs/runbooks.md, and resolve once the load stops."""
+Two engine pods of InferenceService `chat`, run by the local pod runtime, each loaded so that
+exactly the alerts meant for it fire:
+- chat-a, the queueing replica: 90 concurrent long requests on max_num_seqs 16 (74 wait: backlog
+  > 50) and a pool big enough for all 16 (usage < 0.5, no preemption).
+- chat-b, the replica whose pool is forced full: 64 blocks, max_num_seqs 64 and a queue that is
+  never empty (capped at 40 by --max-waiting-requests: never a backlog), requests of random length
+  so they do not finish together. A finished request's blocks go to the next waiting one in the
+  next step, growth preempts the youngest (1-2 blocks): usage stays >= 62/64 and preemption is
+  continuous. (The first version forced a 16-block pool with 6 requests of 200 tokens: every
+  preemption freed a quarter of it, so usage crossed 0.95 in only ~30% of scrapes and never for
+  5 s, while chat-a's 48-block pool thrashed by 16 running sequences sat above 0.95 for
+  stretches: the KV alert fired on chat-a, not on the replica forced full.)
+The backlog, preemption and KV alerts must reach the sink with namespace, inferenceservice, pod
+and a runbook URL naming a section of docs/runbooks.md, each for its replica only, and resolve
+once the load stops."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
 import uuid
@@ -41,12 +52,16 @@ BACKLOG, PREEMPTION, KV = "IterserveSchedulerBacklog", "IterservePreemptionStorm
 LIVE = (BACKLOG, PREEMPTION, KV)
 EXAMPLE_CONFIG = EXAMPLE_ALERTMANAGER_CONFIG
 SERVICE = "chat"
+QUEUEING, FORCED_FULL = "chat-a", "chat-b"
+# The fake model's step time x5 / x10: the same queue and pool behaviour at a fraction of the CPU.
 ENGINES = {
-    "chat-a": ["--max-num-seqs", "16", "--num-kv-blocks", "48", "--max-model-len", "512"],
-    "chat-b": ["--max-num-seqs", "8", "--num-kv-blocks", "16", "--max-model-len", "256"],  # the pool holds one
+    QUEUEING: ["--max-num-seqs", "16", "--num-kv-blocks", "1024", "--max-model-len", "512",
+               "--fake-step-time-scale", "5"],
+    FORCED_FULL: ["--max-num-seqs", "64", "--num-kv-blocks", "64", "--max-model-len", "64",
+                  "--fake-step-time-scale", "10", "--max-waiting-requests", "40"],
 }
-LOAD = {"chat-a": 90, "chat-b": 6}  # concurrent long requests
-MAX_TOKENS = {"chat-a": 450, "chat-b": 200}  # + the short prompt: within each engine's max-model-len
+LOAD = {QUEUEING: 90, FORCED_FULL: 60}  # concurrent requests, each sent again as soon as it ends
+MAX_TOKENS = {QUEUEING: (200, 200), FORCED_FULL: (10, 58)}  # + the 5-token prompt: within max-model-len
 
 
 def engine_pod(name: str, args: list[str]) -> dict:
@@ -57,7 +72,7 @@ def engine_pod(name: str, args: list[str]) -> dict:
         "spec": {**local_runtime_scheduling(), "terminationGracePeriodSeconds": 5, "containers": [{
             "name": "engine", "image": "ghcr.io/iterserve/engine:0.1.0", "command": ["iterserve", "serve"],
             "args": ["--fake-model", "--port", "8000", "--block-size", "16", "--max-waiting-requests", "1000",
-                     "--drain-timeout", "1", *args],
+                     "--drain-timeout", "1", *args],  # a later --max-waiting-requests in args wins
             "ports": [{"name": "http", "containerPort": 8000}],
             "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 1},
         }]},
@@ -65,29 +80,32 @@ def engine_pod(name: str, args: list[str]) -> dict:
 
 
 class Load:
-    """Keeps `count` long streaming completions open against each engine until stop()."""
+    """Keeps LOAD[pod] completions in flight against each engine until stop(), counting the
+    answers by status (chat-b's 429s are its queue bound at work; anything else is a failure)."""
 
     def __init__(self, urls: dict[str, str]):
         self.urls, self._stop = urls, threading.Event()
+        self.statuses: dict[str, dict[int, int]] = {pod: {} for pod in urls}
         self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
-    async def _one(self, client: httpx.AsyncClient, pod: str) -> None:
-        url = self.urls[pod]
-        body = {"model": "fake", "prompt": "hello", "max_tokens": MAX_TOKENS[pod], "ignore_eos": True,
-                "stream": True}
+    async def _one(self, client: httpx.AsyncClient, pod: str, rng: random.Random) -> None:
+        url, statuses = self.urls[pod], self.statuses[pod]
         while not self._stop.is_set():
+            body = {"model": "fake", "prompt": "hello", "max_tokens": rng.randint(*MAX_TOKENS[pod]),
+                    "ignore_eos": True}
             try:
-                async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-                    async for _ in response.aiter_lines():
-                        if self._stop.is_set():
-                            return
+                response = await client.post(f"{url}/v1/completions", json=body)
+                statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+                if response.status_code != 200:
+                    await asyncio.sleep(0.5)
             except httpx.HTTPError:
                 await asyncio.sleep(0.2)
 
     async def _run(self) -> None:
         async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5),
                                      limits=httpx.Limits(max_connections=200)) as client:
-            tasks = [asyncio.create_task(self._one(client, pod)) for pod, n in LOAD.items() for _ in range(n)]
+            tasks = [asyncio.create_task(self._one(client, pod, random.Random(i)))
+                     for pod, n in LOAD.items() for i in range(n)]
             while not self._stop.is_set():
                 await asyncio.sleep(0.2)
             for task in tasks:
@@ -157,7 +175,8 @@ def run(stack):
                  lambda: f"{LIVE} at the receiver (have {sorted(sink.fired(namespace))}; Prometheus ALERTS "
                          f"{prometheus.query('ALERTS')}; waiting {prometheus.query('llm_scheduler_waiting_requests')}; "
                          f"rules {prometheus.rule_health()})")
-        peak = {expr: prometheus.query(expr) for expr in ("llm_scheduler_waiting_requests", "llm_gpu_kv_cache_usage_fraction")}
+        peak = {expr: prometheus.query(f'max_over_time({expr}{{namespace="{namespace}"}}[1m])')
+                for expr in ("llm_scheduler_waiting_requests", "llm_gpu_kv_cache_usage_fraction")}
     finally:
         load_stopped = time.monotonic()
         load.stop()
@@ -167,7 +186,7 @@ def run(stack):
     wait_for(lambda: pairs(sink.fired(namespace)) <= pairs(sink.resolved(namespace)), 150, 0.5,
              lambda: f"{LIVE} resolved at the receiver (have {sorted(sink.resolved(namespace))})")
     return {"namespace": namespace, "targets": targets, "sink": sink, "peak": peak, "started": started,
-            "load_stopped": load_stopped}
+            "load_stopped": load_stopped, "statuses": load.statuses}
 
 
 def test_prometheus_discovers_the_engine_pods_through_the_api_server(run):
@@ -191,11 +210,20 @@ def test_backlog_preemption_and_kv_alerts_fire_with_labels_and_runbooks(run, cap
             assert url.fragment in sections, f"docs/runbooks.md has no section #{url.fragment}"
         report(capsys, f"\nalerts live: {name} fired for {sorted({n.labels['pod'] for n in fired[name]})} "
                        f"{min(n.at for n in fired[name]) - run['started']:.1f} s after the load started")
-    assert {n.labels["pod"] for n in fired[BACKLOG]} == {"chat-a"}  # chat-b never has 50 waiting
-    assert "chat-a" in {n.labels["pod"] for n in fired[PREEMPTION]}
-    assert {n.labels["pod"] for n in fired[KV]} & set(ENGINES)  # a replica whose pool the load keeps full
+    # Each alert names exactly the replica whose state it describes.
+    assert {n.labels["pod"] for n in fired[BACKLOG]} == {QUEUEING}  # chat-b's queue is capped at 40
+    assert {n.labels["pod"] for n in fired[KV]} == {FORCED_FULL}  # chat-a's pool holds all 16 sequences
+    assert {n.labels["pod"] for n in fired[PREEMPTION]} == {FORCED_FULL}
     waiting = {s["metric"]["pod"]: float(s["value"][1]) for s in run["peak"]["llm_scheduler_waiting_requests"]}
-    assert waiting["chat-a"] > 50, waiting
+    usage = {s["metric"]["pod"]: float(s["value"][1]) for s in run["peak"]["llm_gpu_kv_cache_usage_fraction"]}
+    assert waiting[QUEUEING] > 50 and waiting[FORCED_FULL] <= 40, waiting
+    assert usage[FORCED_FULL] > 0.95 and usage[QUEUEING] < 0.95, usage
+
+
+def test_the_engines_answered_every_request(run):
+    statuses = run["statuses"]
+    assert set(statuses[QUEUEING]) <= {200} and set(statuses[FORCED_FULL]) <= {200, 429}, statuses
+    assert statuses[QUEUEING].get(200) and statuses[FORCED_FULL].get(200), statuses
 
 
 def test_the_alerts_resolve_after_the_load(run, capsys):
