@@ -42,6 +42,7 @@ class Endpoint:
         self.max_num_seqs: int | None = None
         self.scraped_at: float | None = None
         self.in_flight_at_scrape = 0
+        self.last_picked = 0  # the router's pick number when this endpoint was last chosen (ties rotate)
         self.ejected_until: float | None = None
         self.backoff_s = 0.0
         self.recovered_at: float | None = None
@@ -60,6 +61,7 @@ class Endpoint:
             waiting=self.waiting if fresh else None, running=self.running if fresh else None,
             max_num_seqs=self.max_num_seqs, routable=self.ejected_until is None,
             since_scrape=self.in_flight - self.in_flight_at_scrape if fresh else 0,
+            last_picked=self.last_picked,
         )
 
     def eject(self, why: str, base_backoff_s: float, max_backoff_s: float) -> bool:

@@ -11,8 +11,11 @@ to it): the scrape sees other routers' traffic, the local count sees what was se
 scrape (so one snapshot cannot send a burst to the same replica). The scraped count is brought
 forward by this router's own changes since the scrape (`since_scrape`: sent minus finished), so
 a replica that just finished requests does not look busy until the next scrape. A stale scrape
-counts as absent: the endpoint stays routable on local counts alone. Least load wins; ties are broken at
-random. With `affinity` (the endpoint that recently served this prompt prefix) that endpoint wins
+counts as absent: the endpoint stays routable on local counts alone. Least load wins; a tie goes to
+the endpoint picked longest ago (`last_picked`), so equal loads rotate as round robin does, and
+only endpoints never picked (or equally long ago) are chosen between at random: a random
+tie-break splits a Poisson stream into Poisson streams, which queue more than round robin's more
+regular ones, and with identical replicas loads tie often. With `affinity` (the endpoint that recently served this prompt prefix) that endpoint wins
 while its load is within `policy.affinity_tolerance` of the least. An endpoint whose load reached
 its capacity (max_num_seqs + policy.max_queue) is saturated and never picked.
 """
@@ -46,6 +49,7 @@ class EndpointLoad:
     max_num_seqs: int | None = None  # last scrape's batch cap; None: unknown
     routable: bool = True  # False while ejected after a connection error
     since_scrape: int = 0  # in_flight now minus in_flight when the scrape was taken
+    last_picked: int = 0  # the router's pick sequence number when this endpoint was last chosen (0: never)
 
     @property
     def load(self) -> int:
@@ -87,7 +91,8 @@ def pick(endpoints: Sequence[EndpointLoad], rng: random.Random, policy: PickPoli
     best = [e for e in open_ if e.load == least]
     if len(best) == 1:
         return Pick(best[0].url, LEAST_LOAD, least)
-    return Pick(rng.choice(best).url, TIE_BREAK, least)
+    longest_ago = min(e.last_picked for e in best)
+    return Pick(rng.choice([e for e in best if e.last_picked == longest_ago]).url, TIE_BREAK, least)
 
 
 def pick_round_robin(endpoints: Sequence[EndpointLoad], turn: int, policy: PickPolicy = PickPolicy()) -> Pick:

@@ -85,6 +85,7 @@ class Router:
         self.clock = time.monotonic
         self.rng = random.Random(options.seed)
         self._turn = 0
+        self._picks = 0  # picks so far: Endpoint.last_picked, by which ties rotate
         self.endpoints: dict[str, Endpoint] = {}  # where requests go (decode and aggregated replicas)
         self.prefills: dict[str, Endpoint] = {}  # the prefill pool of the P/D path (empty: no P/D)
         self._scrapers: dict[str, asyncio.Task] = {}
@@ -440,6 +441,8 @@ class Router:
                 choice = pick(loads, self.rng, o.policy, affinity)
             if choice.url is not None:
                 self.metrics.picks[choice.reason].inc()
+                self._picks += 1
+                self.endpoints[choice.url].last_picked = self._picks
                 return self.endpoints[choice.url]
             if choice.reason == NONE_READY or now >= deadline:
                 self.metrics.picks[choice.reason].inc()

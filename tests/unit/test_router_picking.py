@@ -56,11 +56,28 @@ def test_pick(endpoints, affinity, url, reason):
         assert choice.url == url
 
 
-def test_ties_are_broken_at_random():
+def test_ties_between_endpoints_never_picked_are_broken_at_random():
     loads = [EndpointLoad(u, in_flight=2) for u in (A, B, C)]
     rng = random.Random(1)
     seen = {pick(loads, rng).url for _ in range(100)}
     assert seen == {A, B, C}
+
+
+def test_a_tie_goes_to_the_endpoint_picked_longest_ago_so_equal_loads_rotate():
+    """As round robin does on identical replicas, which queue less than a random split."""
+    rng = random.Random(1)
+    last = {A: 5, B: 3, C: 9}
+    order = []
+    for number in range(10, 16):
+        loads = [EndpointLoad(u, in_flight=2, last_picked=last[u]) for u in (A, B, C)]
+        chosen = pick(loads, rng)
+        assert chosen.reason == "tie_break"
+        last[chosen.url] = number
+        order.append(chosen.url)
+    assert order == [B, A, C, B, A, C]
+    # a lower load still wins whenever it was picked
+    loads = [EndpointLoad(A, in_flight=1, last_picked=99), EndpointLoad(B, in_flight=2, last_picked=1)]
+    assert pick(loads, rng).url == A
 
 
 ENGINE_METRICS = b"""# HELP llm_scheduler_waiting_requests Requests waiting to be scheduled.
