@@ -228,6 +228,7 @@ class Scheduler:
         self.block_manager.allocate(seq, seq.num_prompt_tokens - num_cached)
         seq.status = SequenceStatus.WAITING_FOR_KV
         self.waiting_for_kv.append(seq)
+        seq.kv_transfer.first_block = len(prefix)
         self.connector.start_pull(seq, first_block=len(prefix))
         return True
 

@@ -12,7 +12,7 @@ compat_hash, lease_expires_at (unix seconds).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from iterserve.engine.sampling_params import InvalidRequestError
@@ -46,7 +46,7 @@ class KVTransferState:
     params_out: dict | None = None  # prefill side: the lease, returned to the client
     failure: str | None = None  # decode side: why the pull failed (then the prompt is recomputed)
     loaded: bool = False  # decode side: the pulled KV is in the sequence's blocks
-    extra: dict[str, Any] = field(default_factory=dict)
+    first_block: int = 0  # decode side: the first prompt block pulled (earlier ones: the local prefix cache)
 
     @property
     def wants_pull(self) -> bool:

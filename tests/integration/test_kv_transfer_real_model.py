@@ -4,6 +4,8 @@ equal those of an engine that ran the prompt itself, for prompts of exactly k*bl
 k*block_size+1 tokens, with several pulls in flight beside a local request; every engine's free
 blocks are back to baseline after each round, and the decode engine's loaded KV is the prefill
 engine's, bit for bit, except the last prompt position (which a step recomputes to sample from).
+The prompts are prefixes of one story, so the decode engine finds earlier prompts' blocks in its
+own prefix cache and pulls only the rest of each lease.
 
 The weights are loaded once; each engine gets its own KV pool (a shallow copy of the runner with
 fresh cache tensors), so the engines share nothing but read-only weights.
@@ -81,6 +83,7 @@ def test_greedy_tokens_after_a_pull_equal_local_prefill(runner):
         assert at_baseline(local)
 
         # Round 1: one prompt at a time, checking the loaded KV against the prefill engine's blocks.
+        pulled_from_block = {}
         for name, ids in prompts.items():
             prefill.add_request(prompt_token_ids=ids, params=SamplingParams(temperature=0, max_tokens=1),
                                 request_id=f"p-{name}", kv_transfer_params={"do_remote_decode": True})
@@ -93,8 +96,13 @@ def test_greedy_tokens_after_a_pull_equal_local_prefill(runner):
                 outputs = decode.step()
                 seq = decode._sequences.get(f"d-{name}")
                 if decode_blocks is None and seq is not None and seq.kv_transfer.loaded:
-                    decode_blocks = list(seq.block_table[: len(params["block_ids"])])
-                    _assert_same_kv(prefill.executor, params["block_ids"], decode.executor, decode_blocks, len(ids) - 1)
+                    # Blocks before first came from the decode engine's own prefix cache (earlier prompts
+                    # here are prefixes of later ones), the rest were pulled.
+                    first = seq.kv_transfer.first_block
+                    decode_blocks = list(seq.block_table[first : len(params["block_ids"])])
+                    pulled_from_block[name] = first
+                    _assert_same_kv(prefill.executor, params["block_ids"][first:], decode.executor, decode_blocks,
+                                    len(ids) - 1 - first * 16)
                 for out in outputs:
                     if out.finished:
                         assert out.error is None
@@ -105,6 +113,7 @@ def test_greedy_tokens_after_a_pull_equal_local_prefill(runner):
                 assert time.monotonic() < deadline, "blocks not back to baseline"
                 time.sleep(0.01)
         assert decode.stats().kv_pulls_ok == len(prompts) and decode.stats().kv_pulls_failed == 0
+        assert pulled_from_block["len33"] == 2 and pulled_from_block["len16"] == 0  # len32 cached 2 full blocks
 
         # Round 2: every pull in flight at once, beside a local request on the decode engine.
         leases = {}
