@@ -107,11 +107,15 @@ def _ok(url: str) -> bool:
 
 
 def scrape(url: str) -> dict[str, float]:
+    """Every sample as 'name{k=v,...}', and each name's sum over its series as 'name'."""
     samples: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
         for s in family.samples:
-            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
-            samples[key] = samples.get(key, 0.0) + s.value
+            if s.labels:
+                key = s.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}"
+                samples[key] = samples.get(key, 0.0) + s.value
+            if "le" not in s.labels:
+                samples[s.name] = samples.get(s.name, 0.0) + s.value
     return samples
 
 
@@ -204,8 +208,7 @@ def transfer_cost(before: dict, after: dict, router_before: dict, router_after: 
     prefill_s = delta(router_before, router_after, names.ROUTER_PD_PREFILL_SECONDS + "_sum")
     return {
         "transfers": count, "remote_prefills": remote,
-        "fallbacks": sum(v for k, v in router_after.items() if k.startswith(names.ROUTER_PD_FALLBACKS_TOTAL))
-        - sum(v for k, v in router_before.items() if k.startswith(names.ROUTER_PD_FALLBACKS_TOTAL)),
+        "fallbacks": delta(router_before, router_after, names.ROUTER_PD_FALLBACKS_TOTAL),
         "transfer_failures": delta(before, after, names.KV_TRANSFER_FAILURES_TOTAL),
         "transfer_seconds_total": seconds, "transfer_bytes_total": nbytes, "transferred_tokens": tokens,
         "transfer_ms_per_token": 1000 * seconds / tokens if tokens else None,
@@ -325,7 +328,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"calibration: long {calibration['long_s']:.2f} s, short {calibration['short_s']:.2f} s alone; "
                   f"rate {args.rate:.3f}/s", flush=True)
             aggregated = procs.router("router-agg", "--endpoints", f"{engines['both0']},{engines['both1']}")
-            pd = ["--prefill", engines["prefill"], "--decode", engines["decode"]]
+            # A prefill slower than the router's default timeout (30 s) would fall back to local prefill;
+            # here every remote prefill is waited for, so the arm measures disaggregation itself.
+            pd = ["--prefill", engines["prefill"], "--decode", engines["decode"], "--pd-prefill-timeout", "900"]
             disaggregated = procs.router("router-pd", *pd, "--pd-threshold-tokens", str(args.threshold))
             forced = procs.router("router-pd0", *pd, "--pd-threshold-tokens", "0")
             for workload_name, share, arms in (
