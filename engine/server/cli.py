@@ -191,6 +191,13 @@ def run(args: argparse.Namespace) -> int:
     from iterserve.engine.server.app import build_app
     from iterserve.engine.server.state import ServerOptions, ServerState
 
+    if config.model != FAKE_MODEL and config.device != "cuda":
+        from iterserve.engine.model.threads import configure_serving_threads
+        from iterserve.engine.model_runner import pick_device
+
+        if pick_device(config.device).type == "cpu":
+            configure_serving_threads()  # compute threads leave a core to the HTTP loop (engine/model/threads.py)
+
     options = ServerOptions(
         config=config,
         served_model_name=args.served_model_name or served_model_name(config.model),
