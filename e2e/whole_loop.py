@@ -70,9 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         handle = cluster.cluster_handle()
         if args.alerts:
             with ChartAlerting(handle, workdir / "alerts") as alerting:
-                started = time.monotonic()
                 result = run(handle, workdir / "run", scenario)
-                alerts = _settle_alerts(alerting, started, args.resolve_wait)
+                # The sink stamps notifications with time.monotonic(); the timeline's t=0 is the
+                # wall-clock started_at: count the alerts from that same origin, as the phases are.
+                origin = time.monotonic() - (time.time() - result["started_at"])
+                alerts = _settle_alerts(alerting, origin, args.resolve_wait)
         else:
             result = run(handle, workdir / "run", scenario)
     summary, checks = evaluate(result)
@@ -91,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _settle_alerts(alerting, started: float, wait: float) -> dict:
-    """Waits up to `wait` s for every fired alert to be resolved at the receiver; the summary."""
+    """Waits up to `wait` s for every fired alert to be resolved at the receiver; the summary, with
+    each alert's first notification in seconds after `started` (the timeline's t=0)."""
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline and set(alerting.sink.fired()) - set(alerting.sink.resolved()):
         time.sleep(1)
