@@ -185,6 +185,9 @@ def evaluate(result: dict) -> tuple[dict, list[Check]]:
                         f"{len(result['operator_forbidden'])} forbidden API calls in the operator log "
                         "(it runs as the chart's ServiceAccount)"))
 
+    checks.append(Check("load_through_the_router", bool(result.get("load_via_router")),
+                        result.get("load_address") or "no load address recorded"))
+
     heavy_ttft = [r["ttft"] for r in requests if r["ttft"] is not None and heavy_start <= r["start"] - result["started_at"] <= heavy_end]
     summary = {
         "model": result["model"],
@@ -194,6 +197,7 @@ def evaluate(result: dict) -> tuple[dict, list[Check]]:
         "failed_requests": len(failed),
         "failed_requests_during_scale_down": len(failed_in_drain),
         "requests": len(requests),
+        "load_address": result.get("load_address"),
         **summary_retune,
         "heavy_ttft_p95_s": None if not heavy_ttft else round(sorted(heavy_ttft)[int(0.95 * (len(heavy_ttft) - 1))], 3),
         "decisions": [f"t={_t(result, d['time']):.0f}s {d['action']} "

@@ -1,4 +1,7 @@
 """The Service's ready endpoints, refreshed in the background: what a kube-proxy would route to.
+With spec.routing.mode Router (the whole loop's) that is the router pod: the load goes through
+the product's own routing, never to engine pods the harness picked. The Service's selector is
+re-read on every refresh, since the operator moves it to the router once a router pod is ready.
 
 Read as the EndpointSlice controller computes them, from the pods the Service selects: Ready,
 not terminating, with the container port the Service's targetPort names. (The EndpointSlices
@@ -21,7 +24,7 @@ class ReadyEndpoints:
 
         self.core = client.CoreV1Api(api_client)
         self.namespace, self.service, self.port_name, self.interval = namespace, service, port_name, interval
-        self._selector: str | None = None
+        self.selector: dict[str, str] | None = None
         self._urls: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ready endpoints", daemon=True)
@@ -38,13 +41,13 @@ class ReadyEndpoints:
         self._thread.join(5)
 
     def _refresh(self) -> None:
-        if self._selector is None:
-            service = json.loads(self.core.read_namespaced_service(
-                self.service, self.namespace, _preload_content=False).data)
-            self._selector = ",".join(f"{k}={v}" for k, v in service["spec"]["selector"].items())
+        service = json.loads(self.core.read_namespaced_service(
+            self.service, self.namespace, _preload_content=False).data)
+        selector = service["spec"]["selector"]
         pods = json.loads(self.core.list_namespaced_pod(
-            self.namespace, label_selector=self._selector, _preload_content=False).data)["items"]
-        self._urls = ready_urls(pods, self.port_name)
+            self.namespace, label_selector=",".join(f"{k}={v}" for k, v in selector.items()),
+            _preload_content=False).data)["items"]
+        self.selector, self._urls = selector, ready_urls(pods, self.port_name)
 
     def _loop(self) -> None:
         while not self._stop.is_set():

@@ -1,5 +1,5 @@
-"""The run itself: apply the InferenceService, wait for its first replica, then drive load through
-the Service's ready endpoints in phases (idle -> heavy -> light, until the scale-down has settled),
+"""The run itself: apply the InferenceService, wait for its first replica and its router, then drive
+load through the Service's ready endpoints (the router pod: spec.routing.mode Router) in phases (idle -> heavy -> light, until the scale-down has settled),
 sampling the timeline every second. Returns everything the checks and the plot need."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 
@@ -14,8 +15,10 @@ from e2e.wholeloop.endpoints import ReadyEndpoints
 from e2e.wholeloop.scenario import NAME, Scenario, inference_service
 from e2e.wholeloop.stack import Stack, wait_for
 from e2e.wholeloop.timeline import RequestLog, Sampler
+from iterserve.engine import metrics as names
 from iterserve.engine.loadgen import LoadSpec, run_load
-from iterserve.operator.models import GROUP, PLURAL, VERSION
+from iterserve.operator.models import GROUP, PLURAL, READY, VERSION
+from iterserve.operator.routing import router_labels
 
 LIGHT_CHUNK_SECONDS = 5
 
@@ -24,6 +27,7 @@ def run(cluster, workdir: Path, scenario: Scenario, log=print) -> dict:
     from kubernetes import client
 
     started = time.monotonic()
+    address: list[str] = []
     with Stack(cluster, workdir, log) as stack:
         custom = client.CustomObjectsApi(stack.api)
         custom.create_namespaced_custom_object(GROUP, VERSION, stack.namespace, PLURAL, inference_service(scenario))
@@ -31,9 +35,25 @@ def run(cluster, workdir: Path, scenario: Scenario, log=print) -> dict:
         requests = RequestLog()
         sampler = Sampler(stack.api, stack.namespace, NAME, requests).start()
         try:
-            wait_for(endpoints, scenario.ready_timeout_seconds, what=f"a ready engine endpoint (pod logs in {workdir / 'pods'}, operator log "
-                                     f"{stack.operator.log_path})")
-            log(f"first replica ready after {time.monotonic() - started:.1f} s; driving load")
+            def serving() -> bool:  # the InferenceService Ready (engines and router) and its Service on the router
+                body = custom.get_namespaced_custom_object(GROUP, VERSION, stack.namespace, PLURAL, NAME)
+                ready = any(c["type"] == READY and c["status"] == "True"
+                            for c in (body.get("status") or {}).get("conditions") or [])
+                if not (ready and endpoints() and endpoints.selector == router_labels(NAME)):
+                    return False
+                try:  # and the router has seen an engine (it watches the pods itself)
+                    with urllib.request.urlopen(f"{endpoints()[0]}/metrics", timeout=2) as response:
+                        return f"{names.ROUTER_ENDPOINT_IN_FLIGHT}{{" in response.read().decode()
+                except OSError:
+                    return False
+
+            wait_for(serving,
+                     scenario.ready_timeout_seconds,
+                     what=f"Ready and the Service on a ready router pod (pod logs in {workdir / 'pods'}, operator log "
+                          f"{stack.operator.log_path})")
+            address = endpoints()
+            log(f"first replica and the router ready after {time.monotonic() - started:.1f} s; driving load "
+                f"through Service {NAME} -> router {', '.join(address)}")
             phases = asyncio.run(_drive(scenario, endpoints, requests, sampler, log))
         finally:
             timeline = sampler.stop()
@@ -55,6 +75,8 @@ def run(cluster, workdir: Path, scenario: Scenario, log=print) -> dict:
         "events": [{"reason": e["reason"], "type": e["type"], "message": e["message"],
                     "time": e.get("lastTimestamp") or e.get("eventTime")} for e in events],
         "requests": [asdict(r) for r in requests.snapshot()],
+        "load_address": f"Service {NAME} -> router pod {', '.join(address)} (spec.routing.mode Router)",
+        "load_via_router": bool(address),
         "operator_forbidden": forbidden,
     }
 

@@ -46,6 +46,7 @@ class Scenario:
     max_model_len: int = 512
     drain_seconds: int = 30
     ready_timeout_seconds: float = 180  # for the first replica
+    autoscaling_mode: str = "Builtin"  # External: an HPA scales it (e2e/autoscaling_modes.py)
 
     @property
     def served_model(self) -> str:
@@ -92,7 +93,7 @@ def inference_service(scenario: Scenario) -> dict:
             },
             "replicas": scenario.min_replicas,
             "autoscaling": {
-                "mode": "Builtin",
+                "mode": scenario.autoscaling_mode,
                 "minReplicas": scenario.min_replicas,
                 "maxReplicas": scenario.max_replicas,
                 "targetWaitingPerReplica": scenario.target_waiting_per_replica,
@@ -103,7 +104,10 @@ def inference_service(scenario: Scenario) -> dict:
                 "kvRetune": {"threshold": 0.95, "consecutiveSamples": 3, "stepFactor": 0.75,
                              "floor": scenario.kv_floor, "recoveryWindowSeconds": 600},
             },
-            "scheduling": local_runtime_scheduling(),
+            "scheduling": local_runtime_scheduling(),  # the router pod lands there too
+            # The load goes through the router's Service; the engines queue (that is what the
+            # autoscaler scales on), so the router lets them, as their --max-waiting-requests does.
+            "routing": {"mode": "Router", "maxQueue": 1000, "queueTimeoutSeconds": 60},
             # Probe every second or two rather than every 5-10 s, so a short run sees pods come and go.
             "podTemplatePatch": {"spec": {"containers": [{
                 "name": "engine",

@@ -102,11 +102,14 @@ class Sampler:
     def _loop(self) -> None:
         next_at = time.time()
         while not self._stop.is_set():
+            began = time.time()
             try:
                 self.timeline.rows.append(self._row())
             except Exception as error:  # noqa: BLE001 - a missed second is a gap, not the end of the run
                 self.timeline.rows.append({"t": round(time.time() - self.timeline.started, 2), "error": str(error)})
-            next_at += self.interval
+            # A row that took longer than the interval (a loaded machine) leaves a gap rather than a
+            # burst of catch-up rows a fraction of a second apart.
+            next_at = max(next_at + self.interval, began + self.interval)
             self._stop.wait(max(0.0, next_at - time.time()))
 
     def _row(self) -> dict:
