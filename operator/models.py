@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validat
 from pydantic.alias_generators import to_camel
 
 from iterserve.engine.config import EngineConfig  # its defaults are the engine's own
+from iterserve.router.disagg import PdPolicy  # the router's P/D defaults are its own
 
 GROUP = "iterserve.dev"
 VERSION = "v1alpha1"
@@ -274,11 +275,70 @@ class RoutingSpec(WireModel):
                                  "router answers 429 with Retry-After (`--queue-timeout`; default: the router's)."))
 
 
+class PrefillPool(WireModel):
+    """The prefill replicas (engine --role prefill): Deployment NAME-prefill, its own replica
+    bounds and scaling signal."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel("self.minReplicas <= self.maxReplicas",
+            "spec.disaggregation.prefill.minReplicas must be <= spec.disaggregation.prefill.maxReplicas",
+            ".minReplicas"),
+    ]})
+
+    replicas: int = Field(1, ge=0, description="Prefill pods wanted (kept within minReplicas..maxReplicas).")
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(4, ge=1)
+    scaling_signal: Literal["QueuedPromptTokens", "TTFT"] = Field(
+        "QueuedPromptTokens", description=("What the prefill pool scales on: prompt tokens waiting per replica, or "
+                                           "time to first token."))
+    target_queued_prompt_tokens: int = Field(8192, ge=1, description="QueuedPromptTokens: per replica.")
+    target_ttft_seconds: float = Field(2.0, gt=0, description="TTFT: the p95 to keep under.")
+    extra_args: list[str] = Field(default_factory=list, description="More `iterserve serve` flags for prefill pods only.")
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("spec.disaggregation.prefill.minReplicas must be <= spec.disaggregation.prefill.maxReplicas")
+        return self
+
+    @property
+    def wanted_replicas(self) -> int:
+        return max(self.min_replicas, min(self.replicas, self.max_replicas))
+
+
+class DecodePool(WireModel):
+    """The decode replicas (engine --role decode): the engine Deployment NAME, scaled by
+    spec.replicas / spec.autoscaling exactly as without disaggregation (waiting requests,
+    preemptions, KV usage and the max_num_seqs retune)."""
+
+    extra_args: list[str] = Field(default_factory=list, description="More `iterserve serve` flags for decode pods only.")
+
+
+class DisaggregationSpec(WireModel):
+    """Prefill/decode disaggregation: prompts longer than thresholdTokens are prefilled on the
+    prefill pool and decoded on the decode pool (the router's P/D path; needs spec.routing.mode Router)."""
+
+    enabled: bool = False
+    threshold_tokens: int = Field(PdPolicy().threshold_tokens, ge=0, description=(
+        "Prefill remotely only prompts with more uncached tokens than this (the router's --pd-threshold-tokens). "
+        "Condition DisaggregationIneffective warns when the observed average prompt is under it."))
+    max_prefill_queue: int = Field(PdPolicy().max_prefill_queue, ge=1, description=(
+        "Prefill remotely only while the least-loaded prefill replica has fewer requests than this "
+        "(--pd-max-prefill-queue); else the decode replica prefills locally."))
+    kv_transfer_port: int = Field(8100, ge=1, le=65535, description="The engines' KV transfer listener (--kv-transfer-port).")
+    prefill: PrefillPool = Field(default_factory=PrefillPool)
+    decode: DecodePool = Field(default_factory=DecodePool)
+
+
 class InferenceServiceSpec(WireModel):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         cel("!has(self.autoscaling) || !has(self.autoscaling.kvRetune) || !has(self.engine) "
             "|| self.autoscaling.kvRetune.floor <= self.engine.maxNumSeqs",
             "spec.autoscaling.kvRetune.floor must be <= spec.engine.maxNumSeqs", ".autoscaling.kvRetune.floor"),
+        cel("!has(self.disaggregation) || !has(self.disaggregation.enabled) || !self.disaggregation.enabled "
+            "|| !has(self.routing) || !has(self.routing.mode) || self.routing.mode == 'Router'",
+            "spec.disaggregation.enabled needs spec.routing.mode Router (the router sends prompts to the prefill "
+            "pool)", ".disaggregation.enabled"),
     ]})
 
     model: ModelSpec
@@ -287,6 +347,7 @@ class InferenceServiceSpec(WireModel):
     autoscaling: AutoscalingSpec | None = Field(None, description="Absent: no autoscaling (mode Off).")
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
+    disaggregation: DisaggregationSpec = Field(default_factory=DisaggregationSpec)
     pod_template_patch: FreeForm | None = Field(
         None, description=("Merged into the generated pod template last (maps by key, lists of named items by "
                            "name). Nothing that weakens the restricted Pod Security profile (privileged, host "
@@ -297,6 +358,9 @@ class InferenceServiceSpec(WireModel):
     def _floor(self):
         if self.autoscaling is not None and self.autoscaling.kv_retune.floor > self.engine.max_num_seqs:
             raise ValueError("spec.autoscaling.kvRetune.floor must be <= spec.engine.maxNumSeqs")
+        if self.disaggregation.enabled and self.routing.mode != "Router":
+            raise ValueError("spec.disaggregation.enabled needs spec.routing.mode Router (the router sends prompts "
+                             "to the prefill pool)")
         return self
 
     @property
@@ -317,8 +381,10 @@ METRICS_AVAILABLE = "MetricsAvailable"
 SCALING_LIMITED = "ScalingLimited"
 # spec.routing cannot be served as asked (Gateway mode without the InferencePool CRD installed).
 ROUTING_UNAVAILABLE = "RoutingUnavailable"
-CONDITION_TYPES = (READY, PROGRESSING, DEGRADED, INVALID_SPEC, CONFLICT, ROUTING_UNAVAILABLE, METRICS_AVAILABLE,
-                   SCALING_LIMITED)
+# Disaggregation is on but the prompts seen are on average too short for it to pay (a warning).
+DISAGGREGATION_INEFFECTIVE = "DisaggregationIneffective"
+CONDITION_TYPES = (READY, PROGRESSING, DEGRADED, INVALID_SPEC, CONFLICT, ROUTING_UNAVAILABLE,
+                   DISAGGREGATION_INEFFECTIVE, METRICS_AVAILABLE, SCALING_LIMITED)
 
 
 class Condition(WireModel):
@@ -372,6 +438,8 @@ class InferenceServiceStatus(WireModel):
         default_factory=list, max_length=SCALING_HISTORY_LIMIT, description="The last decisions, newest last.")
     waiting_requests: int | None = Field(None, description="Sum of waiting requests over readable pods.")
     kv_cache_usage: float | None = Field(None, description="Highest KV cache usage fraction over readable pods.")
+    prefill_replicas: int | None = Field(None, description="Disaggregation: prefill pods that exist.")
+    prefill_ready_replicas: int | None = Field(None, description="Disaggregation: prefill pods ready.")
     pods: list[PodSummary] = Field(default_factory=list)
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from iterserve.operator import metrics, routing
+from iterserve.operator import disaggregation, metrics, routing
 from iterserve.operator.autoscaling.report import (
     AutoscalerTick,
     events_for,
@@ -34,6 +34,7 @@ from iterserve.operator.kube import Kube, conflict, invalid, not_found, server_m
 from iterserve.operator.models import (
     CONFLICT,
     DEGRADED,
+    DISAGGREGATION_INEFFECTIVE,
     INVALID_SPEC,
     READY,
     ROUTING_UNAVAILABLE,
@@ -55,6 +56,7 @@ from iterserve.operator.status import (
     find_condition,
     invalid_status,
     reconciled_status,
+    set_condition,
     utcnow,
 )
 from iterserve.operator.validation import SpecError, parse_spec
@@ -173,14 +175,16 @@ class Reconciler:
             routing.INFERENCE_POOL_GROUP, routing.INFERENCE_POOL_VERSION, routing.INFERENCE_POOL_PLURAL)
         # Every object some routing mode makes, read once: what this mode wants is applied, what
         # another mode left behind (and is ours) is deleted.
-        leftovers = {key: self.kube.get(key[0], namespace, key[1]) for key in routing.routing_object_keys(name)}
+        leftovers = {key: self.kube.get(key[0], namespace, key[1])
+                     for key in (*routing.routing_object_keys(name), *disaggregation.disaggregation_object_keys(name))}
         router = leftovers.get(("Deployment", routing.router_name(name)))
         service = self.kube.get("Service", namespace, service_name(name))
         router_serving = routing.router_ready(router) or (
             service is not None and (service.get("spec") or {}).get("selector") == routing.router_labels(name))
         manifests = [build_owned(owner, spec, max_num_seqs, router_serving)[0],
                      *routing.build_routing(owner, spec, pool_served),
-                     *build_owned(owner, spec, max_num_seqs, router_serving)[1:]]
+                     *build_owned(owner, spec, max_num_seqs, router_serving)[1:],
+                     *disaggregation.build_disaggregation(owner, spec)]
         live = {}
         for m in manifests:
             key = (m["kind"], m["metadata"]["name"])
@@ -207,7 +211,9 @@ class Reconciler:
         # Written after the Service stopped selecting them: a mode switch drops no request on the floor.
         for obj in leftovers.values():
             if obj is not None and controlled_by(obj, owner):
-                changes.append(self._delete(body, obj, f"spec.routing.mode is {mode}"))
+                why = (f"spec.routing.mode is {mode}" if obj["metadata"]["name"] != disaggregation.prefill_name(name)
+                       else "spec.disaggregation.enabled is false")
+                changes.append(self._delete(body, obj, why))
         deployment = live[("Deployment", deployment_name(name))]
         router = live.get(("Deployment", routing.router_name(name)))
         routing_state = routing.routing_condition(name, spec, pool_served, router)
@@ -217,6 +223,21 @@ class Reconciler:
         def wanted_status(prev: dict) -> dict:
             status = reconciled_status(prev, spec, name, generation, deployment, max_num_seqs, now,
                                        routing=routing_state, router=router)
+            prefill = live.get(("Deployment", disaggregation.prefill_name(name)))
+            if prefill is not None or prev.get("prefillReplicas") is not None:
+                status["prefillReplicas"] = ((prefill or {}).get("status") or {}).get("replicas", 0) if prefill else None
+                status["prefillReadyReplicas"] = (((prefill or {}).get("status") or {}).get("readyReplicas", 0)
+                                                  if prefill else None)
+            ineffective = find_condition(status["conditions"], DISAGGREGATION_INEFFECTIVE)
+            if spec.disaggregation.enabled and (tick is not None and tick.prompts or ineffective is None):
+                average, requests = tick.prompts if tick is not None and tick.prompts else (None, 0)
+                status["conditions"] = set_condition(status["conditions"], DISAGGREGATION_INEFFECTIVE,
+                                                     *disaggregation.ineffective_condition(spec, average, requests),
+                                                     now, generation)
+            elif not spec.disaggregation.enabled and ineffective is not None:
+                status["conditions"] = set_condition(status["conditions"], DISAGGREGATION_INEFFECTIVE,
+                                                     *disaggregation.ineffective_condition(spec, None, 0), now,
+                                                     generation)
             if tick is not None:
                 status.update(status_patch({**prev, **status}, tick.settings, tick.decision, tick.record,
                                            max_num_seqs, tick.at))
@@ -339,6 +360,8 @@ class Reconciler:
                 self._event(body, "Warning", condition["reason"], condition["message"] or DEGRADED)
             elif kind == INVALID_SPEC and condition["status"] == "False" and before.get(kind) == "True":
                 self._event(body, "Normal", "SpecValid", "The spec is valid again and has been applied.")
+            elif kind == DISAGGREGATION_INEFFECTIVE and condition["status"] == "True":
+                self._event(body, "Warning", condition["reason"], condition["message"])
             elif kind == ROUTING_UNAVAILABLE and condition["status"] == "True":
                 self._event(body, "Warning", condition["reason"], condition["message"])
             elif kind == ROUTING_UNAVAILABLE and before.get(kind) == "True":

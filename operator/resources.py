@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from iterserve.operator.models import API_VERSION, KIND, InferenceServiceSpec
+from iterserve.router.discovery import ROLE_LABEL  # the router splits pools by it
 
 ENGINE_PORT = 8000
 METRICS_SERVICE_PORT = 9090
@@ -37,9 +38,11 @@ SHUTDOWN_MARGIN_SECONDS = 10
 MANAGED_FLAGS = (
     "--host", "--port", "--model", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
     "--block-size", "--chunked-prefill", "--no-chunked-prefill", "--preemption-mode", "--kv-cache-memory",
-    "--drain-timeout",
+    "--drain-timeout", "--role", "--kv-transfer-port", "--kv-advertise-host",
 )
-RESERVED_ENV = (MAX_NUM_SEQS_ENV, ADMIN_TOKEN_ENV)
+POD_IP_ENV = "POD_IP"
+PREFILL, DECODE = "prefill", "decode"
+RESERVED_ENV = (MAX_NUM_SEQS_ENV, ADMIN_TOKEN_ENV, POD_IP_ENV)
 # What the restricted Pod Security profile asks of every container; containers a podTemplatePatch
 # adds get what they leave out (operator/podsecurity.py refuses patches that loosen it).
 def restricted_container() -> dict[str, Any]:
@@ -117,7 +120,21 @@ def effective_max_num_seqs(spec: InferenceServiceSpec, tuned: int | None) -> int
     return max(1, min(tuned, spec.engine.max_num_seqs))
 
 
-def engine_args(spec: InferenceServiceSpec) -> list[str]:
+def role_of(spec: InferenceServiceSpec, role: str | None) -> str | None:
+    """The engine role of a pool: `role` (prefill) or, with disaggregation on, decode; else None (both)."""
+    return role or (DECODE if spec.disaggregation.enabled else None)
+
+
+def role_args(spec: InferenceServiceSpec, role: str | None) -> list[str]:
+    """--role and the KV transfer listener (advertised at the pod IP) of a disaggregated pool."""
+    if role is None:
+        return []
+    pool = spec.disaggregation.prefill if role == PREFILL else spec.disaggregation.decode
+    return ["--role", role, "--kv-transfer-port", str(spec.disaggregation.kv_transfer_port),
+            "--kv-advertise-host", f"$({POD_IP_ENV})", *pool.extra_args]
+
+
+def engine_args(spec: InferenceServiceSpec, role: str | None = None) -> list[str]:
     engine = spec.engine
     args = ["--host", "0.0.0.0", "--port", str(ENGINE_PORT), "--model", spec.model.engine_path,
             "--max-num-seqs", f"$({MAX_NUM_SEQS_ENV})", "--block-size", str(engine.block_size),
@@ -130,7 +147,7 @@ def engine_args(spec: InferenceServiceSpec) -> list[str]:
         args += ["--kv-cache-memory", engine.kv_cache_memory]
     if not engine.chunked_prefill:
         args.append("--no-chunked-prefill")
-    return args + list(engine.extra_args)
+    return args + list(engine.extra_args) + role_args(spec, role_of(spec, role))
 
 
 def gpu_count(spec: InferenceServiceSpec) -> int:
@@ -152,7 +169,8 @@ def container_resources(spec: InferenceServiceSpec) -> dict[str, Any]:
 
 
 def _env(spec: InferenceServiceSpec, name: str) -> list[dict[str, Any]]:
-    env = [
+    pod_ip = [{"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    env = [*(pod_ip if spec.disaggregation.enabled else []),
         {"name": MAX_NUM_SEQS_ENV,
          "valueFrom": {"configMapKeyRef": {"name": configmap_name(name), "key": MAX_NUM_SEQS_KEY}}},
         {"name": ADMIN_TOKEN_ENV,
@@ -167,7 +185,7 @@ def _probe(path: str, period: int, failures: int, timeout: int = 3) -> dict[str,
             "failureThreshold": failures, "timeoutSeconds": timeout}
 
 
-def engine_container(spec: InferenceServiceSpec, name: str) -> dict[str, Any]:
+def engine_container(spec: InferenceServiceSpec, name: str, role: str | None = None) -> dict[str, Any]:
     engine = spec.engine
     mounts = [{"name": "tmp", "mountPath": "/tmp"}]
     if spec.model.has_volume:
@@ -180,8 +198,10 @@ def engine_container(spec: InferenceServiceSpec, name: str) -> dict[str, Any]:
         "image": engine.image,
         "imagePullPolicy": engine.image_pull_policy,
         "command": ["iterserve", "serve"],
-        "args": engine_args(spec),
-        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "args": engine_args(spec, role),
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}] + (
+            [{"name": "kv-transfer", "containerPort": spec.disaggregation.kv_transfer_port, "protocol": "TCP"}]
+            if role_of(spec, role) else []),
         "env": _env(spec, name),
         "startupProbe": _probe("/health", startup_period, -(-engine.startup_seconds // startup_period)),
         "livenessProbe": _probe("/health", 10, 3),
@@ -219,9 +239,17 @@ def _tolerations(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     return tolerations
 
 
-def pod_template(spec: InferenceServiceSpec, name: str) -> dict[str, Any]:
+def pod_labels(spec: InferenceServiceSpec, name: str, role: str | None = None) -> dict[str, str]:
+    """The engine pods' labels: the selector's, the endpoint picker's in Gateway mode, the pool's role."""
+    from iterserve.operator.routing import engine_pod_labels  # routing builds on this module
+
+    role = role_of(spec, role)
+    return {**common_labels(name), **engine_pod_labels(spec), **({ROLE_LABEL: role} if role else {})}
+
+
+def pod_template(spec: InferenceServiceSpec, name: str, role: str | None = None) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
-        "containers": [engine_container(spec, name)],
+        "containers": [engine_container(spec, name, role)],
         "volumes": _volumes(spec),
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "automountServiceAccountToken": False,
@@ -241,11 +269,9 @@ def pod_template(spec: InferenceServiceSpec, name: str) -> dict[str, Any]:
         pod_spec["affinity"] = scheduling.affinity
     if scheduling.priority_class_name:
         pod_spec["priorityClassName"] = scheduling.priority_class_name
-    from iterserve.operator.routing import engine_pod_labels  # routing builds on this module
-
     template = {
         "metadata": {
-            "labels": {**common_labels(name), **engine_pod_labels(spec)},
+            "labels": pod_labels(spec, name, role),
             "annotations": {
                 "prometheus.io/scrape": "true",
                 "prometheus.io/port": str(ENGINE_PORT),
@@ -257,7 +283,9 @@ def pod_template(spec: InferenceServiceSpec, name: str) -> dict[str, Any]:
     }
     if spec.pod_template_patch:
         template = merge_patch(template, spec.pod_template_patch)
-        template["metadata"]["labels"].update(selector_labels(name))  # the selector must keep matching
+        # the selector (and the pool's role, by which the router and the prefill selector find it) must keep matching
+        role = role_of(spec, role)
+        template["metadata"]["labels"].update({**selector_labels(name), **({ROLE_LABEL: role} if role else {})})
         for container in template["spec"].get("containers", []) + template["spec"].get("initContainers", []):
             container["securityContext"] = {**restricted_container(), **(container.get("securityContext") or {})}
     return template

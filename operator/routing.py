@@ -81,6 +81,9 @@ def router_args(owner: Owner, spec: InferenceServiceSpec | None = None) -> list[
         args += ["--max-queue", str(settings.max_queue)]
     if settings is not None and settings.queue_timeout_seconds is not None:
         args += ["--queue-timeout", f"{settings.queue_timeout_seconds:g}"]
+    if spec is not None and spec.disaggregation.enabled:  # the prefill pool is found by the pods' role label
+        args += ["--pd-threshold-tokens", str(spec.disaggregation.threshold_tokens),
+                 "--pd-max-prefill-queue", str(spec.disaggregation.max_prefill_queue)]
     return args
 
 

@@ -32,6 +32,7 @@ from iterserve.operator.autoscaling.policy import PodSample, decide
 from iterserve.operator.autoscaling.report import (
     AutoscalerTick,
     Record,
+    average_prompt,
     seqs_by_pod,
     start_max_num_seqs,
 )
@@ -164,7 +165,7 @@ class Autoscaler:
         if decision.replicas_changed or record.seqs.applied or record.seqs.failed:
             logger.info("%s/%s: %s", namespace, name, decision.message)
         return AutoscalerTick(settings, decision, record, datetime.fromtimestamp(now, UTC),
-                              start_max_num_seqs(decision, record, settings))
+                              start_max_num_seqs(decision, record, settings), average_prompt(samples))
 
 
 class _Unconfigured:

@@ -35,6 +35,9 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "kv_usage": (names.KV_CACHE_USAGE, names.VLLM_KV_USAGE),
     "preemptions_total": (names.PREEMPTIONS_TOTAL, names.VLLM_PREEMPTIONS_TOTAL),
     "max_num_seqs": (names.MAX_NUM_SEQS,),
+    # Optional: the average prompt (spec.disaggregation's DisaggregationIneffective condition).
+    "prompt_tokens_total": (names.PROMPT_TOKENS_TOTAL,),
+    "requests_total": (names.REQUESTS_TOTAL,),
 }
 REQUIRED = REQUIRED_SIGNALS
 

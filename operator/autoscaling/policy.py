@@ -34,6 +34,8 @@ class PodSample:
     kv_usage: float | None = None
     preemptions_total: float | None = None
     max_num_seqs: float | None = None
+    prompt_tokens_total: float | None = None  # prompt tokens of finished requests (for the average prompt)
+    requests_total: float | None = None  # finished requests
     error: str | None = None
 
     @property

@@ -37,6 +37,15 @@ class AutoscalerTick:
     # The value new pods should start with (the lowest now in effect on a live pod); None when
     # nothing was read this tick: the reconcile keeps the value it recorded before.
     max_num_seqs: int | None
+    # (average prompt tokens, finished requests) over the readable pods' lifetimes; None: none read.
+    prompts: tuple[float, int] | None = None
+
+
+def average_prompt(samples) -> tuple[float, int] | None:
+    """(prompt tokens per finished request, finished requests) summed over the samples that have both."""
+    both = [s for s in samples if s.ok and s.prompt_tokens_total is not None and s.requests_total is not None]
+    requests = int(sum(s.requests_total for s in both))
+    return (sum(s.prompt_tokens_total for s in both) / requests, requests) if requests else None
 
 
 @dataclass

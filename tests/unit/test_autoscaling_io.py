@@ -58,12 +58,14 @@ VLLM_TEXT = f"""{names.VLLM_WAITING}{{model_name="m"}} 3
 
 def test_parse_engine_metrics_reads_the_names_from_engine_metrics():
     assert parse_engine_metrics(ENGINE_TEXT) == {
-        "waiting": 7.0, "running": 16.0, "kv_usage": 0.97, "preemptions_total": 42.0, "max_num_seqs": 16.0}
+        "waiting": 7.0, "running": 16.0, "kv_usage": 0.97, "preemptions_total": 42.0, "max_num_seqs": 16.0,
+        "prompt_tokens_total": None, "requests_total": None}  # optional: only the average prompt reads them
 
 
 def test_parse_falls_back_to_the_vllm_names():
     assert parse_engine_metrics(VLLM_TEXT) == {
-        "waiting": 3.0, "running": 5.0, "kv_usage": 0.5, "preemptions_total": 2.0, "max_num_seqs": None}
+        "waiting": 3.0, "running": 5.0, "kv_usage": 0.5, "preemptions_total": 2.0, "max_num_seqs": None,
+        "prompt_tokens_total": None, "requests_total": None}
 
 
 @pytest.mark.parametrize("text,message", [

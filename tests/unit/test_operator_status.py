@@ -36,7 +36,7 @@ def test_ready_stable_service():
     assert c["Ready"]["status"] == "True" and c["Progressing"]["status"] == "False"
     assert c["Degraded"]["status"] == "False" and c["InvalidSpec"]["status"] == "False"
     assert c["MetricsAvailable"]["status"] == "Unknown" and c["ScalingLimited"]["status"] == "Unknown"
-    assert [x["type"] for x in status["conditions"]] == list(s._ORDER)
+    assert [x["type"] for x in status["conditions"]] == [t for t in s._ORDER if t != "DisaggregationIneffective"]
     assert status["observedGeneration"] == 3 and status["replicas"] == 2 and status["readyReplicas"] == 2
     assert status["selector"] == "app.kubernetes.io/name=iterserve-engine,app.kubernetes.io/instance=llm"
     assert status["effectiveMaxNumSeqs"] == 64 and status["desiredReplicas"] == 2

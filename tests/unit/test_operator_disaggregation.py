@@ -1,0 +1,125 @@
+"""spec.disaggregation through the reconcile (in-memory Kube): the prefill pool's own Deployment,
+role labels and flags on both pools, the router's P/D flags, replica bounds, the
+DisaggregationIneffective condition from the observed average prompt, and turning it off."""
+
+from __future__ import annotations
+
+import copy
+from datetime import UTC, datetime
+
+import pytest
+
+from iterserve.operator import disaggregation, routing
+from iterserve.operator.autoscaling import policy
+from iterserve.operator.autoscaling.report import AutoscalerTick, Record, average_prompt
+from iterserve.operator.reconcile import Reconciler
+from iterserve.operator.validation import SpecError, parse_spec
+from iterserve.router.discovery import ROLE_LABEL
+from tests.unit.test_operator_value_flow import MemoryKube
+
+SPEC = {"model": {"uri": "smollm2-135m"}, "replicas": 2, "engine": {"extraArgs": ["--fake-model"]},
+        "disaggregation": {"enabled": True, "thresholdTokens": 512,
+                           "prefill": {"replicas": 9, "minReplicas": 1, "maxReplicas": 3}}}
+
+
+def args_of(deployment: dict) -> list[str]:
+    return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def condition(kube: MemoryKube, type_: str) -> dict | None:
+    return next((c for c in kube.body["status"]["conditions"] if c["type"] == type_), None)
+
+
+def test_the_pools_get_their_roles_flags_and_bounds_and_the_router_its_pd_flags(tmp_path):
+    kube = MemoryKube(copy.deepcopy(SPEC))
+    Reconciler(kube).reconcile("ns", "llm")
+    prefill = kube.objects[("Deployment", "llm-prefill")]
+    decode = kube.objects[("Deployment", "llm")]
+    assert prefill["spec"]["replicas"] == 3 and decode["spec"]["replicas"] == 2  # prefill kept within its bounds
+    assert prefill["spec"]["selector"]["matchLabels"][ROLE_LABEL] == "prefill"
+    assert prefill["spec"]["template"]["metadata"]["labels"][ROLE_LABEL] == "prefill"
+    assert decode["spec"]["template"]["metadata"]["labels"][ROLE_LABEL] == "decode"
+    for deployment, role in ((prefill, "prefill"), (decode, "decode")):
+        args = args_of(deployment)
+        assert args[args.index("--role") + 1] == role and args[args.index("--kv-transfer-port") + 1] == "8100"
+        assert args[args.index("--kv-advertise-host") + 1] == "$(POD_IP)"
+        env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+        assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in env
+    router = args_of(kube.objects[("Deployment", "llm-router")])
+    assert router[router.index("--pd-threshold-tokens") + 1] == "512"
+    assert router[router.index("--pd-max-prefill-queue") + 1] == "4"
+    assert kube.body["status"]["prefillReplicas"] == 1  # MemoryKube's Deployments report one pod
+
+    # what the local pod runtime will run for a prefill pod (its allow-list accepts every flag)
+    from iterserve.devcluster.podrunner.launch import build_launch
+
+    pod = {"metadata": {"name": "llm-prefill-x", "namespace": "ns", "uid": "p"},
+           "spec": prefill["spec"]["template"]["spec"], "status": {"podIP": "127.10.0.5"}}
+    configmaps = {"llm-engine": {"max_num_seqs": "8"}}
+    launch = build_launch(pod, lambda name, kind: configmaps.get(name), lambda name, kind: {"token": "t"}, tmp_path)
+    argv = launch.argv
+    assert argv[argv.index("--kv-advertise-host") + 1] == "127.10.0.5" and argv[argv.index("--role") + 1] == "prefill"
+
+
+def tick(prompts):
+    settings = policy.Settings(warmup_seconds=0, max_replicas=4, spec_max_num_seqs=64)
+    decision = policy.decide(settings, policy.State(2, ()), {}, 100)
+    return AutoscalerTick(settings, decision, Record(), datetime(2026, 1, 1, tzinfo=UTC), None, prompts)
+
+
+def test_short_average_prompts_warn_and_long_ones_clear_it():
+    kube = MemoryKube(copy.deepcopy(SPEC))
+    reconciler = Reconciler(kube)
+    reconciler.reconcile("ns", "llm")
+    assert condition(kube, "DisaggregationIneffective")["status"] == "Unknown"
+    reconciler.reconcile("ns", "llm", tick=tick((120.0, 40)))
+    warned = condition(kube, "DisaggregationIneffective")
+    assert (warned["status"], warned["reason"]) == ("True", "ShortPrompts")
+    assert "120 tokens" in warned["message"] and "spec.disaggregation.thresholdTokens (512)" in warned["message"]
+    assert kube.events.count("ShortPrompts") == 1
+    reconciler.reconcile("ns", "llm")  # no tick: the last reading stands
+    assert condition(kube, "DisaggregationIneffective")["status"] == "True"
+    reconciler.reconcile("ns", "llm", tick=tick((2048.0, 50)))
+    assert condition(kube, "DisaggregationIneffective")["reason"] == "LongPrompts"
+
+
+def test_the_average_prompt_sums_tokens_and_requests_over_readable_pods():
+    samples = [policy.PodSample("a", 1, prompt_tokens_total=1000, requests_total=10),
+               policy.PodSample("b", 1, prompt_tokens_total=3000, requests_total=10),
+               policy.PodSample("c", 1, error="timeout"), policy.PodSample("d", 1)]
+    assert average_prompt(samples) == (200.0, 20)
+    assert average_prompt(samples[2:]) is None
+
+
+def test_turning_it_off_deletes_the_prefill_pool_and_the_roles():
+    kube = MemoryKube(copy.deepcopy(SPEC))
+    reconciler = Reconciler(kube)
+    reconciler.reconcile("ns", "llm")
+    kube.body["spec"]["disaggregation"]["enabled"] = False
+    outcome = reconciler.reconcile("ns", "llm")
+    assert ("Deployment", "llm-prefill") not in kube.objects
+    assert "deleted Deployment llm-prefill (spec.disaggregation.enabled is false)" in outcome.changes
+    decode = kube.objects[("Deployment", "llm")]
+    assert ROLE_LABEL not in decode["spec"]["template"]["metadata"]["labels"]
+    assert "--role" not in args_of(decode)
+    assert "--pd-threshold-tokens" not in args_of(kube.objects[("Deployment", "llm-router")])
+    assert condition(kube, "DisaggregationIneffective")["reason"] == "Disabled"
+
+
+@pytest.mark.parametrize("spec, field", [
+    ({**SPEC, "routing": {"mode": "None"}}, "spec.disaggregation.enabled: needs spec.routing.mode Router"),
+    ({**SPEC, "disaggregation": {"enabled": True, "prefill": {"minReplicas": 3, "maxReplicas": 2}}},
+     "spec.disaggregation.prefill.minReplicas: must be <="),
+    ({**SPEC, "engine": {"extraArgs": ["--role", "prefill"]}}, "--role is set by the operator"),
+])
+def test_invalid_combinations_name_the_field(spec, field):
+    with pytest.raises(SpecError, match=field.replace("(", r"\(")):
+        parse_spec(spec)
+
+
+def test_nothing_changes_without_disaggregation():
+    kube = MemoryKube({"model": {"uri": "m"}})
+    Reconciler(kube).reconcile("ns", "llm")
+    assert ("Deployment", "llm-prefill") not in kube.objects
+    assert condition(kube, "DisaggregationIneffective") is None
+    assert routing.router_name("llm") == "llm-router" and disaggregation.prefill_name("llm") == "llm-prefill"
