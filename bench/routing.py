@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -317,6 +318,8 @@ def scenario_overhead(args, procs: Procs) -> dict:
     return {"rate_per_s": rate, "requests": {k: len(v) for k, v in e2e.items()}, "errors": statuses,
             "e2e_s": p, "ttft_s": t, "added_p50_ms": added,
             "router_cpu_ms_per_request": 1000 * cpu / max(1, len(e2e["router"])),
+            # What one core could relay if the router's CPU were the only limit (it is one process).
+            "router_max_rate_per_core_est": len(e2e["router"]) / cpu if cpu else None,
             "achieved_rate_per_s": {k: len(v) / (rounds * seconds) for k, v in e2e.items()},
             "sequential_e2e_s": sequential,
             "sequential_added_p50_ms": (sequential["router"]["p50"] - sequential["direct"]["p50"]) * 1000,
@@ -393,6 +396,19 @@ def main(argv: list[str] | None = None) -> int:
             results[name]["wall_s"] = time.monotonic() - started
             print(f"{name}: {_summary(name, results[name])}", flush=True)
     info["load_average_at_end"] = list(os.getloadavg())
+    for r in results.values():
+        r["measured"] = {"started": info["started"], "load_average": [info["load_average_at_start"],
+                                                                      info["load_average_at_end"]]}
+    if args.json and Path(args.json).exists() and set(wanted) != set(SCENARIOS):
+        # A run of some scenarios keeps the others' last figures (each says when it was measured).
+        earlier = json.loads(Path(args.json).read_text())
+        for name, r in (earlier.get("results") or {}).items():
+            if name not in results:
+                r.setdefault("measured", {"started": earlier.get("machine", {}).get("started"),
+                                          "load_average": [earlier.get("machine", {}).get("load_average_at_start"),
+                                                           earlier.get("machine", {}).get("load_average_at_end")]})
+                results[name] = r
+        results = {name: results[name] for name in SCENARIOS if name in results}
     rows = [[name, r["target"], _summary(name, r), "pass" if r["pass"] else "FAIL"] for name, r in results.items()]
     print()
     print(common.format_table(["scenario", "target", "measured", "result"], rows))
@@ -421,7 +437,8 @@ def _summary(name: str, r: dict) -> str:
     return (f"added p50 e2e {r['added_p50_ms']:.2f} ms (TTFT {r['added_p50_ttft_ms']:.2f} ms) at "
             f"{r['rate_per_s']:.0f} req/s offered ({achieved['direct']:.0f} direct / {achieved['router']:.0f} "
             f"routed achieved); one at a time {r['sequential_added_p50_ms']:.2f} ms; router CPU "
-            f"{r['router_cpu_ms_per_request']:.2f} ms/request")
+            f"{r['router_cpu_ms_per_request']:.2f} ms/request (~{r.get('router_max_rate_per_core_est') or 0:.0f} "
+            "req/s per core)")
 
 
 if __name__ == "__main__":
