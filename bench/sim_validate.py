@@ -1,18 +1,27 @@
 """The simulator's checks against real runs recorded by bench/sim_record.py (the embedded model on
-CPU, one replica): the step-time fit's error on held-out steps, scheduler parity (same batch
-composition given the same arrivals), and end-to-end throughput and p95 TTFT next to the real
-runs' own run-to-run spread. Prints the figures and writes them as JSON.
+CPU, one replica): the step-time fit's error on the steps of a held-out trace, scheduler parity
+(the same batch composition given the same arrivals), and end-to-end throughput and p95 TTFT next
+to the real runs' own run-to-run spread. Prints the figures and writes them as JSON.
 
-    .venv/bin/python bench/sim_validate.py --train-log train_steps.jsonl \
-        --heldout-run heldout_run.json --heldout-log heldout_steps.jsonl \
-        --repeat-run heldout2_run.json --trace heldout.csv --json out.json [--profile-out P.json]
+Robust to a shared machine: each step is timed by its engine-thread CPU time (its own compute:
+what it takes on a core of its own), measured once per replay of the same arrivals (sim_record
+--replays: the same batch at every step) and taken as the median; the real runs it compares the
+simulator with ran on the same CPU clock (sim_record --clock cpu). The wall-clock figures are
+printed beside them for what this machine's users see.
+
+    .venv/bin/python bench/sim_validate.py --train-runs train_runs.json \\
+        --heldout-runs heldout_runs.json --trace heldout.csv --json out.json [--profile-out P.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 from pathlib import Path
+
+import numpy as np
 
 from iterserve.engine.config import EngineConfig
 from iterserve.engine.sampling_params import SamplingParams
@@ -24,15 +33,47 @@ from iterserve.simulate.report import Slo, percentile
 from iterserve.simulate.traces import load_trace
 
 
-def cpu_records(step_log: str, run_path: str) -> list[dict]:
-    """The step log's lines with each step's own thread CPU time (from the run JSON) as its
-    duration: what the step costs on a core of its own, whatever else the machine runs."""
-    run = json.loads(Path(run_path).read_text())
-    cpu = [s["cpu_s"] for s in run["steps"] if s["chunks"]]
-    lines = profiles.read_step_log(step_log)
-    if len(lines) != len(cpu):
-        raise ValueError(f"{step_log}: {len(lines)} steps logged, {len(cpu)} in {run_path}")
-    return [dict(r, duration_s=c) for r, c in zip(lines, cpu, strict=True) if r["num_seqs"] > 0]
+def step_record(step: dict, prompt_len: dict[str, int], seconds: float) -> dict:
+    """A step-log-shaped record of one recorded step (features from its chunks)."""
+    prefill = decode = context = longest = pairs = 0
+    for request_id, start, tokens in step["chunks"]:
+        end = start + tokens
+        context += end
+        longest = max(longest, end)
+        if tokens == 1 and start >= prompt_len[request_id]:
+            decode += 1
+        else:
+            prefill += tokens
+            pairs += tokens * end
+    return {"prefill_tokens": prefill, "decode_tokens": decode, "num_seqs": len(step["chunks"]),
+            "context_tokens": context, "max_context_tokens": longest, "prefill_attention_pairs": pairs,
+            "duration_s": seconds}
+
+
+def measured_steps(document: dict, clock: str) -> tuple[list[dict], list[dict], dict]:
+    """The first run's steps with each step's time (clock "cpu" or "wall") as the median over the
+    first run and its replays (steps whose batch differed in a replay use the runs that agree),
+    the same steps timed by the first run alone, and the measurement's own spread."""
+    key = "cpu_s" if clock == "cpu" else "wall_s"
+    first = document["runs"][0]
+    prompt_len = {r["id"]: r["prompt_tokens"] for r in first["requests"]}
+    repeats = [first, *document.get("replays", [])]
+    medians, singles, deviations, differing = [], [], [], 0
+    for index, step in enumerate(first["steps"]):
+        if not step["chunks"]:
+            continue
+        times = [run["steps"][index][key] for run in repeats
+                 if index < len(run["steps"]) and run["steps"][index]["chunks"] == step["chunks"]]
+        differing += len(repeats) - len(times)
+        median = statistics.median(times)
+        medians.append(step_record(step, prompt_len, median))
+        singles.append(step_record(step, prompt_len, step[key]))
+        deviations += [abs(t - median) / median for t in times] if len(times) > 2 else []
+    noise = {"measurements_per_step": len(repeats), "steps": len(medians),
+             "differing_batches": differing,
+             "mean_deviation_from_step_median": float(np.mean(deviations)) if deviations else None,
+             "median_deviation_from_step_median": float(np.median(deviations)) if deviations else None}
+    return medians, singles, noise
 
 
 def real_figures(run: dict) -> dict:
@@ -40,12 +81,14 @@ def real_figures(run: dict) -> dict:
     span = max(r["finished_s"] for r in done) - min(r["arrival_s"] for r in run["requests"])
     ttfts = [r["first_token_s"] - r["arrival_s"] for r in done]
     return {"requests_per_s": len(done) / span, "output_tokens_per_s": sum(r["tokens"] for r in done) / span,
-            "ttft_p50_s": percentile(ttfts, 50), "ttft_p95_s": percentile(ttfts, 95), "steps": len(run["steps"])}
+            "ttft_p50_s": percentile(ttfts, 50), "ttft_p95_s": percentile(ttfts, 95), "steps": len(run["steps"]),
+            "clock": run.get("clock", "wall"), "wall_s": run["wall_s"],
+            "load_average": [run.get("load_average_before", [None])[0], run.get("load_average_after", [None])[0]]}
 
 
-def parity(run: dict, profile: profiles.StepProfile) -> dict:
+def parity(run: dict, max_num_seqs: int, profile: profiles.StepProfile) -> dict:
     """Replays the run's arrivals at the same steps through the real scheduler (simulated time)."""
-    replica = Replica("parity", EngineConfig(max_num_seqs=run["max_num_seqs"]), profile)
+    replica = Replica("parity", EngineConfig(max_num_seqs=max_num_seqs), profile)
     by_id = {r["id"]: r for r in run["requests"]}
     captured: list[list] = []
     real_execute = replica.engine.executor.execute
@@ -97,68 +140,96 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / b
 
 
+def fit_and_test(name: str, train: list[dict], test: list[dict], source: str) -> tuple[profiles.StepProfile, dict]:
+    profile = profiles.fit_profile(train, test, name, SMOLLM2_KV_BYTES_PER_TOKEN, SMOLLM2_CONTEXT, source=source)
+    return profile, profiles.evaluate(profile, test)
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--train-log", action="append", required=True)
-    parser.add_argument("--train-run", action="append", required=True, help="the run JSON of each --train-log")
-    parser.add_argument("--heldout-log", action="append", required=True)
-    parser.add_argument("--heldout-run", required=True)
-    parser.add_argument("--repeat-run", help="a second real run of the held-out trace (run-to-run spread)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--train-runs", action="append", required=True,
+                        help="sim_record JSON of the training trace (its first run and replays)")
+    parser.add_argument("--heldout-runs", required=True,
+                        help="sim_record JSON of the held-out trace: independent runs (end to end) and "
+                             "replays of the first (step times)")
     parser.add_argument("--trace", required=True, help="the held-out trace")
-    parser.add_argument("--profile-out")
+    parser.add_argument("--profile-out", help="write the CPU-time profile here")
     parser.add_argument("--json")
     args = parser.parse_args()
 
-    train = profiles.step_log_records(args.train_log)
-    test = profiles.step_log_records(args.heldout_log)
-    source = ("bench/sim_record.py runs of the embedded model on the shared 2-core CPU machine (1 torch "
-              "thread): " + ", ".join(Path(p).name for p in args.train_log))
-    # Wall-clock fit: the same conditions as the real runs it is compared with below.
-    profile = profiles.fit_profile(train, test, "smollm2-135m-cpu-wall", SMOLLM2_KV_BYTES_PER_TOKEN,
-                                   SMOLLM2_CONTEXT, source=source + "; wall-clock step durations")
-    errors = profiles.evaluate(profile, test)
-    print("wall-clock profile:", {k: f"{v:.4g}" for k, v in profile.coefficients.items()})
-    print("terms considered:", profile.fit["terms_considered"], "base-only error:", profile.fit["base_terms_test_error"])
-    print(profiles.format_errors(errors))
-    # CPU-time fit: each step's own thread CPU time, free of the other processes' share of the
-    # cores (the profile that ships: it describes the engine on a core of its own).
-    cpu_train = [r for log, run in zip(args.train_log, args.train_run, strict=True) for r in cpu_records(log, run)]
-    cpu_test = cpu_records(args.heldout_log[0], args.heldout_run)
-    cpu_profile = profiles.fit_profile(cpu_train, cpu_test, "smollm2-135m-cpu", SMOLLM2_KV_BYTES_PER_TOKEN,
-                                       SMOLLM2_CONTEXT, source=source + "; each step's thread CPU time")
-    cpu_errors = profiles.evaluate(cpu_profile, cpu_test)
-    print("CPU-time profile:", {k: f"{v:.4g}" for k, v in cpu_profile.coefficients.items()})
-    print("terms considered:", cpu_profile.fit["terms_considered"])
-    print(profiles.format_errors(cpu_errors))
+    trains = [json.loads(Path(p).read_text()) for p in args.train_runs]
+    heldout = json.loads(Path(args.heldout_runs).read_text())
+    if heldout.get("clock") != "cpu":
+        print(f"note: {args.heldout_runs} ran on the {heldout.get('clock', 'wall')} clock")
+    source = ("bench/sim_record.py runs of the embedded model on a shared 2-core CPU machine (1 torch thread): "
+              + ", ".join(Path(p).name for p in args.train_runs))
+    result: dict = {"machine": heldout.get("machine"), "load_average_now": os.getloadavg()}
+    profile_by_clock = {}
+    for clock in ("cpu", "wall"):
+        train, train_noise = [], []
+        for document in trains:
+            medians, _, noise = measured_steps(document, clock)
+            train += medians
+            train_noise.append(noise)
+        test, test_single, test_noise = measured_steps(heldout, clock)
+        what = "each step's engine-thread CPU time" if clock == "cpu" else "each step's wall time"
+        profile, errors = fit_and_test("smollm2-135m-cpu" if clock == "cpu" else "smollm2-135m-cpu-wall", train, test,
+                                       f"{source}; {what}, median over {train_noise[0]['measurements_per_step']} "
+                                       "replays of the same batches")
+        single_errors = profiles.evaluate(profile, test_single)
+        # The same terms without the median: a fit on the first run's single measurements.
+        singles_train = [r for document in trains for r in measured_steps(document, clock)[1]]
+        _, errors_no_median = fit_and_test("single", singles_train, test_single, source)
+        profile_by_clock[clock] = profile
+        print(f"\n== {clock} time: fitted on {len(train)} steps, tested on {len(test)} held-out steps ==")
+        print("profile:", {k: f"{v:.4g}" for k, v in profile.coefficients.items()})
+        print("term selection (4-fold CV on the training steps):", profile.fit["selection"][1:])
+        print(f"base terms only: held-out error {profile.fit['base_terms_test_error']:.1%}")
+        print(f"measurement noise: each step measured {test_noise['measurements_per_step']}x, mean deviation from "
+              f"its median {test_noise['mean_deviation_from_step_median']:.1%} (held-out), "
+              f"{train_noise[0]['mean_deviation_from_step_median']:.1%} (train); "
+              f"batches differing in a replay: {test_noise['differing_batches']}")
+        print("held-out error vs the step medians:")
+        print(profiles.format_errors(errors))
+        print("same profile vs the first run's single measurements:")
+        print(profiles.format_errors(single_errors))
+        print("fitted and tested on single measurements (no medians):")
+        print(profiles.format_errors(errors_no_median))
+        result[clock] = {"profile": json.loads(profile.to_json()),
+                         "step_errors_vs_medians": {k: vars(v) for k, v in errors.items()},
+                         "step_errors_vs_single": {k: vars(v) for k, v in single_errors.items()},
+                         "step_errors_no_medians": {k: vars(v) for k, v in errors_no_median.items()},
+                         "noise_train": train_noise, "noise_heldout": test_noise}
     if args.profile_out:
-        Path(args.profile_out).write_text(cpu_profile.to_json())
+        Path(args.profile_out).write_text(profile_by_clock["cpu"].to_json())
+        print(f"wrote {args.profile_out}")
 
-    heldout = json.loads(Path(args.heldout_run).read_text())
-    par = parity(heldout, profile)
-    print(f"parity: {par['same_composition']}/{par['steps']} steps identical ({par['fraction']:.2%})")
+    first = heldout["runs"][0]
+    par = parity(first, heldout["max_num_seqs"], profile_by_clock["cpu"])
+    print(f"\nparity: {par['same_composition']}/{par['steps']} steps identical ({par['fraction']:.2%})")
+    result["parity"] = par
 
-    real = real_figures(heldout)
-    runs = [real]
-    if args.repeat_run:
-        runs.append(real_figures(json.loads(Path(args.repeat_run).read_text())))
-    sim = simulated_figures(args.trace, profile, heldout["max_num_seqs"])
-    spread = {k: rel(runs[1][k], runs[0][k]) for k in ("requests_per_s", "output_tokens_per_s", "ttft_p95_s")} \
+    runs = [real_figures(run) for run in heldout["runs"]]
+    sim = simulated_figures(args.trace, profile_by_clock[heldout.get("clock", "wall")], heldout["max_num_seqs"])
+    keys = ("requests_per_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p95_s")
+    mean_real = {k: statistics.mean(r[k] for r in runs) for k in keys}
+    spread = {k: (max(r[k] for r in runs) - min(r[k] for r in runs)) / mean_real[k] for k in keys} \
         if len(runs) > 1 else None
-    mean_real = {k: sum(r[k] for r in runs) / len(runs) for k in ("requests_per_s", "output_tokens_per_s",
-                                                                    "ttft_p50_s", "ttft_p95_s")}
-    sim_error = {k: rel(sim[k], mean_real[k]) for k in mean_real}
-    for k in mean_real:
-        print(f"{k:<22} real {' / '.join(f'{r[k]:.4g}' for r in runs):<22} sim {sim[k]:.4g}  "
-              f"error vs real mean {sim_error[k]:.1%}" + (f"  run-to-run {spread[k]:.1%}" if spread and k in spread else ""))
+    sim_error = {k: (sim[k] - mean_real[k]) / mean_real[k] for k in keys}
+    print(f"end to end, {len(runs)} real runs on the {heldout.get('clock', 'wall')} clock vs the simulator:")
+    for k in keys:
+        print(f"{k:<20} real {' / '.join(f'{r[k]:.4g}' for r in runs):<26} sim {sim[k]:.4g}  "
+              f"error vs real mean {sim_error[k]:+.1%}"
+              + (f"  real spread (max-min)/mean {spread[k]:.1%}" if spread else ""))
     print(f"simulated {sim['simulated_s']:.0f} s in {sim['wall_s']:.2f} s wall "
           f"({sim['simulated_s'] / sim['wall_s']:.0f}x real time)")
+    result.update({"real_runs": runs, "simulated": sim, "sim_error_vs_real_mean": sim_error,
+                   "real_spread_max_minus_min_over_mean": spread})
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "profile": json.loads(profile.to_json()),
-            "step_errors": {k: vars(v) for k, v in errors.items()},
-            "cpu_profile": json.loads(cpu_profile.to_json()),
-            "cpu_step_errors": {k: vars(v) for k, v in cpu_errors.items()}, "parity": par, "real_runs": runs,
-            "simulated": sim, "sim_error_vs_real_mean": sim_error, "real_run_to_run": spread}, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
     return 0
 
 

@@ -291,3 +291,86 @@ def test_the_router_holds_requests_while_every_replica_is_full_then_answers_429(
     assert all("saturated" in r["error"] for r in doc["requests"] if r["status"] == "rejected")
     served_late = [r for r in doc["requests"][24:] if r["status"] == "ok"]
     assert all(r["ttft_s"] > 0 for r in served_late)
+
+
+@pytest.mark.slow
+def test_the_real_models_step_log_carries_cpu_time_and_the_fits_features(tmp_path, capsys):
+    """The embedded model writes each step's engine-thread CPU time beside its wall time, and the
+    features the fit reads from the log are the ones the simulator computes from the same batch."""
+    from iterserve.engine.sampling_params import SamplingParams
+
+    log = tmp_path / "steps.jsonl"
+    engine = LLMEngine.from_config(EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, step_log=str(log)))
+    seen, chunks = [], []
+    real_execute = engine.executor.execute
+
+    def capture(out):
+        seen.append(profiles.StepFeatures.of(out))
+        chunks.append([(c.start, c.num_tokens, c.is_decode) for c in out.chunks])
+        return real_execute(out)
+
+    engine.executor.execute = capture
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
+    engine.add_request(prompt_token_ids=[100 + i for i in range(40)], params=params, request_id="a")
+    engine.add_request(prompt_token_ids=[300 + i for i in range(9)], params=params, request_id="b")
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        if steps == 3:
+            engine.add_request(prompt_token_ids=[500 + i for i in range(12)], params=params, request_id="c")
+    engine.close()
+    records = profiles.read_step_log(log)
+    assert len(records) == len(seen) >= 12
+    for record, features in zip(records, seen, strict=True):
+        # one thread's CPU time cannot exceed the wall time it ran in
+        assert 0 < record["cpu_s"] <= record["duration_s"] + 1e-3
+        assert profiles.StepFeatures.from_record(record) == features
+    # query-key pairs: each prompt chunk's tokens times the positions they attend to (start + tokens)
+    pairs = [sum(n * (start + n) for start, n, decode in step if not decode) for step in chunks]
+    assert [r["prefill_attention_pairs"] for r in records] == pairs
+    assert pairs[0] > 0 and pairs[-1] == 0
+    assert any(start > 0 and not decode for step in chunks for start, _, decode in step)  # a chunked prompt
+    assert [f.value("multi_token") for f in seen] == [float(sum(n for _, n, _ in step) > 1) for step in chunks]
+    assert {f.value("multi_token") for f in seen} == {0.0, 1.0}  # c decodes alone at the end
+    cpu = profiles.step_log_records([log], "cpu")
+    assert [r["duration_s"] for r in cpu] == [r["cpu_s"] for r in records]
+    out = tmp_path / "p.json"
+    code = iterserve_main(["simulate", "fit", "--step-log", str(log), "--timing", "cpu", "--out", str(out)])
+    printed = capsys.readouterr()
+    assert code == 0, printed
+    assert "relative error" in printed.out
+    assert profiles.load_profile(str(out)).fit["train_steps"] + profiles.load_profile(str(out)).fit["test_steps"] \
+        == len(records)
+
+
+def test_cpu_timing_needs_a_log_with_cpu_time(tmp_path):
+    log = tmp_path / "old.jsonl"
+    log.write_text(json.dumps({"step": 3, "duration_s": 0.1, "prefill_tokens": 0, "decode_tokens": 1,
+                               "num_seqs": 1, "context_tokens": 9}) + "\n")
+    with pytest.raises(ValueError, match="no cpu_s.*--timing step"):
+        profiles.step_log_records([log], "cpu")
+
+
+def test_extra_terms_earn_their_place_by_cross_validation():
+    """A step cost with a jump from one token to two (the GEMV to GEMM switch on a CPU) and a
+    prefill attention cost quadratic in the prompt: the fit takes both terms, and no others."""
+    rng = random.Random(3)
+    rows = []
+    for _ in range(300):
+        decode = rng.randint(0, 12)
+        prompt = rng.choice([0, 0, rng.randint(8, 400)])
+        if decode + prompt == 0:
+            continue
+        context = decode * rng.randint(20, 300) + prompt
+        multi = 1.0 if decode + prompt > 1 else 0.0
+        t = 0.05 + 0.004 * prompt + 0.01 * decode + 1e-5 * context + 0.06 * multi + 1e-5 * prompt * prompt
+        rows.append({"duration_s": t * (1 + rng.gauss(0, 0.01)), "prefill_tokens": prompt, "decode_tokens": decode,
+                     "num_seqs": decode + (1 if prompt else 0), "context_tokens": context,
+                     "max_context_tokens": max(context // max(decode, 1), prompt),
+                     "prefill_attention_pairs": prompt * prompt})
+    train, test = profiles.split(rows)
+    fitted = profiles.fit_profile(train, test, "t", 1)
+    assert set(fitted.coefficients) == {*profiles.BASE_TERMS, "multi_token", "prefill_attention"}
+    assert fitted.coefficients["multi_token"] == pytest.approx(0.06, rel=0.2)
+    assert fitted.fit["test_errors"]["all"]["mean"] < 0.03
