@@ -17,6 +17,7 @@ from iterserve.engine.model.registry import resolve_model_path
 from iterserve.engine.model.tokenizer import Tokenizer
 from iterserve.engine.sampler import Sampler
 from iterserve.engine.scheduler import SchedulerOutput
+from iterserve.engine.structured import Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,8 @@ class ModelRunner:
              torch.zeros((self.num_cpu_blocks, *kv_shape), dtype=self.dtype, pin_memory=pin))
             for _ in range(model_config.num_layers)
         ]
-        self.sampler = Sampler(self.device, config.seed)
+        self.grammars = Grammars(self.tokenizer, model_config.vocab_size)
+        self.sampler = Sampler(self.device, config.seed, self.grammars)
         logger.info(
             "model %s (%s): %d layers, %s on %s, %s attention; KV pool %d blocks x %d = %d tokens "
             "(%.0f MiB), swap pool %d blocks",

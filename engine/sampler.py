@@ -2,7 +2,9 @@
 
 Rows that ask for it first have their logits processed, batched (engine/penalties.py: logit_bias,
 min_tokens, repetition / frequency / presence penalties); that applies to greedy rows too. Greedy rows are one argmax over the batch; the rest share one temperature/top-k/top-p pass and
-then draw one token each from their own generator. A request with a seed owns a generator seeded
+then draw one token each from their own generator. Rows of requests with a structured output
+(engine/structured) have every token their grammar disallows masked to -inf after the logits
+processing, and their matcher advances by the chosen token. A request with a seed owns a generator seeded
 from it (so its tokens do not depend on what else is in the batch); the rest share the engine's.
 
 A failure is kept to the request it belongs to: if sampling the batch raises, each row is sampled
@@ -19,13 +21,16 @@ from iterserve.engine.logprobs import token_logprobs
 from iterserve.engine.penalties import apply_min_p, process_logits
 from iterserve.engine.sequence import Sequence
 from iterserve.engine.step_result import RequestFailed
+from iterserve.engine.structured import GrammarMatchers, Grammars
 
 logger = logging.getLogger(__name__)
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0):
+    def __init__(self, device: torch.device, seed: int = 0, grammars: Grammars | None = None):
         self.device = device
+        self.grammars = grammars
+        self._matchers = GrammarMatchers(grammars) if grammars is not None else None
         self._shared = torch.Generator(device=device)
         self._shared.manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
@@ -34,6 +39,8 @@ class Sampler:
         """logits: float32 [N, vocab], one row per sequence in seqs; a token (or the failure) per row.
         Rows whose request asked for logprobs also get them recorded (seq.logprobs)."""
         results = self._sample_rows(logits, seqs)
+        if self._matchers is not None:
+            self._advance_grammars(results, seqs)
         wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None
                   and not isinstance(results[i], RequestFailed)]
         if wanted:
@@ -52,6 +59,19 @@ class Sampler:
                     seqs[i].logprobs.append(entry)
         return results
 
+    def _advance_grammars(self, results: list[int | RequestFailed], seqs: list[Sequence]) -> None:
+        for i, seq in enumerate(seqs):
+            if seq.params.structured is None or isinstance(results[i], RequestFailed):
+                continue
+            try:
+                accepted = self._matchers.accept(seq.request_id, results[i])
+            except Exception as error:  # noqa: BLE001 - only this request fails
+                logger.exception("advancing the grammar of request %s failed", seq.request_id)
+                results[i] = RequestFailed(f"structured output failed: {type(error).__name__}: {error}")
+                continue
+            if not accepted:
+                results[i] = RequestFailed(f"structured output: token {results[i]} does not match the grammar")
+
     def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | RequestFailed]:
         try:
             return self.sample_batch(logits, seqs)
@@ -69,7 +89,15 @@ class Sampler:
 
     def sample_batch(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """Sample every row at once; raises if any row cannot be sampled."""
-        logits = process_logits(logits, seqs)
+        processed = process_logits(logits, seqs)
+        constrained = [i for i, seq in enumerate(seqs) if seq.params.structured is not None]
+        if constrained:
+            if self._matchers is None:
+                raise ValueError("structured outputs need a model with a tokenizer (not the fake model)")
+            if processed is logits:
+                processed = logits.clone()  # the raw logits stay for logprobs
+            self._matchers.mask(processed, constrained, seqs)
+        logits = processed
         random_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         tokens = logits.argmax(dim=-1)
         if not random_rows:
@@ -102,6 +130,8 @@ class Sampler:
     def release(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._generators.pop(request_id, None)
+        if self._matchers is not None:
+            self._matchers.release(request_ids)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -11,6 +11,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from iterserve.engine.structured import StructuredOutput
 
 # Below this temperature, sampling is greedy: dividing logits by 1e-39 overflows to inf/NaN.
 SAMPLING_EPS = 1e-5
@@ -62,6 +66,9 @@ class SamplingParams:
     # likely, for each generated token (logprobs) and each prompt token (prompt_logprobs).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Structured outputs (engine/structured): the output must match this grammar; the sampler masks
+    # every other token.
+    structured: StructuredOutput | None = None
     # stop_token_ids as a set, for the per-token check.
     stop_token_set: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
 
@@ -118,6 +125,8 @@ class SamplingParams:
             _check(all(_is_number(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in bias.values()),
                    "logit_bias", f"biases must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
             self.logit_bias = dict(bias) or None
+        _check(self.structured is None or hasattr(self.structured, "kind"), "structured",
+               "must be an iterserve.engine.structured.StructuredOutput")
 
     @property
     def processes_logits(self) -> bool:

@@ -11,7 +11,9 @@ the engine's next step, which frees the request's KV blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -51,6 +53,17 @@ from iterserve.engine.server.protocol import (
     _SamplingFields,
 )
 from iterserve.engine.server.state import ServerState
+from iterserve.engine.structured import StructuredOutput
+from iterserve.engine.tools import (
+    ToolChoice,
+    check_tools,
+    forced_schema,
+    hermes_text,
+    parse_forced,
+    parse_hermes,
+    resolve_choice,
+    template_defines_tools,
+)
 
 ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 413, 429, 500, 503)}
 router = APIRouter()
@@ -81,9 +94,6 @@ async def create_completion(body: CompletionRequest, request: Request, response:
     prompt_only = body.max_tokens == 0  # echo the prompt (and its logprobs), generate nothing
     if prompt_only and (not body.echo or body.stream):
         raise invalid("max_tokens: 0 only with echo: true and without stream", "max_tokens")
-    if body.stream and (body.n > 1 or len(prompts) > 1):
-        raise invalid("stream: n > 1 and batched prompts are answered whole, not streamed; send stream: false",
-                      "stream")
     tokenizer = engine.engine.tokenizer
     if body.suffix:
         prompts = [_fill_in_the_middle(tokenizer, prompt, body.suffix) for prompt in prompts]
@@ -94,11 +104,13 @@ async def create_completion(body: CompletionRequest, request: Request, response:
         else:
             encoded.append((None, list(prompt)))
     _check_logprobs(body.logprobs, state, "logprobs")
+    structured = await _structured_output(body, engine)
     params = [
         _sampling_params(body, 1 if prompt_only else body.max_tokens, len(token_ids), engine, "prompt",
                          default_max_tokens=16,
                          logprobs=body.logprobs,
-                         prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
+                         prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
+                         structured=None if prompt_only else structured)
         for _, token_ids in encoded
     ]
     ids = _Ids("cmpl", state.model_name)
@@ -108,10 +120,10 @@ async def create_completion(body: CompletionRequest, request: Request, response:
                       for text, token_ids in encoded]
     kv_transfer = _kv_transfer(body, len(encoded))
     if body.stream:
-        text, token_ids = encoded[0]
-        stream = _submit(engine, text, token_ids, params[0], "prompt", kv_transfer)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _completion_events(_watch(request, engine, stream), ids, include_usage, tokenizer, echo_texts[0],
+        outputs = _stream_choices(request, engine, encoded, params, body.n, "prompt", kv_transfer)
+        await outputs.asend(None)  # submits the requests: a refusal (429, 503) is still an HTTP status
+        events = _completion_events(outputs, ids, include_usage, body.n, tokenizer, echo_texts,
                                     body.logprobs is not None)
         return _sse(events, headers)
     finals = await _generate(request, engine, encoded, params, body.n, "prompt", kv_transfer)
@@ -146,30 +158,30 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     headers = _ignored_headers(body, request)
     engine = state.require_engine()
     state.check_model(body.model)
-    if body.tools or body.tool_choice not in (None, "none"):
-        field = "tools" if body.tools else "tool_choice"
-        raise invalid(f"{field}: tool calling is not supported by this server yet (no tool-call parsing); "
-                      "leave tools and tool_choice out", field)
     tokenizer = engine.engine.tokenizer
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    text, token_ids = await asyncio.to_thread(_render_chat, tokenizer, messages)
+    tools = _ChatTools.of(body, tokenizer)
+    if tools.tool_choice.mode != "none" and "parallel_tool_calls" in headers.get(IGNORED_FIELDS_HEADER, ""):
+        kept = [f for f in headers[IGNORED_FIELDS_HEADER].split(",") if f != "parallel_tool_calls"]
+        headers = {IGNORED_FIELDS_HEADER: ",".join(kept)} if kept else {}
+    messages = _chat_messages(body, tools.template_tools)
+    text, token_ids = await asyncio.to_thread(_render_chat, tokenizer, messages, tools.template_tools)
     max_tokens = body.max_completion_tokens or body.max_tokens
     max_model_len = engine.engine.config.max_model_len
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
     _check_logprobs(body.top_logprobs, state, "top_logprobs")
+    structured = await _structured_output(body, engine, tools.forced)
     params = _sampling_params(body, max_tokens, len(token_ids), engine, "messages",
                               default_max_tokens=max(1, max_model_len - len(token_ids)),
-                              logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+                              logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                              structured=structured)
     ids = _Ids("chatcmpl", state.model_name)
-    if body.stream and body.n > 1:
-        raise invalid("stream: n > 1 is answered whole, not streamed; send stream: false", "stream")
     kv_transfer = _kv_transfer(body, 1)
     if body.stream:
-        stream = _submit(engine, text, token_ids, params, "messages", kv_transfer)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _sse(_chat_events(_watch(request, engine, stream), ids, include_usage, tokenizer, body.logprobs),
-                    headers)
+        outputs = _stream_choices(request, engine, [(text, token_ids)], [params], body.n, "messages", kv_transfer)
+        await outputs.asend(None)  # submits the requests: a refusal (429, 503) is still an HTTP status
+        return _sse(_chat_events(outputs, ids, include_usage, body.n, tokenizer, body.logprobs, tools), headers)
     finals = await _generate(request, engine, [(text, token_ids)], [params], body.n, "messages", kv_transfer)
     response.headers.update(headers)
     choices = []
@@ -178,8 +190,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         logprobs = None
         if body.logprobs:
             logprobs = {"content": await asyncio.to_thread(_chat_logprobs, tokenizer, out.logprobs or [])}
-        choices.append({"index": index, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
-                        "finish_reason": out.finish_reason})
+        message, finish_reason = tools.message(out.text, out.finish_reason)
+        choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason})
     return {
         "id": ids.id, "object": "chat.completion", "created": ids.created, "model": ids.model,
         "choices": choices, "usage": _usage_of(finals, body.n), **_kv_answer(finals),
@@ -211,6 +223,50 @@ async def _generate(request: Request, engine: AsyncEngine, prompts: list[tuple[s
     finally:
         for task in tasks:
             task.cancel()  # on an error: the others are aborted (their _watch aborts them in the engine)
+
+
+async def _stream_choices(request: Request, engine: AsyncEngine, prompts: list[tuple[str | None, list[int]]],
+                          params: list[SamplingParams], n: int, prompt_field: str,
+                          kv_transfer_params: dict | None = None):
+    """Every prompt's n choices as their outputs come, as (index, output) with prompt i's choice j at
+    index i*n + j. As in _generate, a prompt's other n-1 choices are submitted once its first has
+    produced an output (it is prefilled), so they share its cached KV blocks. The first value yielded
+    is None, once every first choice is submitted (their refusals raise before any byte is sent)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks: list[asyncio.Task] = []
+
+    async def pump(index: int, stream: RequestStream, then=None) -> None:
+        try:
+            async for out in _watch(request, engine, stream):
+                if then is not None:
+                    then()
+                    then = None
+                queue.put_nowait((index, out))
+        except Exception as error:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait((index, error))
+
+    def submit_others(i: int, text: str | None, token_ids: list[int], base: SamplingParams) -> None:
+        for j in range(1, n):
+            seed = None if base.seed is None else (base.seed + j if base.seed + j <= MAX_SEED else base.seed - j)
+            stream = _submit(engine, text, token_ids, dataclasses.replace(base, seed=seed), prompt_field)
+            tasks.append(asyncio.create_task(pump(i * n + j, stream)))
+
+    try:
+        for i, ((text, token_ids), base) in enumerate(zip(prompts, params, strict=True)):
+            first = _submit(engine, text, token_ids, base, prompt_field, kv_transfer_params)
+            then = None if n == 1 else functools.partial(submit_others, i, text, token_ids, base)
+            tasks.append(asyncio.create_task(pump(i * n, first, then)))
+        yield None
+        unfinished = len(prompts) * n
+        while unfinished:
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            unfinished -= item.finished
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()  # the unfinished ones are aborted in the engine (their _watch)
 
 
 def _kv_transfer(body: _SamplingFields, num_prompts: int) -> dict | None:
@@ -250,9 +306,71 @@ def _ignored_headers(body: _SamplingFields, request: Request) -> dict[str, str]:
     return {IGNORED_FIELDS_HEADER: ",".join(ignored)}
 
 
-def _render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[int]]:
+class _ChatTools:
+    """A chat request's tools (engine/tools): the grammar that forces a call, what the template is
+    given, and how the generated text becomes the answer's message."""
+
+    def __init__(self, functions: dict[str, dict], choice: ToolChoice, forced: StructuredOutput | None,
+                 template_tools: list[dict] | None, parallel: bool):
+        self.functions, self.tool_choice, self.forced = functions, choice, forced
+        self.template_tools, self.parallel = template_tools, parallel
+
+    @classmethod
+    def of(cls, body: ChatCompletionRequest, tokenizer) -> _ChatTools:
+        try:
+            functions = check_tools(body.tools or [])
+            choice = resolve_choice(body.tool_choice, functions)
+        except InvalidRequestError as error:
+            raise invalid(str(error), error.param) from None
+        parallel = body.parallel_tool_calls is not False
+        template = getattr(tokenizer, "chat_template", None)
+        if choice.mode == "auto" and not template_defines_tools(template):
+            raise invalid('tool_choice: "auto" (the default when tools are sent) needs a chat template that shows '
+                          "the model its tools, and this model's template does not use them, so no call could be "
+                          'recognised; send tool_choice "required" or {"type": "function", "function": {"name": '
+                          '...}} (the call is forced by the structured-output grammar), or "none"', "tool_choice")
+        schema = forced_schema(choice, functions, parallel)
+        forced = None if schema is None else StructuredOutput.json_schema(schema, "tools")
+        template_tools = body.tools if choice.mode != "none" and body.tools else None
+        return cls(functions, choice, forced, template_tools, parallel)
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        mode = self.tool_choice.mode
+        calls = []
+        content: str | None = text
+        if mode in ("named", "required") and finish_reason == "stop":
+            calls = parse_forced(text, self.tool_choice)
+            content = None if calls else text
+        elif mode == "auto":
+            content, calls = parse_hermes(text, self.functions, self.parallel)
+        if not calls:
+            return {"role": "assistant", "content": text}, finish_reason
+        message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
+        # As OpenAI: a named (forced) function ends with "stop", a call the model chose with "tool_calls".
+        return message, finish_reason if mode == "named" else "tool_calls"
+
+
+def _chat_messages(body: ChatCompletionRequest, template_tools: list[dict] | None) -> list[dict]:
+    messages = []
+    for i, m in enumerate(body.messages):
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise invalid(f"messages[{i}].content is required (only an assistant message with tool_calls may "
+                          "leave it out)", f"messages.{i}.content")
+        message = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            message["tool_calls"] = m.tool_calls
+            if not template_tools:  # a template without tool syntax sees the calls as hermes text
+                message["content"] = "\n".join(filter(None, [message["content"], hermes_text(m.tool_calls)]))
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        messages.append(message)
+    return messages
+
+
+def _render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[int]]:
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        extra = {"tools": tools} if tools else {}
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
     except Exception as error:  # noqa: BLE001 - a template that rejects the conversation
         raise invalid(f"messages: the model's chat template rejected them: {error}", "messages") from None
     return text, tokenizer.encode(text, add_special_tokens=False)
@@ -310,9 +428,53 @@ def _chat_logprobs(tokenizer, entries: list) -> list[dict]:
     return [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
 
 
+async def _structured_output(body: _SamplingFields, engine: AsyncEngine,
+                             forced_call: StructuredOutput | None = None) -> StructuredOutput | None:
+    """The request's structured output (a forced tool call, response_format or one guided_* field),
+    compiled here in a worker thread so an invalid schema is a 400 and the engine thread finds it in
+    the cache."""
+    asked = [forced_call] if forced_call is not None else []
+    if body.response_format is not None and body.response_format.type != "text":
+        form = body.response_format
+        if form.type == "json_object":
+            asked.append(StructuredOutput("json_object", "", "response_format"))
+        elif form.json_schema is None:
+            raise invalid('response_format: type "json_schema" needs a json_schema object '
+                          '({"name": ..., "schema": {...}})', "response_format")
+        elif form.json_schema.schema_ is None:
+            asked.append(StructuredOutput("json_object", "", "response_format"))
+        else:
+            asked.append(StructuredOutput.json_schema(form.json_schema.schema_, "response_format"))
+    if body.guided_json is not None:
+        asked.append(StructuredOutput.json_schema(body.guided_json, "guided_json"))
+    if body.guided_regex is not None:
+        asked.append(StructuredOutput("regex", body.guided_regex, "guided_regex"))
+    if body.guided_choice is not None:
+        asked.append(StructuredOutput.choice(body.guided_choice))
+    if body.guided_grammar is not None:
+        asked.append(StructuredOutput("grammar", body.guided_grammar, "guided_grammar"))
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise invalid(f"{asked[1].field}: only one structured output per request, and {asked[0].field} is "
+                      "already set; send one of response_format, guided_json, guided_regex, guided_choice, "
+                      "guided_grammar", asked[1].field)
+    structured = asked[0]
+    grammars = getattr(engine.engine.executor, "grammars", None)
+    if grammars is None:
+        raise invalid(f"{structured.field}: structured outputs need a real model's vocabulary; this server "
+                      "runs the fake model (--fake-model)", structured.field)
+    try:
+        await asyncio.to_thread(grammars.compile, structured)
+    except InvalidRequestError as error:
+        raise invalid(str(error), error.param) from None
+    return structured
+
+
 def _sampling_params(body: _SamplingFields, max_tokens: int | None, prompt_len: int, engine: AsyncEngine,
                      prompt_field: str, default_max_tokens: int, logprobs: int | None = None,
-                     prompt_logprobs: int | None = None) -> SamplingParams:
+                     prompt_logprobs: int | None = None,
+                     structured: StructuredOutput | None = None) -> SamplingParams:
     max_model_len = engine.engine.config.max_model_len
     if prompt_len >= max_model_len:
         raise invalid(f"{prompt_field}: the prompt has {prompt_len} tokens, but this model's maximum context "
@@ -333,7 +495,7 @@ def _sampling_params(body: _SamplingFields, max_tokens: int | None, prompt_len: 
             ignore_eos=body.ignore_eos, cache_salt=body.cache_salt, skip_prefix_cache=body.skip_prefix_cache,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty, min_p=body.min_p, min_tokens=body.min_tokens,
-            logit_bias=logit_bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            logit_bias=logit_bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured,
         )
     except InvalidRequestError as error:
         raise invalid(str(error), error.param) from None
@@ -390,11 +552,6 @@ async def _final_output(request: Request, engine: AsyncEngine, stream: RequestSt
     return final
 
 
-def _usage(out: RequestOutput) -> dict:
-    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
 # -- server-sent events ----------------------------------------------------------------------
 class _Ids:
     def __init__(self, prefix: str, model: str):
@@ -415,6 +572,8 @@ def _sse(events: AsyncIterator[dict], headers: dict[str, str] | None = None) -> 
         except RequestError as error:
             failed = request_failed(str(error))
             yield f"data: {json.dumps(error_body(failed.message, failed.type, None, failed.code))}\n\n"
+        except APIError as error:  # a later choice refused (429 or 503) after the stream began
+            yield f"data: {json.dumps(error_body(error.message, error.type, error.param, error.code))}\n\n"
         finally:
             await events.aclose()  # at once, not at garbage collection: it aborts an unfinished request
         yield "data: [DONE]\n\n"
@@ -423,64 +582,92 @@ def _sse(events: AsyncIterator[dict], headers: dict[str, str] | None = None) -> 
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
 
 
-async def _completion_events(outputs: AsyncIterator[RequestOutput], ids: _Ids, include_usage: bool,
-                             tokenizer=None, echo_text: str = "", logprobs: bool = False):
-    def chunk(text: str, finish_reason: str | None, chunk_logprobs: dict | None = None) -> dict:
+async def _completion_events(outputs, ids: _Ids, include_usage: bool, n: int, tokenizer=None,
+                             echo_texts: list[str] | None = None, logprobs: bool = False):
+    """Completion chunks for (index, output) pairs from _stream_choices, each chunk naming its choice."""
+    def chunk(index: int, text: str, finish_reason: str | None, chunk_logprobs: dict | None = None) -> dict:
         event = {"id": ids.id, "object": "text_completion", "created": ids.created, "model": ids.model,
-                 "choices": [{"index": 0, "text": text, "logprobs": chunk_logprobs, "finish_reason": finish_reason}]}
+                 "choices": [{"index": index, "text": text, "logprobs": chunk_logprobs,
+                              "finish_reason": finish_reason}]}
         if include_usage:
             event["usage"] = None
         return event
 
-    final = None
-    sent = 0  # generated tokens whose logprobs went out
-    offset = len(echo_text)
-    async for out in outputs:
-        if final is None and echo_text:
-            entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids))
-            yield chunk(echo_text, None, _completion_logprobs(tokenizer, out.prompt_token_ids, entries, 0)
-                        if logprobs else None)
-        final = out
-        completion = out.outputs[0]
-        chunk_logprobs = None
-        if logprobs and completion.logprobs and len(completion.logprobs) > sent:
-            new = completion.logprobs[sent:]
-            chunk_logprobs = _completion_logprobs(tokenizer, [e.token_id for e in new], new, offset)
-            sent = len(completion.logprobs)
-        offset += len(completion.new_text)
-        if completion.new_text or out.finished or chunk_logprobs:
-            yield chunk(completion.new_text, completion.finish_reason if out.finished else None, chunk_logprobs)
-    if include_usage and final is not None:
-        yield _usage_chunk(ids, "text_completion", final)
+    finals: dict[int, RequestOutput] = {}
+    sent: dict[int, int] = {}  # generated tokens whose logprobs went out, per choice
+    offsets: dict[int, int] = {}
+    async with contextlib.aclosing(outputs):  # an early stop aborts the choices
+        async for index, out in outputs:
+            echo_text = (echo_texts or [""] * (index // n + 1))[index // n]
+            if index not in offsets:
+                offsets[index], sent[index] = len(echo_text), 0
+                if echo_text:
+                    entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids))
+                    yield chunk(index, echo_text, None, _completion_logprobs(tokenizer, out.prompt_token_ids, entries, 0)
+                                if logprobs else None)
+            finals[index] = out
+            completion = out.outputs[0]
+            chunk_logprobs = None
+            if logprobs and completion.logprobs and len(completion.logprobs) > sent[index]:
+                new = completion.logprobs[sent[index]:]
+                chunk_logprobs = _completion_logprobs(tokenizer, [e.token_id for e in new], new, offsets[index])
+                sent[index] = len(completion.logprobs)
+            offsets[index] += len(completion.new_text)
+            if completion.new_text or out.finished or chunk_logprobs:
+                yield chunk(index, completion.new_text, completion.finish_reason if out.finished else None,
+                            chunk_logprobs)
+    if include_usage and finals:
+        yield _usage_chunk(ids, "text_completion", [finals[i] for i in sorted(finals)], n)
 
 
-async def _chat_events(outputs: AsyncIterator[RequestOutput], ids: _Ids, include_usage: bool, tokenizer=None,
-                       logprobs: bool = False):
-    def chunk(delta: dict, finish_reason: str | None, chunk_logprobs: dict | None = None) -> dict:
+async def _chat_events(outputs, ids: _Ids, include_usage: bool, n: int, tokenizer=None, logprobs: bool = False,
+                       tools: _ChatTools | None = None):
+    """Chat chunks for (index, output) pairs from _stream_choices, each chunk naming its choice. With
+    tools (other than "none") a choice's text is held back until it ends, then sent as its tool calls
+    (or as content, if it holds none)."""
+    def chunk(index: int, delta: dict, finish_reason: str | None, chunk_logprobs: dict | None = None) -> dict:
         event = {"id": ids.id, "object": "chat.completion.chunk", "created": ids.created, "model": ids.model,
-                 "choices": [{"index": 0, "delta": delta, "logprobs": chunk_logprobs, "finish_reason": finish_reason}]}
+                 "choices": [{"index": index, "delta": delta, "logprobs": chunk_logprobs,
+                              "finish_reason": finish_reason}]}
         if include_usage:
             event["usage"] = None
         return event
 
-    yield chunk({"role": "assistant", "content": ""}, None)
-    final = None
-    sent = 0
-    async for out in outputs:
-        final = out
-        completion = out.outputs[0]
-        chunk_logprobs = None
-        if logprobs and completion.logprobs and len(completion.logprobs) > sent:
-            chunk_logprobs = {"content": _chat_logprobs(tokenizer, completion.logprobs[sent:])}
-            sent = len(completion.logprobs)
-        if completion.new_text or chunk_logprobs:
-            yield chunk({"content": completion.new_text}, None, chunk_logprobs)
-        if out.finished:
-            yield chunk({}, completion.finish_reason)
-    if include_usage and final is not None:
-        yield _usage_chunk(ids, "chat.completion.chunk", final)
+    holding = tools is not None and tools.tool_choice.mode != "none"
+    finals: dict[int, RequestOutput] = {}
+    sent: dict[int, int] = {}
+    async with contextlib.aclosing(outputs):  # an early stop aborts the choices
+        async for index, out in outputs:
+            if index not in sent:
+                sent[index] = 0
+                yield chunk(index, {"role": "assistant", "content": ""}, None)
+            finals[index] = out
+            completion = out.outputs[0]
+            chunk_logprobs = None
+            if logprobs and completion.logprobs and len(completion.logprobs) > sent[index]:
+                chunk_logprobs = {"content": _chat_logprobs(tokenizer, completion.logprobs[sent[index]:])}
+                sent[index] = len(completion.logprobs)
+            if holding:
+                if chunk_logprobs:
+                    yield chunk(index, {}, None, chunk_logprobs)
+                if out.finished:
+                    message, finish_reason = tools.message(completion.text, completion.finish_reason)
+                    delta = {"content": message["content"]} if message["content"] else {}
+                    if message.get("tool_calls"):
+                        delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+                    if delta:
+                        yield chunk(index, delta, None)
+                    yield chunk(index, {}, finish_reason)
+                continue
+            if completion.new_text or chunk_logprobs:
+                yield chunk(index, {"content": completion.new_text}, None, chunk_logprobs)
+            if out.finished:
+                yield chunk(index, {}, completion.finish_reason)
+    if include_usage and finals:
+        yield _usage_chunk(ids, "chat.completion.chunk", [finals[i] for i in sorted(finals)], n)
 
 
-def _usage_chunk(ids: _Ids, kind: str, final: RequestOutput) -> dict:
+def _usage_chunk(ids: _Ids, kind: str, finals: list[RequestOutput], n: int) -> dict:
     return {"id": ids.id, "object": kind, "created": ids.created, "model": ids.model, "choices": [],
-            "usage": _usage(final)}
+            "usage": _usage_of(finals, n)}
+

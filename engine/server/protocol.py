@@ -59,6 +59,19 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: Text = Field(max_length=64, description="The schema's name (OpenAI requires one; not used).")
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="The JSON schema the output must "
+                                           "match; absent: any JSON object.")
+    strict: bool | None = Field(None, description="Accepted; the output always matches the schema exactly.")
+    description: Text | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 StopStrings = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None
 
@@ -107,6 +120,17 @@ class _SamplingFields(_Request):
                           'true asks a decode engine to pull it. One prompt, n 1.')
     skip_prefix_cache: bool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    # Structured outputs (grammar-constrained decoding, engine/structured): OpenAI's response_format,
+    # or one of vLLM's guided_* fields.
+    response_format: ResponseFormat | None = Field(
+        None, description='{"type": "json_object"} or {"type": "json_schema", "json_schema": {"name": ..., '
+                          '"schema": {...}}}: the output is JSON matching it (compact, no free whitespace).')
+    guided_json: dict[str, Any] | Text | None = Field(None, description="vLLM's: a JSON schema the output matches.")
+    guided_regex: Text | None = Field(None, description="vLLM's: a regular expression the output matches.")
+    guided_choice: Annotated[list[Text], Field(min_length=1, max_length=1024)] | None = Field(
+        None, description="vLLM's: the output is exactly one of these strings.")
+    guided_grammar: Text | None = Field(None, description="vLLM's: an EBNF grammar (GBNF, root rule `root`) "
+                                                          "the output matches.")
 
     def ignored_fields(self) -> list[str]:
         """The IGNORED_FIELDS this request set (to a value other than null)."""
@@ -149,11 +173,17 @@ class TextPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = Field(
+        None, description="Required except on an assistant message that carries tool_calls.")
     name: Text | None = Field(None, max_length=256)
+    tool_calls: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = Field(
+        None, description="An earlier assistant turn's tool calls (OpenAI's shape).")
+    tool_call_id: Text | None = Field(None, max_length=256, description="On a tool message: the call it answers.")
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
@@ -165,9 +195,13 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, description="With logprobs: this many most likely tokens per "
                                                              "position (at most the server's --max-logprobs).")
-    parallel_tool_calls: bool | None = Field(None, description="Ignored: tools are not supported.")
-    tools: list[dict[str, Any]] | None = Field(None, description="Not supported: a non-empty list is refused.")
-    tool_choice: Text | dict[str, Any] | None = Field(None, description='Not supported: only "none" (or left out).')
+    parallel_tool_calls: bool | None = Field(None, description="With tools: false allows one call per answer "
+                                                               "(without tools it is ignored).")
+    tools: list[dict[str, Any]] | None = Field(None, description="Function tools (OpenAI's shape).")
+    tool_choice: Text | dict[str, Any] | None = Field(
+        None, description='"none", "auto" (the default with tools: only for chat templates that define tools; '
+                          'calls parsed hermes-style), "required" or {"type": "function", "function": {"name": '
+                          '...}} (forced through the structured-output grammar, any template).')
 
 
 # -- responses -------------------------------------------------------------------------------
@@ -205,7 +239,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class TopLogprob(BaseModel):

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -14,7 +16,7 @@ from tests.server_fixture import running_server
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with running_server(["--fake-model", "--max-model-len", "512"], log_path=log) as server:
+    with running_server(["--fake-model", "--max-model-len", "512"], log_path=log, ready_timeout=300) as server:
         yield server
 
 
@@ -90,20 +92,24 @@ def test_n_choices_and_batched_prompts(server):
     assert len(strings["choices"]) == 2
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 3}
     assert len(httpx.post(f"{server.url}/v1/chat/completions", json=chat).json()["choices"]) == 3
-    streamed = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "stream": True})
-    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"
     best_of = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "n": 2, "best_of": 2})
     assert best_of.status_code == 200 and len(best_of.json()["choices"]) == 2
 
 
-def test_suffix_and_tools_are_refused_with_a_clear_message(server):
+def test_suffix_and_auto_tool_choice_without_template_tools_are_refused(server):
     response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "def f(", "suffix": "return x"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "suffix"
     assert "fill-in-the-middle" in response.json()["error"]["message"]
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     chat = {"messages": [{"role": "user", "content": "weather?"}], "tools": tools}
-    response = httpx.post(f"{server.url}/v1/chat/completions", json=chat)
-    assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=chat)  # tool_choice auto: no template tools
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"
+    assert '"required"' in response.json()["error"]["message"]
+    bad = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}})
+    assert bad.status_code == 400 and "get_weather" in bad.json()["error"]["message"]
+    malformed = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "tools": [{"type": "function"}]})
+    assert malformed.status_code == 400 and malformed.json()["error"]["param"] == "tools"
     none = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "tools": [], "tool_choice": "none",
                                                                  "max_tokens": 2})
     assert none.status_code == 200
@@ -117,3 +123,46 @@ def test_max_tokens_zero_echoes_the_prompt_only(server):
     assert choice["text"] == httpx.post(f"{server.url}/detokenize", json={"tokens": [5, 6, 7]}).json()["prompt"]
     refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 0})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
+def test_structured_outputs_on_the_fake_model_are_a_400_naming_the_field(server):
+    for body, param in (({"response_format": {"type": "json_object"}}, "response_format"),
+                        ({"guided_choice": ["a", "b"]}, "guided_choice")):
+        response = httpx.post(f"{server.url}/v1/chat/completions",
+                              json={"messages": [{"role": "user", "content": "hi"}], **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
+        assert "fake model" in response.json()["error"]["message"]
+
+
+def sse_events(server, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{server.url}{path}", json={**body, "stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_streaming_n_choices_and_batched_prompts_carry_their_index_and_usage(server):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 3, "temperature": 1.0,
+            "seed": 7, "stream_options": {"include_usage": True}}
+    events = sse_events(server, "/v1/chat/completions", chat)
+    whole = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "stream_options": None}).json()
+    texts, finished = {}, {}
+    for event in events[:-1]:
+        (choice,) = event["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + (choice["delta"].get("content") or "")
+        if choice["finish_reason"]:
+            finished[choice["index"]] = choice["finish_reason"]
+    assert sorted(texts) == [0, 1, 2] and sorted(finished) == [0, 1, 2]
+    assert [texts[i] for i in range(3)] == [c["message"]["content"] for c in whole["choices"]]
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
+    body = {"prompt": [[1, 2], [5, 6, 7]], "n": 2, "max_tokens": 3, "stream_options": {"include_usage": True}}
+    events = sse_events(server, "/v1/completions", body)
+    whole = httpx.post(f"{server.url}/v1/completions", json={**body, "stream_options": None}).json()
+    texts = {}
+    for event in events[:-1]:
+        (choice,) = event["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert [texts[i] for i in range(4)] == [c["text"] for c in whole["choices"]]
+    assert events[-1]["usage"] == whole["usage"] == {"prompt_tokens": 5, "completion_tokens": 12,
+                                                     "total_tokens": 17}

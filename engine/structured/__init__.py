@@ -1,0 +1,181 @@
+"""Structured outputs: grammar-constrained decoding with xgrammar (what vLLM and SGLang use).
+
+In: a request's `StructuredOutput` (a JSON schema, any JSON object, a regex, a choice among strings,
+or an EBNF grammar), carried on its SamplingParams. Out: at each sampling step, a token bitmask
+that the batched sampler applies to the logits rows of the constrained requests (disallowed tokens
+get -inf), and, once a token is chosen, the request's matcher advanced by it. When the grammar is
+complete only the end-of-sequence token is allowed, so a constrained request finishes with "stop".
+
+`Grammars` owns xgrammar's view of the vocabulary and compiles each distinct spec once (an LRU cache
+shared by every request; the server compiles in a worker thread before submitting, so an invalid
+schema is a 400 and the engine thread only ever hits the cache). `GrammarMatchers` keeps one
+matcher per running request and is what the sampler calls.
+
+JSON is generated compact (no free whitespace between tokens): a small model offered free
+whitespace can spend its whole max_tokens on newlines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from iterserve.engine.sampling_params import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_SPEC_CHARS = 256 * 1024
+CACHE_SIZE = 128
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """What a request's output must match. spec: the JSON schema (as JSON text), the regex, the EBNF
+    grammar, or the choices as a JSON list; empty for json_object. `field` is the request field it
+    came from, named in errors."""
+
+    kind: Kind
+    spec: str = ""
+    field: str = "response_format"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidRequestError(f"{self.field}: unknown structured output kind {self.kind!r}; "
+                                      f"one of {', '.join(KINDS)}", self.field)
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_SPEC_CHARS:
+            raise InvalidRequestError(f"{self.field}: must be a string of at most {MAX_SPEC_CHARS} characters",
+                                      self.field)
+
+    @classmethod
+    def json_schema(cls, schema: dict | str, field: str = "response_format") -> StructuredOutput:
+        text = schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))  # key order matters
+        return cls("json_schema", text, field)
+
+    @classmethod
+    def choice(cls, choices: list[str], field: str = "guided_choice") -> StructuredOutput:
+        return cls("choice", json.dumps(list(choices)), field)
+
+
+class Grammars:
+    """xgrammar's compiler over one tokenizer's vocabulary, with compiled grammars cached by spec."""
+
+    def __init__(self, tokenizer, vocab_size: int, cache_size: int = CACHE_SIZE):
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._cache_size = cache_size
+        self._cache: OrderedDict[StructuredOutput, object] = OrderedDict()
+        self._lock = threading.Lock()
+        self._compiler = None
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def compiler(self):
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                started = time.perf_counter()
+                info = xgr.TokenizerInfo(self._encoded_vocab(), xgr.VocabType.BYTE_LEVEL, vocab_size=self.vocab_size,
+                                         stop_token_ids=[self._tokenizer.eos_token_id])
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+                logger.info("structured outputs: xgrammar's vocabulary index built in %.1f s (once per server)",
+                            time.perf_counter() - started)
+            return self._compiler
+
+    def _encoded_vocab(self) -> list[str]:
+        """Every token's byte-level spelling; special tokens as "" so a grammar never emits them as
+        text (EOS stays allowed at the end as the stop token)."""
+        backend = self._tokenizer.backend
+        special = {i for i, token in backend.get_added_tokens_decoder().items() if token.special}
+        size = backend.get_vocab_size(with_added_tokens=True)
+        return ["" if i in special else (backend.id_to_token(i) or "") for i in range(size)]
+
+    def compile(self, structured: StructuredOutput):
+        """The compiled grammar (cached); InvalidRequestError naming the field if the spec is invalid."""
+        with self._lock:
+            compiled = self._cache.get(structured)
+            if compiled is not None:
+                self._cache.move_to_end(structured)
+                self.hits += 1
+                return compiled
+        compiled = self._compile(structured)
+        with self._lock:
+            self.misses += 1
+            self._cache[structured] = compiled
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, structured: StructuredOutput):
+        compiler, kind, spec = self.compiler, structured.kind, structured.spec
+        try:
+            if kind == "json_object":
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if kind == "json_schema":
+                return compiler.compile_json_schema(spec, any_whitespace=False, strict_mode=True)
+            if kind == "regex":
+                return compiler.compile_regex(spec)
+            if kind == "choice":
+                choices = json.loads(spec)
+                rule = " | ".join(json.dumps(c) for c in choices)
+                return compiler.compile_grammar(f"root ::= {rule}")
+            return compiler.compile_grammar(spec)
+        except Exception as error:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError on bad specs
+            message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise InvalidRequestError(f"{structured.field}: cannot be compiled into a grammar ({kind}): {message}",
+                                      structured.field) from None
+
+
+class GrammarMatchers:
+    """One xgrammar matcher per constrained request: fills the bitmask rows, advances on each token."""
+
+    def __init__(self, grammars: Grammars):
+        self.grammars = grammars
+        self._matchers: dict[str, object] = {}
+
+    def _matcher(self, request_id: str, structured: StructuredOutput):
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            import xgrammar as xgr
+
+            matcher = xgr.GrammarMatcher(self.grammars.compile(structured))
+            self._matchers[request_id] = matcher
+        return matcher
+
+    def mask(self, logits: torch.Tensor, rows: list[int], seqs) -> None:
+        """Disallowed tokens of each constrained row set to -inf, in place (rows index logits)."""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.grammars.vocab_size)
+        for j, row in enumerate(rows):
+            seq = seqs[row]
+            self._matcher(seq.request_id, seq.params.structured).fill_next_token_bitmask(bitmask, j)
+        if len(rows) == logits.shape[0]:
+            target = logits
+        else:
+            target = logits[torch.tensor(rows, device=logits.device)]
+        if logits.shape[1] > self.grammars.vocab_size:  # padded model vocabulary: never sample the padding
+            target[:, self.grammars.vocab_size:] = float("-inf")
+        xgr.apply_token_bitmask_inplace(target, bitmask.to(logits.device), vocab_size=self.grammars.vocab_size)
+        if target is not logits:
+            logits[torch.tensor(rows, device=logits.device)] = target
+
+    def accept(self, request_id: str, token_id: int) -> bool:
+        matcher = self._matchers.get(request_id)
+        if matcher is None or matcher.is_terminated():
+            return True
+        return bool(matcher.accept_token(token_id))
+
+    def release(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._matchers.pop(request_id, None)
