@@ -8,6 +8,11 @@ parallel region waits at its barrier for the thread that lost its core. Measured
 load at 3.0 tok/s with one compute thread and 0.5 tok/s with torch's default two (README,
 performance section). So the default is one core fewer than the process may use (at least one);
 OMP_NUM_THREADS, when set, is obeyed as is.
+
+Idle OpenMP workers also spin for a while after each parallel region (libgomp's default), taking
+the core the HTTP loop needs between steps; `OMP_WAIT_POLICY=PASSIVE` makes them sleep (the same
+run: 5.0 vs 3.1 tok/s tail with one thread). libgomp reads it once, when torch loads it, so
+`prefer_passive_wait()` must run before torch is imported; a value already set is kept.
 """
 
 from __future__ import annotations
@@ -16,8 +21,6 @@ import logging
 import math
 import os
 from pathlib import Path
-
-import torch
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +46,18 @@ def default_compute_threads(cpus: int) -> int:
     return max(1, cpus - 1)
 
 
+def prefer_passive_wait() -> bool:
+    """OMP_WAIT_POLICY=PASSIVE unless set; True when it will take effect (torch not yet loaded)."""
+    import sys
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return "torch" not in sys.modules
+
+
 def configure_serving_threads() -> int:
     """Set torch's intra-op threads for a CPU server (call before the model runs); returns them."""
+    import torch
+
     explicit = os.environ.get("OMP_NUM_THREADS")
     cpus = usable_cpus()
     if explicit:
@@ -54,5 +67,6 @@ def configure_serving_threads() -> int:
     threads = default_compute_threads(cpus)
     torch.set_num_threads(threads)
     logger.info("CPU compute threads: %d of %d usable CPUs (one left to the HTTP loop and tokenization; "
-                "set OMP_NUM_THREADS to choose)", threads, cpus)
+                "set OMP_NUM_THREADS to choose); OMP_WAIT_POLICY=%s", threads, cpus,
+                os.environ.get("OMP_WAIT_POLICY", "unset"))
     return threads

@@ -166,6 +166,9 @@ def admin_token(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from iterserve.engine.model.threads import prefer_passive_wait
+
+    prefer_passive_wait()  # before torch loads libgomp: idle OpenMP workers sleep (engine/model/threads.py)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = engine_config(args)

@@ -13,19 +13,24 @@ import pytest
 
 from iterserve.engine.model import threads
 
-PROBE = (
-    "import json, logging, torch\n"
+PROBE = (  # the order `iterserve serve` uses: wait policy before torch loads, then the thread count
+    "import json, logging, os\n"
     "logging.basicConfig(level='INFO')\n"
-    "from iterserve.engine.model.threads import configure_serving_threads, usable_cpus\n"
+    "from iterserve.engine.model.threads import configure_serving_threads, prefer_passive_wait, usable_cpus\n"
+    "early = prefer_passive_wait()\n"
+    "import torch\n"
     "got = configure_serving_threads()\n"
-    "print(json.dumps({'returned': got, 'torch': torch.get_num_threads(), 'cpus': usable_cpus()}))\n"
+    "print(json.dumps({'returned': got, 'torch': torch.get_num_threads(), 'cpus': usable_cpus(), 'early': early,\n"
+    "                  'wait': os.environ.get('OMP_WAIT_POLICY')}))\n"
 )
 
 
-def probe(env_threads: str | None, affinity: set[int] | None = None) -> tuple[dict, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+def probe(env_threads: str | None, affinity: set[int] | None = None, wait: str | None = None) -> tuple[dict, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY")}
     if env_threads is not None:
         env["OMP_NUM_THREADS"] = env_threads
+    if wait is not None:
+        env["OMP_WAIT_POLICY"] = wait
     command = [sys.executable, "-c", PROBE]
     if affinity is not None:
         command = ["taskset", "-c", ",".join(map(str, sorted(affinity))), *command]
@@ -44,6 +49,12 @@ def test_server_default_is_one_fewer_than_the_usable_cpus():
     assert result["cpus"] == threads.usable_cpus()
     assert result["returned"] == result["torch"] == max(1, result["cpus"] - 1)
     assert "one left to the HTTP loop" in log
+    assert result["early"] and result["wait"] == "PASSIVE"
+
+
+def test_a_wait_policy_already_set_is_kept():
+    result, _ = probe(None, wait="ACTIVE")
+    assert result["wait"] == "ACTIVE"
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or not __import__("shutil").which("taskset"),
