@@ -315,6 +315,8 @@ class Router:
             logger.debug("P/D: %s (%s uncached tokens) -> %s prefills", decision.reason, uncached, decode.url)
             return request, keys
         prefill = self.prefills[decision.prefill]
+        self._picks += 1
+        prefill.last_picked = self._picks  # ties among prefill replicas rotate too
         prefill.in_flight += 1
         started = self.clock()
         try:
