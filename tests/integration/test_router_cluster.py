@@ -288,3 +288,55 @@ def _requests_served(url: str) -> float:
     for family in text_string_to_metric_families(text):
         total += sum(s.value for s in family.samples if s.name == names.REQUESTS_TOTAL)
     return total
+
+
+def test_disaggregated_pools_on_the_local_runtime(k8s_cluster, operated):
+    """spec.disaggregation: the operator runs a prefill pool and a decode pool (roles, labels, KV
+    transfer port at the pod IP) and the router's P/D flags; a prompt over the threshold sent to
+    the Service's router is prefilled on the prefill pod and decoded on the decode pod."""
+    from kubernetes import client
+
+    from iterserve.operator import disaggregation
+    from iterserve.operator.kube import Kube
+    from iterserve.operator.models import GROUP, PLURAL, VERSION
+    from iterserve.router.discovery import ROLE_LABEL, ready_urls
+    from tests.operator_fixture import wait_for as wait
+
+    namespace, operator, api, tmp = operated
+    kube, custom = Kube(api), client.CustomObjectsApi(api)
+    body = inference_service("pd", replicas=1)
+    body["spec"]["disaggregation"] = {"enabled": True, "thresholdTokens": 8, "prefill": {"replicas": 1}}
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
+    wait(lambda: kube.get("Deployment", namespace, disaggregation.prefill_name("pd")) is not None, 30, 0.5,
+         lambda: f"the prefill Deployment; operator:\n{operator.log_tail()}")
+
+    def pool(role: str) -> list[str]:
+        return ready_urls(kube.list_pods(namespace, f"{selector_string_of('pd')},{ROLE_LABEL}={role}"), "http")
+
+    wait(lambda: pool("prefill") and pool("decode"), 120, 0.5, lambda: f"both pools ready; pods: {tmp / 'pods'}")
+    def body_ready() -> bool:
+        found = kube.get_inference_service(namespace, "pd") or {}
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in found.get("status", {}).get("conditions", []))
+
+    wait(body_ready, 60, 0.5, lambda: f"Ready; operator:\n{operator.log_tail()}")
+    status = kube.get_inference_service(namespace, "pd")["status"]
+    assert status["prefillReadyReplicas"] == 1
+    router = wait(lambda: ready_urls(kube.list_pods(namespace, ",".join(
+        f"{k}={v}" for k, v in routing.router_labels("pd").items())), "http"), 30, 0.5, "the router pod")[0]
+
+    def pd_remote() -> float:
+        text = httpx.get(f"{router}/metrics", timeout=2).text
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == names.ROUTER_PD_DECISIONS_TOTAL and s.labels.get("reason") == "remote")
+
+    def prefill_known() -> bool:
+        text = httpx.get(f"{router}/metrics", timeout=2).text
+        return any(pool("prefill")[0] in line for line in text.splitlines())
+
+    wait(prefill_known, 30, 0.5, "the router to see the prefill pod")
+    prompt = " ".join(f"word{i}" for i in range(64))  # well over 8 tokens
+    response = httpx.post(f"{router}/v1/completions", timeout=60,
+                          json={"model": "fake", "prompt": prompt, "max_tokens": 4})
+    assert response.status_code == 200, response.text
+    assert pd_remote() >= 1, httpx.get(f"{router}/metrics", timeout=2).text[-3000:]
+    assert _requests_served(pool("decode")[0]) >= 1
