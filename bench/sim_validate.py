@@ -76,6 +76,41 @@ def measured_steps(document: dict, clock: str) -> tuple[list[dict], list[dict], 
     return medians, singles, noise
 
 
+def level_matched(profile: profiles.StepProfile, document: dict, clock: str) -> tuple[dict, list[float]]:
+    """Errors after scaling each measurement series (the first run, each replay) by one factor, so
+    its total matches the prediction's: how wrong the model's shape is, apart from the level the
+    machine's contention set for that run (one number per run, not per step)."""
+    key = "cpu_s" if clock == "cpu" else "wall_s"
+    first = document["runs"][0]
+    prompt_len = {r["id"]: r["prompt_tokens"] for r in first["requests"]}
+    steps = [(i, s) for i, s in enumerate(first["steps"]) if s["chunks"]]
+    repeats = [first, *document.get("replays", [])]
+    predicted = np.array([profile.step_seconds(profiles.StepFeatures.from_record(step_record(s, prompt_len, 1.0)))
+                          for _, s in steps])
+    series, factors = [], []
+    for run in repeats:
+        times = np.array([run["steps"][i][key] for i, _ in steps])
+        factors.append(float(predicted.sum() / times.sum()))
+        series.append(times * factors[-1])
+    medians = np.median(np.array(series), axis=0)
+    records = [step_record(s, prompt_len, float(t)) for (_, s), t in zip(steps, medians, strict=True)]
+    return profiles.evaluate(profile, records), factors, np.array(series), records
+
+
+def measurement_floor(series: np.ndarray, records: list[dict]) -> dict:
+    """How well one level-matched real measurement of each step agrees with the median of the
+    others: the error a perfect model would show against a single run, on this machine."""
+    decode = np.array([r["prefill_tokens"] == 0 for r in records])
+    out = {}
+    for kind, mask in (("decode_only", decode), ("mixed", ~decode)):
+        errors = []
+        for i in range(len(series)):
+            others = np.median(np.delete(series, i, axis=0), axis=0)
+            errors.append(np.abs(series[i][mask] - others[mask]) / others[mask])
+        out[kind] = float(np.mean(errors)) if errors and mask.any() else None
+    return out
+
+
 def real_figures(run: dict) -> dict:
     done = [r for r in run["requests"] if "finished_s" in r]
     span = max(r["finished_s"] for r in done) - min(r["arrival_s"] for r in run["requests"])
@@ -168,6 +203,7 @@ def main() -> int:
     result: dict = {"machine": heldout.get("machine"), "load_average_now": os.getloadavg()}
     profile_by_clock = {}
     for clock in ("cpu", "wall"):
+        key = "cpu_s" if clock == "cpu" else "wall_s"
         train, train_noise = [], []
         for document in trains:
             medians, _, noise = measured_steps(document, clock)
@@ -197,10 +233,21 @@ def main() -> int:
         print(profiles.format_errors(single_errors))
         print("fitted and tested on single measurements (no medians):")
         print(profiles.format_errors(errors_no_median))
+        matched, factors, series, matched_records = level_matched(profile, heldout, clock)
+        print("held-out error with each run's level matched (one factor per run: "
+              + ", ".join(f"{f:.3f}" for f in factors) + "), then the step medians:")
+        print(profiles.format_errors(matched))
+        floor = measurement_floor(series, matched_records)
+        print("measurement floor: one level-matched real run vs the median of the others: "
+              f"decode-only {floor['decode_only']:.1%}, mixed {floor['mixed']:.1%}")
         result[clock] = {"profile": json.loads(profile.to_json()),
                          "step_errors_vs_medians": {k: vars(v) for k, v in errors.items()},
                          "step_errors_vs_single": {k: vars(v) for k, v in single_errors.items()},
                          "step_errors_no_medians": {k: vars(v) for k, v in errors_no_median.items()},
+                         "step_errors_level_matched": {k: vars(v) for k, v in matched.items()},
+                         "level_factors": factors, "measurement_floor": floor,
+                         "run_step_seconds_total": [sum(s[key] for s in run["steps"])
+                                                    for run in [heldout["runs"][0], *heldout.get("replays", [])]],
                          "noise_train": train_noise, "noise_heldout": test_noise}
     if args.profile_out:
         Path(args.profile_out).write_text(profile_by_clock["cpu"].to_json())
