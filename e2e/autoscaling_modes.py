@@ -11,6 +11,8 @@ one prometheus-adapter registered with the API server's aggregation layer; then 
             (externalScaling.hpa, same target and scale-down window) scales the InferenceService
             through its scale subresource on the external metric iterserve_waiting_requests that
             prometheus-adapter serves from Prometheus. The operator writes no replicas.
+  External+running  the same HPA with externalScaling.targetRunningPerReplica = max_num_seqs: a
+            second metric, iterserve_running_sequences, keeps the replicas the load runs on.
 
     python e2e/autoscaling_modes.py [--quick] [--json PATH] [--plot PNG] [--workdir DIR]
 
@@ -50,14 +52,16 @@ from iterserve.devcluster.adapter import PrometheusAdapter  # noqa: E402
 from iterserve.devcluster.monitoring import CHART, ChartAlerting, render_chart  # noqa: E402
 from iterserve.operator.models import GROUP, PLURAL, VERSION  # noqa: E402
 
-MODES = ("Builtin", "External")
+MODES = ("Builtin", "External", "External+running")
+DEFAULT_MODES = ("Builtin", "External")
 MONITORING_NAMESPACE = "autoscaling-modes-monitoring"
 
 
-def chart_hpa(namespace: str, scenario: Scenario) -> dict:
+def chart_hpa(namespace: str, scenario: Scenario, running: float | None = None) -> dict:
     """The chart's HorizontalPodAutoscaler for InferenceService NAME in `namespace`, with the
-    scenario's target and scale-down window (what the Builtin run's spec asks of the operator)."""
-    sets = ("externalScaling.hpa.enabled=true", f"externalScaling.targets[0].name={NAME}",
+    scenario's target and scale-down window (what the Builtin run's spec asks of the operator),
+    and with `running` as externalScaling.targetRunningPerReplica when given."""
+    sets = (*([f"externalScaling.targetRunningPerReplica={running:g}"] if running else []),"externalScaling.hpa.enabled=true", f"externalScaling.targets[0].name={NAME}",
             f"externalScaling.targets[0].namespace={namespace}",
             f"externalScaling.targets[0].minReplicas={scenario.min_replicas}",
             f"externalScaling.targets[0].maxReplicas={scenario.max_replicas}",
@@ -72,8 +76,8 @@ class HpaInstaller:
     whole loop creates its namespace and InferenceService itself), as `helm upgrade` with
     externalScaling.targets would."""
 
-    def __init__(self, cluster, scenario: Scenario):
-        self.cluster, self.scenario = cluster, scenario
+    def __init__(self, cluster, scenario: Scenario, running: float | None = None):
+        self.cluster, self.scenario, self.running = cluster, scenario, running
         self.installed: dict[str, float] = {}  # namespace -> time.time() applied
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="hpa installer", daemon=True)
@@ -101,7 +105,7 @@ class HpaInstaller:
                     namespace = item["metadata"]["namespace"]
                     mode = (item["spec"].get("autoscaling") or {}).get("mode")
                     if item["metadata"]["name"] == NAME and mode == "External" and namespace not in self.installed:
-                        self.cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(chart_hpa(namespace, self.scenario)))
+                        self.cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(chart_hpa(namespace, self.scenario, self.running)))
                         self.installed[namespace] = time.time()
                 self._stop.wait(0.5)
         finally:
@@ -177,7 +181,7 @@ def plot(results: dict[str, dict], summaries: dict[str, dict], path: Path) -> No
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {"Builtin": "tab:blue", "External": "tab:orange"}
+    colours = {"Builtin": "tab:blue", "External": "tab:orange", "External+running": "tab:green"}
     fig, (replicas, queue, ttft) = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
     for mode, result in results.items():
         rows = [r for r in result["timeline"] if "error" not in r]
@@ -223,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the whole loop's short shape (~3 min a mode)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write both timelines and the figures here")
     parser.add_argument("--plot", type=Path, metavar="PNG", help="draw both timelines here")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                        help=f"comma-separated subset of {','.join(MODES)} (default {','.join(DEFAULT_MODES)})")
     parser.add_argument("--workdir", type=Path, help="cluster, operator, pod and monitoring logs (default: a temp folder)")
     args = parser.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -240,10 +245,11 @@ def main(argv: list[str] | None = None) -> int:
         with ChartAlerting(handle, workdir / "monitoring", namespace=MONITORING_NAMESPACE) as monitoring, \
                 PrometheusAdapter(handle, workdir, monitoring.prometheus.url, rules, namespace=MONITORING_NAMESPACE):
             for mode in modes:
-                scenario = replace(base, autoscaling_mode=mode)
+                scenario = replace(base, autoscaling_mode=mode.split("+")[0])
                 print(f"{mode}: running the whole loop")
-                if mode == "External":
-                    with HpaInstaller(handle, scenario) as installer:
+                if scenario.autoscaling_mode == "External":
+                    running = scenario.max_num_seqs if mode == "External+running" else None
+                    with HpaInstaller(handle, scenario, running) as installer:
                         results[mode] = run(handle, workdir / mode.lower(), scenario)
                     results[mode]["hpa_namespaces"] = sorted(installer.installed)
                 else:

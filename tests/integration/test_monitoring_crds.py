@@ -48,6 +48,7 @@ def installed(k8s_cluster):
     helm("install", RELEASE, str(CHART), "--kubeconfig", kubeconfig, "--namespace", NAMESPACE, "--create-namespace",
          "-f", str(VALUES_DIR / "monitoring.yaml"), "--set", "monitoring.podMonitor.labels.release=kps",
          "--set", "alerts.additionalLabels.team=ml-platform", "--set", "externalScaling.keda.enabled=true",
+         "--set", "externalScaling.targetRunningPerReplica=8",  # the ScaledObject's second trigger
          *[arg for item in TARGET for arg in ("--set", item)])
     manifest = helm("get", "manifest", RELEASE, "--kubeconfig", kubeconfig, "--namespace", NAMESPACE).stdout
     yield cluster, [doc for doc in yaml.safe_load_all(manifest) if doc]
@@ -95,3 +96,20 @@ def test_the_hpa_option_renders_an_hpa_the_api_server_accepts(installed):
                                             "selector": {"matchLabels": {"inferenceservice": "chat"}}}
     result = cluster.kubectl("apply", "--dry-run=server", "-o", "json", "-f", "-", input=yaml.safe_dump(hpa))
     assert json.loads(result.stdout)["spec"]["metrics"] == hpa["spec"]["metrics"]
+
+
+def test_target_running_per_replica_adds_a_second_metric(installed):
+    cluster, rendered = installed
+    [hpa] = [o for o in render((), ("externalScaling.hpa.enabled=true", "externalScaling.targetRunningPerReplica=8",
+                                    *TARGET)) if o["kind"] == "HorizontalPodAutoscaler"]
+    waiting, running = hpa["spec"]["metrics"]
+    assert waiting["external"]["metric"]["name"] == "iterserve_waiting_requests"
+    assert running["external"] == {"metric": {"name": "iterserve_running_sequences",
+                                              "selector": {"matchLabels": {"inferenceservice": "chat"}}},
+                                   "target": {"type": "AverageValue", "averageValue": "8"}}
+    result = cluster.kubectl("apply", "--dry-run=server", "-o", "json", "-f", "-", input=yaml.safe_dump(hpa))
+    assert json.loads(result.stdout)["spec"]["metrics"] == hpa["spec"]["metrics"]
+    [scaled] = [doc for doc in rendered if doc["kind"] == "ScaledObject"]  # installed with the option on
+    queries = [t["metadata"]["query"] for t in scaled["spec"]["triggers"]]
+    assert [q.split("{")[0] for q in queries] == ["sum(llm_scheduler_waiting_requests", "sum(llm_scheduler_running_seqs"]
+    assert scaled["spec"]["triggers"][1]["metadata"]["threshold"] == "8"
