@@ -144,8 +144,20 @@ class ServerState:
             logger.warning("drain timeout (%.0f s): aborting %d requests", timeout_s, self.in_flight)
             self.engine.abort_all()
             return False
+        leases = self._kv_leases()
+        if leases:  # a prefill engine's leases: let decode engines finish pulling them
+            logger.info("draining: waiting for %d KV leases to be pulled (at most until the drain timeout)", leases)
+            while self._kv_leases() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if self._kv_leases():
+                logger.warning("drain timeout: %d KV leases were never pulled; decode engines recompute those "
+                               "prompts", self._kv_leases())
         logger.info("drained: no request in flight")
         return True
+
+    def _kv_leases(self) -> int:
+        connector = self.engine.engine.kv_connector if self.engine is not None else None
+        return connector.num_leases if connector is not None else 0
 
     def close(self) -> None:
         if self.engine is not None:

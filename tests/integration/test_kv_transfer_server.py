@@ -2,11 +2,12 @@
 call's answer carries kv_transfer_params, the decode call pulls the KV over TCP and answers as a
 plain engine would (completions and streamed chat); /metrics shows the transfer and the lease
 coming and going; an unpulled lease expires on an idle server; role and shape refusals are 400s
-naming the field. The router's P/D path is tested in test_disaggregation*.py."""
+naming the field; a draining prefill engine waits for its lease to be pulled before it exits. The router's P/D path is tested in test_disaggregation*.py."""
 
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 import httpx
@@ -24,7 +25,7 @@ def post(server, path: str, body: dict) -> httpx.Response:
 
 @pytest.mark.slow
 def test_prefill_then_decode_over_http_with_metrics_and_lease_expiry():
-    with (running_server(["--fake-model", "--role", "prefill", "--kv-lease-seconds", "2"]) as prefill,
+    with (running_server(["--fake-model", "--role", "prefill", "--kv-lease-seconds", "5"]) as prefill,
           running_server(["--fake-model", "--role", "decode"]) as decode):
         both = decode  # a decode engine serves plain requests too: the reference answers
         plain = post(both, "/v1/completions", {"prompt": PROMPT, "max_tokens": 10, "temperature": 0})
@@ -37,7 +38,7 @@ def test_prefill_then_decode_over_http_with_metrics_and_lease_expiry():
         assert set(params) == {"transfer_id", "engine_id", "host", "port", "block_ids", "num_tokens", "block_size",
                                "compat_hash", "lease_expires_at"}
         assert params["num_tokens"] == 176 and len(params["block_ids"]) == 11 and params["host"] == "127.0.0.1"
-        assert 0 < params["lease_expires_at"] - time.time() <= 2
+        assert 0 < params["lease_expires_at"] - time.time() <= 5
         assert prefill.metrics()[names.KV_PINNED_BLOCKS] == 11
 
         second = post(decode, "/v1/completions", {"prompt": PROMPT, "max_tokens": 10, "temperature": 0,
@@ -66,7 +67,7 @@ def test_prefill_then_decode_over_http_with_metrics_and_lease_expiry():
         late = post(prefill, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1,
                                                  "kv_transfer_params": {"do_remote_decode": True}})
         assert prefill.metrics()[names.KV_PINNED_BLOCKS] == 11
-        prefill.wait_metric(names.KV_TRANSFER_EXPIRED_TOTAL, lambda v: v == 1, timeout=6)
+        prefill.wait_metric(names.KV_TRANSFER_EXPIRED_TOTAL, lambda v: v == 1, timeout=15)
         assert prefill.metrics()[names.KV_PINNED_BLOCKS] == 0
         after = post(decode, "/v1/completions", {"prompt": PROMPT, "max_tokens": 10, "temperature": 0,
                                                  "kv_transfer_params": {**late.json()["kv_transfer_params"],
@@ -95,6 +96,20 @@ def test_prefill_then_decode_over_http_with_metrics_and_lease_expiry():
         refused(decode, "/v1/completions", {"prompt": "x", "kv_transfer_params": {**kv, "port": "80"}},
                 "kv_transfer_params.port")
         refused(decode, "/v1/completions", {"prompt": "x", "kv_transfer_params": [1]}, "kv_transfer_params")
+
+        # A draining prefill engine keeps its leases until they are pulled, then exits.
+        lease = post(prefill, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1,
+                                                  "kv_transfer_params": {"do_remote_decode": True}})
+        prefill.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert prefill.proc.poll() is None, "the prefill engine exited with a lease unpulled"
+        failures = decode.metrics()[names.KV_TRANSFER_FAILURES_TOTAL]
+        pulled = post(decode, "/v1/completions", {"prompt": PROMPT, "max_tokens": 10, "temperature": 0,
+                                                  "kv_transfer_params": {**lease.json()["kv_transfer_params"],
+                                                                         "do_remote_prefill": True}})
+        assert pulled.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+        assert decode.metrics()[names.KV_TRANSFER_FAILURES_TOTAL] == failures
+        assert prefill.proc.wait(60) == 0
 
 
 def test_serve_refuses_contradictory_kv_flags():
