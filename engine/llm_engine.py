@@ -241,7 +241,8 @@ class LLMEngine:
         sched = self.scheduler
         cache = self.block_manager.prefix_cache
         return EngineStats(
-            num_waiting=len(sched.waiting) + len(self._inbox),
+            # Requests whose prompt KV is being pulled wait too (as in vLLM, whose waiting queue holds them).
+            num_waiting=len(sched.waiting) + len(self._inbox) + len(sched.waiting_for_kv),
             num_running=len(sched.running),
             num_swapped=len(sched.swapped),
             kv_usage=self.block_manager.usage(),

@@ -295,6 +295,7 @@ def test_waiting_for_kv_holds_blocks_but_no_token_budget():
         assert remote_seq.status is SequenceStatus.WAITING_FOR_KV
         assert len(remote_seq.block_table) == 3
         assert engine.stats().num_waiting_for_kv == 1
+        assert (engine.stats().num_waiting, engine.stats().num_running) == (1, 1)  # counted waiting, as vLLM does
         # The local prompt got the whole 64-token budget though the remote one was admitted first.
         assert engine._sequences["local"].num_computed_tokens == 64
         engine.abort_request("remote")
