@@ -12,6 +12,11 @@ Split as vLLM v1 splits its KV connector, written afresh for this engine:
 - `transport.KVTransport` moves bytes between engines; `transport.TcpTransport` is the TCP
   implementation (framed messages, `wire.py`; a handshake refusing an engine whose KV layout
   differs, `layout.py`). An RDMA/NCCL/NIXL transport would implement the same interface.
+- Against vLLM's KVConnectorBase_V1: `pin` is its scheduler-side request_finished (keep the blocks,
+  return kv_transfer_params), admitting a "waiting for KV" sequence with blocks and `start_pull`
+  its get_num_new_matched_tokens + update_state_after_alloc, `poll` its get_finished; the
+  executor's `read_kv` / KVLoad at the step's start play the worker side (save_kv_layer /
+  start_load_kv), whole prompts at a time rather than layer by layer.
 - `params.py` reads and writes the `kv_transfer_params` objects of the wire contract
   (/work/coord/briefs/contract17.txt, README "Prefill/decode disaggregation").
 
