@@ -421,10 +421,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _summary(name: str, r: dict) -> str:
     if name in ("skewed", "identical"):
+        same_hop = ("" if "round_robin_via_router" not in r else  # older runs had no third arm
+                    f" (round robin through the same router process: "
+                    f"{r['round_robin_via_router']['ttft_s']['p95']:.3f} s, {r['p95_ttft_ratio_same_hop']:.2f}x)")
         return (f"p95 TTFT round robin {r['round_robin']['ttft_s']['p95']:.3f} s / router "
-                f"{r['router']['ttft_s']['p95']:.3f} s = {r['p95_ttft_ratio']:.2f}x at {r['rate_per_s']:.1f} req/s "
-                f"(round robin through the same router process: "
-                f"{r['round_robin_via_router']['ttft_s']['p95']:.3f} s, {r['p95_ttft_ratio_same_hop']:.2f}x)")
+                f"{r['router']['ttft_s']['p95']:.3f} s = {r['p95_ttft_ratio']:.2f}x at {r['rate_per_s']:.1f} req/s"
+                + same_hop)
     if name == "metrics_500":
         return f"client 5xx {r['client_5xx']} of {r['load']['requests']}, failed {r['load']['requests'] - r['load']['completed']}"
     if name == "saturated":
@@ -436,7 +438,7 @@ def _summary(name: str, r: dict) -> str:
     achieved = r["achieved_rate_per_s"]
     return (f"added p50 e2e {r['added_p50_ms']:.2f} ms (TTFT {r['added_p50_ttft_ms']:.2f} ms) at "
             f"{r['rate_per_s']:.0f} req/s offered ({achieved['direct']:.0f} direct / {achieved['router']:.0f} "
-            f"routed achieved); one at a time {r['sequential_added_p50_ms']:.2f} ms; router CPU "
+            f"routed achieved); one at a time {r.get('sequential_added_p50_ms', float('nan')):.2f} ms; router CPU "
             f"{r['router_cpu_ms_per_request']:.2f} ms/request (~{r.get('router_max_rate_per_core_est') or 0:.0f} "
             "req/s per core)")
 

@@ -110,7 +110,8 @@ def test_sample_becomes_owned_objects_with_status_and_events(env):
     assert status["selector"] == "app.kubernetes.io/name=iterserve-engine,app.kubernetes.io/instance=basic"
     assert status["effectiveMaxNumSeqs"] == 16
     reasons = sorted(e["reason"] for e in env.events("basic"))
-    assert reasons.count("Created") == 4 and "Ready" in reasons
+    # ConfigMap, Service, Deployment, Secret, and the router's ServiceAccount, Role, RoleBinding, Deployment
+    assert reasons.count("Created") == 8 and "Ready" in reasons
     printed = env.cluster.kubectl("-n", env.namespace, "get", "infsvc", "basic").stdout
     assert printed.split("\n")[0].split()[:7] == ["NAME", "MODEL", "REPLICAS", "READY", "WAITING", "KV", "AGE"]
     assert "smollm2-135m" in printed
@@ -264,7 +265,8 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(k8s_cluster,
         return len(core.list_namespaced_config_map(namespace, label_selector="app.kubernetes.io/part-of=iterserve").items)
     wait_for(lambda: configmaps() >= 1, 60, 0.02, "the first owned object")
     operator.kill()
-    deployments_at_kill = len(apps.list_namespaced_deployment(namespace).items)
+    deployments_at_kill = len(apps.list_namespaced_deployment(
+        namespace, label_selector="app.kubernetes.io/name=iterserve-engine").items)
     tokens_at_kill = {s.metadata.name: s.data["token"] for s in core.list_namespaced_secret(
         namespace, label_selector="app.kubernetes.io/part-of=iterserve").items}
     print(f"\nkilled the operator with {configmaps()} ConfigMaps and {deployments_at_kill} Deployments "
@@ -284,7 +286,10 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(k8s_cluster,
     for listing in (apps.list_namespaced_deployment, core.list_namespaced_service,
                     core.list_namespaced_config_map, core.list_namespaced_secret):
         items = listing(namespace, label_selector=selector).items
-        assert sorted(i.metadata.labels["app.kubernetes.io/instance"] for i in items) == names, listing.__name__
+        # one of each per InferenceService (Deployments: the engines' and the router's)
+        per_service = 2 if listing == apps.list_namespaced_deployment else 1
+        assert sorted(i.metadata.labels["app.kubernetes.io/instance"] for i in items) == sorted(names * per_service), \
+            listing.__name__
     replica_sets = apps.list_namespaced_replica_set(namespace, label_selector=selector).items
     assert len(replica_sets) == len(names), "a restart must not roll the pods"
     secrets = {s.metadata.name: s.data["token"] for s in core.list_namespaced_secret(namespace, label_selector=selector).items}
@@ -327,7 +332,8 @@ def test_gpu_service_lands_on_a_tainted_gpu_node(env):
         env.create(doc)
         env.wait_ready("gpu")
         pods = json.loads(env.cluster.kubectl("-n", env.namespace, "get", "pods", "-o", "json", "-l",
-                                              "app.kubernetes.io/instance=gpu").stdout)["items"]
+                                              "app.kubernetes.io/name=iterserve-engine,app.kubernetes.io/instance=gpu"
+                                              ).stdout)["items"]
         assert sorted(p["spec"]["nodeName"] for p in pods) == [node, node]
         assert all(p["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1" for p in pods)
         # a third replica does not fit the node's 2 GPUs: Ready goes False and says why
