@@ -110,7 +110,7 @@ def run_local(k8s_cluster, tmp_path: Path) -> None:
         k8s_cluster.kubectl("-n", namespace, "apply", "-f", str(REPO / "examples" / "minimal.yaml"))
         with k8s_cluster.api_client() as api:
             core = client.CoreV1Api(api)
-            selector = f"app.kubernetes.io/instance={NAME}"
+            selector = f"app.kubernetes.io/name=iterserve-engine,app.kubernetes.io/instance={NAME}"  # not the router's
             pod = wait_for(lambda: next((p for p in core.list_namespaced_pod(namespace, label_selector=selector).items
                                          if p.status.pod_ip), None), 60, 0.5, "an engine pod with an IP")
             env = _container_env(core, namespace, pod.spec.containers[0])
