@@ -54,6 +54,10 @@ def inference_service() -> dict:
             "replicas": 1,
             "autoscaling": {"mode": "External", "minReplicas": 1, "maxReplicas": MAX_REPLICAS},
             "scheduling": local_runtime_scheduling(),
+            # The load goes straight to the engines (the Service selects them), so their queues are
+            # what the HPA sees; the default router in front would answer 429 past its own small
+            # queue. HPA + router: e2e/autoscaling_modes.py (routing as the whole loop sets it).
+            "routing": {"mode": "None"},
             "podTemplatePatch": {"spec": {"containers": [{
                 "name": "engine", "startupProbe": {"periodSeconds": 1, "failureThreshold": 60},
                 "readinessProbe": {"periodSeconds": 1, "failureThreshold": 1}}]}},
