@@ -225,6 +225,8 @@ def install_vllm() -> int:
     requirements += [VLLM_TORCHVISION, "gguf"]  # gguf: transformers reads the GGUF for the fp32 conversion
     subprocess.run([*pip, "install", VLLM_TORCH, *requirements], check=True)
     subprocess.run([*pip, "install", "--no-deps", str(wheel)], check=True)
+    # transformers needs accelerate to load a GGUF (the fp32 conversion); --no-deps keeps the torch above
+    subprocess.run([*pip, "install", "--no-deps", "accelerate"], check=True)
     return 0
 
 
@@ -233,11 +235,20 @@ def vllm_model_dir(gguf: Path) -> Path:
     out = CACHE / "smollm2-135m-hf-fp32"
     if (out / "config.json").is_file():
         return out
+    # transformers refuses save_pretrained on a model loaded from GGUF ("quantized with GGUF, not
+    # serializable") although its weights are dequantized fp32: save the config without the
+    # quantization entry and the weights (lm_head tied to the embedding) with safetensors instead.
     script = (
         "import sys, torch; from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "from safetensors.torch import save_model\n"
         "d, f, out = sys.argv[1:4]\n"
         "AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out)\n"
-        "AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).save_pretrained(out)\n"
+        "model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)\n"
+        "config = model.config\n"
+        "config.__dict__.pop('quantization_config', None)\n"
+        "config.torch_dtype = 'float32'\n"
+        "config.save_pretrained(out)\n"
+        "save_model(model, out + '/model.safetensors', metadata={'format': 'pt'})\n"
     )
     subprocess.run([str(VLLM_VENV / "bin" / "python"), "-c", script, str(gguf.parent), gguf.name, str(out)],
                    check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
