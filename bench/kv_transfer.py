@@ -23,7 +23,16 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import add_common_args, finish_machine, format_table, machine, set_threads, write_json  # noqa: E402
+from common import (  # noqa: E402
+    add_common_args,
+    finish_machine,
+    format_table,
+    machine,
+    pyplot,
+    save_figure,
+    set_threads,
+    write_json,
+)
 
 from iterserve.engine.block_manager import BlockManager  # noqa: E402
 from iterserve.engine.config import EngineConfig  # noqa: E402
@@ -135,6 +144,29 @@ def main() -> None:
                         for r in rows]))
     print(f"load average {info['load_average_at_start']} on {info['cpus']} CPUs ({info['cpu_model']})")
     write_json(args.json, {"machine": finish_machine(info), "quick": args.quick, "results": rows})
+    if args.plot:
+        plot(rows, args.plot, info)
+
+
+def plot(rows: list[dict], path: str, info: dict) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for dtype in DTYPES:
+        mine = [r for r in rows if r["dtype"] == dtype]
+        ax.plot([r["tokens"] for r in mine], [r["us_per_token"] for r in mine], marker="o",
+                label=f"KV pull + load, {dtype}")
+    computed = [r for r in rows if r["dtype"] == "float32" and r["prefill_us_per_token"]]
+    if computed:
+        ax.plot([r["tokens"] for r in computed], [r["prefill_us_per_token"] for r in computed], marker="s",
+                label="prefill compute (fp32 model)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("microseconds per prompt token")
+    ax.set_title(f"SmolLM2-135M KV over loopback TCP (load {info['load_average_at_start'][0]:.0f} on "
+                 f"{info['cpus']} CPUs)")
+    ax.legend()
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

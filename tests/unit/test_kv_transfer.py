@@ -413,3 +413,22 @@ def test_decode_pulls_only_what_its_prefix_cache_lacks(pair):
         prefill_engine.collect_kv_leases()
         time.sleep(0.005)
     assert_baseline(prefill_engine, decode_engine)
+
+
+@pytest.mark.slow
+def test_kv_transfer_bench_quick_runs(tmp_path):
+    """bench/kv_transfer.py --quick (no model): the pulled KV is checked bit for bit inside it."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "kv_transfer.py"
+    out = tmp_path / "kv.json"
+    result = subprocess.run([sys.executable, str(script), "--quick", "--lengths", "17,64", "--repeats", "1",
+                             "--json", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["dtype"], r["tokens"]) for r in rows] == [("float32", 17), ("float32", 64), ("bfloat16", 17),
+                                                          ("bfloat16", 64)]
+    assert rows[1]["bytes_per_token"] >= 46080 and rows[3]["bytes_per_token"] >= 23040
