@@ -155,7 +155,7 @@ def main() -> int:
     parser.add_argument("--step-log", required=True, help="step log path (suffixed -rN / -pK per run)")
     parser.add_argument("--out", required=True, help="the runs' JSON")
     parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
-                        help="wall: real time; cpu: time advances by each step's own CPU time (see above)")
+                        help="wall: real time; cpu: time advances by each step's own CPU time (see below)")
     parser.add_argument("--repeat", type=int, default=1, help="independent runs of the trace (default 1)")
     parser.add_argument("--replays", type=int, default=0,
                         help="replays of the first run's arrivals at the same steps (default 0)")
