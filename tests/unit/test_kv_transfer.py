@@ -432,3 +432,32 @@ def test_kv_transfer_bench_quick_runs(tmp_path):
     assert [(r["dtype"], r["tokens"]) for r in rows] == [("float32", 17), ("float32", 64), ("bfloat16", 17),
                                                           ("bfloat16", 64)]
     assert rows[1]["bytes_per_token"] >= 46080 and rows[3]["bytes_per_token"] >= 23040
+
+
+def test_a_decode_engine_that_dies_mid_read_leaves_the_lease_to_expire():
+    """A puller that vanishes after the first layer frame (killed): the prefill engine's read ends,
+    nothing is released, and the lease's blocks are freed at expiry."""
+    clock = ManualClock()
+    engine = make_engine("prefill", clock=clock, kv_lease_seconds=30)
+    port = engine.start_kv_transfer()
+    try:
+        params = prefill(engine, "killed halfway " * 8)
+        layout = engine.kv_connector.layout
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            wire.send_json(sock, wire.HELLO, {"layout": layout.as_dict(), "engine_id": "doomed"})
+            wire.recv_json(sock, [wire.HELLO_OK])
+            wire.send_json(sock, wire.PULL, {"transfer_id": params["transfer_id"], "first_block": 0,
+                                             "num_blocks": len(params["block_ids"])})
+            assert wire.recv_frame(sock, [wire.LAYER])[0] == wire.LAYER
+        lease = engine.kv_connector._leases[params["transfer_id"]]
+        deadline = time.monotonic() + 5
+        while lease.readers:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert engine.collect_kv_leases() == 0 and engine.stats().num_pinned_blocks == len(params["block_ids"])
+        clock.now += 30
+        assert engine.collect_kv_leases() == len(params["block_ids"])
+        assert engine.stats().kv_leases_expired == 1
+        assert_baseline(engine)
+    finally:
+        engine.close()
