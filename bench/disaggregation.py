@@ -119,13 +119,15 @@ def scrape(url: str) -> dict[str, float]:
     return samples
 
 
-def workload(args, long_share: float, seed: int) -> list[tuple[float, list[int]]]:
-    """(arrival offset in seconds, prompt token ids) per request; no two prompts share a prefix."""
-    rng = random.Random(seed)
+def workload(args, long_share: float, seed: int, arm: int) -> list[tuple[float, list[int]]]:
+    """(arrival offset in seconds, prompt token ids) per request: the same arrivals and lengths for
+    every arm of a workload, token ids of the arm's own (an engine that served an earlier arm
+    must not find the prompts in its prefix cache); no two prompts share a prefix."""
+    rng, tokens = random.Random(seed), random.Random(seed * 1000 + arm + 1)
     at, out = 0.0, []
     for _ in range(args.requests):
         n = args.long_tokens if rng.random() < long_share else args.short_tokens
-        out.append((at, [rng.randint(*PROMPT_TOKEN_RANGE) for _ in range(n)]))
+        out.append((at, [tokens.randint(*PROMPT_TOKEN_RANGE) for _ in range(n)]))
         at += rng.expovariate(args.rate)
     return out
 
@@ -300,11 +302,15 @@ def main(argv: list[str] | None = None) -> int:
                                                    "capacity of two replicas)")
     parser.add_argument("--utilization", type=float, default=0.5)
     parser.add_argument("--threshold", type=int, default=512, help="the router's --pd-threshold-tokens (default 512)")
+    parser.add_argument("--workloads", default="mixed,short", help="comma-separated, of mixed and short (default both)")
     args = parser.parse_args(argv)
     args.long_tokens = args.long_tokens or (700 if args.quick else 2000)
     args.short_tokens = args.short_tokens or (48 if args.quick else 128)
     args.requests = args.requests or (8 if args.quick else 32)
     args.max_tokens = args.max_tokens or (16 if args.quick else 32)
+    wanted = {w.strip() for w in args.workloads.split(",") if w.strip()}
+    if not wanted or wanted - {"mixed", "short"}:
+        parser.error("--workloads: a comma-separated list of mixed and short")
     if args.threshold >= args.long_tokens or args.short_tokens > args.threshold:
         parser.error("the threshold must lie between the short and the long prompts' lengths")
     common.set_threads(args.threads)
@@ -333,16 +339,16 @@ def main(argv: list[str] | None = None) -> int:
             pd = ["--prefill", engines["prefill"], "--decode", engines["decode"], "--pd-prefill-timeout", "900"]
             disaggregated = procs.router("router-pd", *pd, "--pd-threshold-tokens", str(args.threshold))
             forced = procs.router("router-pd0", *pd, "--pd-threshold-tokens", "0")
-            for workload_name, share, arms in (
+            for workload_name, share, arms in (w for w in (
                     ("mixed", args.long_share, [("aggregated", aggregated, None),
                                                 ("disaggregated", disaggregated, engines["decode"])]),
                     ("short", 0.0, [("aggregated", aggregated, None),
                                     ("disaggregated", disaggregated, engines["decode"]),
-                                    ("disaggregated_threshold_0", forced, engines["decode"])])):
+                                    ("disaggregated_threshold_0", forced, engines["decode"])])) if w[0] in wanted):
                 print(f"{workload_name} workload:", flush=True)
-                requests = workload(args, share, args.seed)
-                report["workloads"][workload_name] = {name: run_arm(name, url, requests, args, decode)
-                                                      for name, url, decode in arms}
+                report["workloads"][workload_name] = {
+                    name: run_arm(name, url, workload(args, share, args.seed, i), args, decode)
+                    for i, (name, url, decode) in enumerate(arms)}
         finally:
             procs.close()
     common.finish_machine(info)
