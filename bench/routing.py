@@ -197,8 +197,21 @@ def scenario_skewed(args, procs: Procs) -> dict:
 def scenario_identical(args, procs: Procs) -> dict:
     out = compare(args, procs, [args.scale, args.scale], 0.8)
     out["target"] = ">= 1.2"
-    out["pass"] = out["p95_ttft_ratio"] is not None and out["p95_ttft_ratio"] >= 1.2
+    out["pass"] = judge("identical", out)
     return out
+
+
+def judge(name: str, r: dict) -> bool:
+    """identical: the ratio must hold against round robin both direct and through the same router
+    process (when the two disagree, the machine's noise decided, not the picking); overhead: only a
+    run that offered (near) the asked rate measures it."""
+    if name == "identical":
+        ratios = [r.get("p95_ttft_ratio"), r.get("p95_ttft_ratio_same_hop", r.get("p95_ttft_ratio"))]
+        return all(x is not None and x >= 1.2 for x in ratios)
+    if name == "overhead":
+        achieved = (r.get("achieved_rate_per_s") or {}).get("direct", 0)
+        return achieved >= 0.9 * r["rate_per_s"] and r["added_p50_ms"] < 2.0
+    return r["pass"]
 
 
 def _five_xx(report: dict) -> int:
@@ -315,7 +328,7 @@ def scenario_overhead(args, procs: Procs) -> dict:
                                   seed=args.seed + i, on_result=kept.append)))
         one[path] += [r.end - r.start for r in kept if r.ok]
     sequential = {k: percentiles(v) for k, v in one.items()}
-    return {"rate_per_s": rate, "requests": {k: len(v) for k, v in e2e.items()}, "errors": statuses,
+    out = {"rate_per_s": rate, "requests": {k: len(v) for k, v in e2e.items()}, "errors": statuses,
             "e2e_s": p, "ttft_s": t, "added_p50_ms": added,
             "router_cpu_ms_per_request": 1000 * cpu / max(1, len(e2e["router"])),
             # What one core could relay if the router's CPU were the only limit (it is one process).
@@ -324,7 +337,9 @@ def scenario_overhead(args, procs: Procs) -> dict:
             "sequential_e2e_s": sequential,
             "sequential_added_p50_ms": (sequential["router"]["p50"] - sequential["direct"]["p50"]) * 1000,
             "added_p50_ttft_ms": (t["router"]["p50"] - t["direct"]["p50"]) * 1000,
-            "target": "< 2 ms added p50", "pass": added < 2.0}
+            "target": "< 2 ms added p50 (at >= 90% of the offered rate achieved)", "pass": False}
+    out["pass"] = judge("overhead", out)
+    return out
 
 
 def plot(results: dict, path: str) -> None:
