@@ -141,6 +141,10 @@ class LLMEngine:
         kv_transfer_params: the P/D wire contract's object (engine/kv_transfer/params.py)."""
         params = params or SamplingParams()
         kv_transfer = self._check_kv_transfer(kv_transfer_params)
+        if kv_transfer is not None and kv_transfer.remote_prefill is not None and params.prompt_logprobs is not None:
+            raise InvalidRequestError("kv_transfer_params.do_remote_prefill: prompt logprobs (echo with logprobs) need the "
+                                      "prompt computed on this engine; send the request without kv_transfer_params",
+                                      "kv_transfer_params.do_remote_prefill")
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
                 raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")

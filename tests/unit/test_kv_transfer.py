@@ -384,6 +384,8 @@ def test_roles_refuse_the_other_half_and_bad_params_name_the_field():
         assert error.value.param == f"kv_transfer_params.{name}"
     with pytest.raises(InvalidRequestError, match="block_ids"):
         decode_engine.add_request("x", GREEDY, kv_transfer_params={**good, "block_ids": [-1]})
+    with pytest.raises(InvalidRequestError, match="prompt logprobs"):
+        decode_engine.add_request("x", SamplingParams(max_tokens=1, prompt_logprobs=0), kv_transfer_params=good)
     with pytest.raises(InvalidRequestError, match="exclude each other"):
         both.add_request("x", GREEDY, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": True})
     # Neither flag: an ordinary request (vLLM ignores such an object too).
