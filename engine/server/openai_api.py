@@ -120,10 +120,9 @@ async def create_completion(body: CompletionRequest, request: Request, response:
                       for text, token_ids in encoded]
     kv_transfer = _kv_transfer(body, len(encoded))
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         outputs = _stream_choices(request, engine, encoded, params, body.n, "prompt", kv_transfer)
         await outputs.asend(None)  # submits the requests: a refusal (429, 503) is still an HTTP status
-        events = _completion_events(outputs, ids, include_usage, body.n, tokenizer, echo_texts,
+        events = _completion_events(outputs, ids, _StreamUsage.of(body), body.n, tokenizer, echo_texts,
                                     body.logprobs is not None)
         return _sse(events, headers)
     finals = await _generate(request, engine, encoded, params, body.n, "prompt", kv_transfer)
@@ -178,10 +177,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     ids = _Ids("chatcmpl", state.model_name)
     kv_transfer = _kv_transfer(body, 1)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         outputs = _stream_choices(request, engine, [(text, token_ids)], [params], body.n, "messages", kv_transfer)
         await outputs.asend(None)  # submits the requests: a refusal (429, 503) is still an HTTP status
-        return _sse(_chat_events(outputs, ids, include_usage, body.n, tokenizer, body.logprobs, tools), headers)
+        return _sse(_chat_events(outputs, ids, _StreamUsage.of(body), body.n, tokenizer, body.logprobs, tools),
+                    headers)
     finals = await _generate(request, engine, [(text, token_ids)], [params], body.n, "messages", kv_transfer)
     response.headers.update(headers)
     choices = []
@@ -582,15 +581,34 @@ def _sse(events: AsyncIterator[dict], headers: dict[str, str] | None = None) -> 
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
 
 
-async def _completion_events(outputs, ids: _Ids, include_usage: bool, n: int, tokenizer=None,
+@dataclasses.dataclass(frozen=True, slots=True)
+class _StreamUsage:
+    """stream_options: a last chunk with the usage of all choices, and (vLLM's continuous_usage_stats)
+    each chunk with its own choice's usage so far."""
+
+    final: bool = False
+    continuous: bool = False
+
+    @classmethod
+    def of(cls, body: _SamplingFields) -> _StreamUsage:
+        options = body.stream_options
+        return cls(bool(options and options.include_usage), bool(options and options.continuous_usage_stats))
+
+    def of_chunk(self, out: RequestOutput) -> dict | None:
+        if not self.continuous:
+            return None
+        return _usage_of([out], 1)
+
+
+async def _completion_events(outputs, ids: _Ids, usage: _StreamUsage, n: int, tokenizer=None,
                              echo_texts: list[str] | None = None, logprobs: bool = False):
     """Completion chunks for (index, output) pairs from _stream_choices, each chunk naming its choice."""
     def chunk(index: int, text: str, finish_reason: str | None, chunk_logprobs: dict | None = None) -> dict:
         event = {"id": ids.id, "object": "text_completion", "created": ids.created, "model": ids.model,
                  "choices": [{"index": index, "text": text, "logprobs": chunk_logprobs,
                               "finish_reason": finish_reason}]}
-        if include_usage:
-            event["usage"] = None
+        if usage.final or usage.continuous:
+            event["usage"] = usage.of_chunk(out)
         return event
 
     finals: dict[int, RequestOutput] = {}
@@ -616,11 +634,11 @@ async def _completion_events(outputs, ids: _Ids, include_usage: bool, n: int, to
             if completion.new_text or out.finished or chunk_logprobs:
                 yield chunk(index, completion.new_text, completion.finish_reason if out.finished else None,
                             chunk_logprobs)
-    if include_usage and finals:
+    if usage.final and finals:
         yield _usage_chunk(ids, "text_completion", [finals[i] for i in sorted(finals)], n)
 
 
-async def _chat_events(outputs, ids: _Ids, include_usage: bool, n: int, tokenizer=None, logprobs: bool = False,
+async def _chat_events(outputs, ids: _Ids, usage: _StreamUsage, n: int, tokenizer=None, logprobs: bool = False,
                        tools: _ChatTools | None = None):
     """Chat chunks for (index, output) pairs from _stream_choices, each chunk naming its choice. With
     tools (other than "none") a choice's text is held back until it ends, then sent as its tool calls
@@ -629,8 +647,8 @@ async def _chat_events(outputs, ids: _Ids, include_usage: bool, n: int, tokenize
         event = {"id": ids.id, "object": "chat.completion.chunk", "created": ids.created, "model": ids.model,
                  "choices": [{"index": index, "delta": delta, "logprobs": chunk_logprobs,
                               "finish_reason": finish_reason}]}
-        if include_usage:
-            event["usage"] = None
+        if usage.final or usage.continuous:
+            event["usage"] = usage.of_chunk(out)
         return event
 
     holding = tools is not None and tools.tool_choice.mode != "none"
@@ -663,7 +681,7 @@ async def _chat_events(outputs, ids: _Ids, include_usage: bool, n: int, tokenize
                 yield chunk(index, {"content": completion.new_text}, None, chunk_logprobs)
             if out.finished:
                 yield chunk(index, {}, completion.finish_reason)
-    if include_usage and finals:
+    if usage.final and finals:
         yield _usage_chunk(ids, "chat.completion.chunk", [finals[i] for i in sorted(finals)], n)
 
 

@@ -57,6 +57,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM's: every chunk carries its choice's usage so far.")
 
 
 class JsonSchemaFormat(_Request):
