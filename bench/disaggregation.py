@@ -29,6 +29,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -314,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threshold >= args.long_tokens or args.short_tokens > args.threshold:
         parser.error("the threshold must lie between the short and the long prompts' lengths")
     common.set_threads(args.threads)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the engines and routers (finally) on SIGTERM
     info = common.machine(args.threads)
     info["pinned_one_core_per_engine"] = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
     report: dict = {"machine": info, "args": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
@@ -326,13 +328,12 @@ def main(argv: list[str] | None = None) -> int:
                        "decode": procs.engine("decode", 1, "--role", "decode")}
             for name, url in engines.items():
                 wait_for(lambda url=url: _ok(f"{url}/ready"), 900, 0.5, what=f"engine {name} ready")
-            calibration = calibrate(engines["both0"], args)
+            calibration = calibrate(engines["both0"], args) if args.rate is None else {"long_s": None, "short_s": None}
             if args.rate is None:
                 mean_s = args.long_share * calibration["long_s"] + (1 - args.long_share) * calibration["short_s"]
                 args.rate = args.utilization * 2 / mean_s
             report["calibration"] = {**calibration, "rate_per_s": args.rate}
-            print(f"calibration: long {calibration['long_s']:.2f} s, short {calibration['short_s']:.2f} s alone; "
-                  f"rate {args.rate:.3f}/s", flush=True)
+            print(f"calibration: {calibration}; rate {args.rate:.3f}/s", flush=True)
             aggregated = procs.router("router-agg", "--endpoints", f"{engines['both0']},{engines['both1']}")
             # A prefill slower than the router's default timeout (30 s) would fall back to local prefill;
             # here every remote prefill is waited for, so the arm measures disaggregation itself.

@@ -37,7 +37,9 @@ from iterserve.engine import metrics as names
 from tests.server_fixture import ServerProcess, iterserve_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # a loaded machine takes minutes to load three models
-HTTP = httpx.Client(timeout=120)  # one client: a new one per call costs an SSL context each
+# One client (a new one per call costs an SSL context each); idle connections are dropped before
+# uvicorn's 5 s keep-alive closes them, so a reused one is never already closed.
+HTTP = httpx.Client(timeout=120, limits=httpx.Limits(keepalive_expiry=1.0))
 
 BLOCK = 16
 LEASE_S = 4  # the prefill engines' --kv-lease-seconds: short, so the expiry test is quick
