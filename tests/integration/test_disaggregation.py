@@ -58,7 +58,9 @@ def router(tmp_path: Path, prefill: list[str], decode: list[str], *extra: str):
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / f"router-{port}.log"
     command = [*iterserve_command(), "router", "--port", str(port), "--prefill", ",".join(prefill),
-               "--decode", ",".join(decode), "--pd-threshold-tokens", "8", "--scrape-interval", "0.05", *extra]
+               "--decode", ",".join(decode), "--pd-threshold-tokens", "8", "--scrape-interval", "0.05",
+               # a loaded machine's 1500-token prefill may take over the default 30 s: no fallback here
+               "--pd-prefill-timeout", "600", *extra]
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd="/")
         try:
@@ -86,8 +88,9 @@ def metric(url: str, name: str, **labels) -> float:
     return total
 
 
-def assert_baseline(*urls: str, timeout: float = LEASE_S + 10) -> None:
-    """No KV block held by a sequence and none pinned under a lease, on every engine."""
+def assert_baseline(*urls: str, timeout: float = LEASE_S + 120) -> None:
+    """No KV block held by a sequence and none pinned under a lease, on every engine (waits: an
+    aborted request leaves at the end of its engine's step, and a loaded machine's step is slow)."""
     for url in urls:
         wait_for(lambda url=url: metric(url, names.KV_CACHE_USAGE) == 0 and metric(url, names.KV_PINNED_BLOCKS) == 0
                  and metric(url, names.RUNNING_SEQS) == 0, timeout, 0.1,
