@@ -253,6 +253,7 @@ def vllm_model_dir(gguf: Path) -> Path:
         "model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)\n"
         "config = model.config\n"
         "config.__dict__.pop('quantization_config', None)\n"
+        "config.architectures = [type(model).__name__]\n"  # else vLLM resolves LlamaModel, a pooling model
         "config.torch_dtype = 'float32'\n"
         "config.save_pretrained(out)\n"
         "save_model(model, out + '/model.safetensors', metadata={'format': 'pt'})\n"
@@ -432,8 +433,8 @@ def main(argv: list[str] | None = None) -> int:
                             "requested_output_tokens": requested_tokens(LoadSpec(**{**vars(s), "seed": args.seed}))}
                         for k, s in specs.items()},
               "machine": info, "systems": results, "ratios": ratios(results)}
+    common.write_json(args.json, report)  # first: a table that cannot be printed must not lose the run
     print(table(report))
-    common.write_json(args.json, report)
     if args.plot:
         plot(report, args.plot)
     return 0
@@ -465,8 +466,8 @@ def table(report: dict) -> str:
             row.append((entry["loads"].get(load) or {}).get("output_tokens_per_s"))
         online = entry["loads"].get("online")
         if online:
-            row += [online["ttft_s"]["p50"] * 1e3, online["ttft_s"]["p95"] * 1e3,
-                    (online["itl_s"]["p50"] or 0) * 1e3, (online["itl_s"]["p95"] or 0) * 1e3]
+            row += [None if v is None else v * 1e3 for v in (online["ttft_s"]["p50"], online["ttft_s"]["p95"],
+                                                             online["itl_s"]["p50"], online["itl_s"]["p95"])]
         else:
             row += [None] * 4
         rows.append(row)
@@ -500,7 +501,7 @@ def plot(report: dict, path: str) -> None:
         online = report["systems"][s]["loads"].get("online")
         if not online:
             continue
-        ax.bar([i - 0.2], [online["ttft_s"]["p95"]], width=0.4, color=colors[s])
+        ax.bar([i - 0.2], [online["ttft_s"]["p95"] or 0], width=0.4, color=colors[s])
         ax.bar([i + 0.2], [online["itl_s"]["p95"] or 0], width=0.4, color=colors[s], hatch="//", alpha=0.6)
     ax.set_xticks(range(len(systems)), systems, rotation=20, fontsize=7)
     ax.set_yscale("log")
