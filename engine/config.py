@@ -12,6 +12,9 @@ from dataclasses import dataclass, replace
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
+# Requests one engine queues before it answers 429; the router's default per-replica queue bound is the
+# same number, so routed traffic builds the engine queue that the autoscaler and the backlog alert read.
+DEFAULT_MAX_WAITING_REQUESTS = 256
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
                "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
 

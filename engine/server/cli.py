@@ -22,7 +22,13 @@ from pathlib import Path
 
 import uvicorn
 
-from iterserve.engine.config import DEFAULT_MODEL, ConfigError, EngineConfig, parse_size
+from iterserve.engine.config import (
+    DEFAULT_MAX_WAITING_REQUESTS,
+    DEFAULT_MODEL,
+    ConfigError,
+    EngineConfig,
+    parse_size,
+)
 from iterserve.engine.fake_executor import FAKE_MODEL
 
 logger = logging.getLogger("iterserve.server")
@@ -48,8 +54,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     http = parser.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     http.add_argument("--port", type=int, default=8000)
-    http.add_argument("--max-waiting-requests", type=int, default=256,
-                      help="bound on the waiting queue; beyond it requests get 429 with Retry-After")
+    http.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                      help="bound on the waiting queue; beyond it requests get 429 with Retry-After "
+                           f"(default {DEFAULT_MAX_WAITING_REQUESTS})")
     http.add_argument("--max-request-body", default="8MiB",
                       help="largest request body accepted, e.g. 8MiB (default); larger bodies get 413")
     http.add_argument("--drain-timeout", type=float, default=30.0,

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from iterserve.engine.config import EngineConfig
+from iterserve.engine.config import DEFAULT_MAX_WAITING_REQUESTS, EngineConfig
 from iterserve.engine.llm_engine import EngineStats, LLMEngine
 from iterserve.engine.server.async_engine import AsyncEngine
 from iterserve.engine.server.errors import APIError, unavailable
@@ -24,7 +24,7 @@ logger = logging.getLogger("iterserve.server")
 class ServerOptions:
     config: EngineConfig
     served_model_name: str
-    max_waiting_requests: int = 256
+    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
     vllm_metric_names: bool = True
     admin_token: str | None = None
     loopback_only: bool = True

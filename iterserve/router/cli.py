@@ -108,8 +108,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     static = bool(args.endpoints or args.prefill or args.decode)
     if static == bool(args.infsvc):
-        print("iterserve router: give the replicas either as URLs (--endpoints URL,..., and/or --prefill "
-              "URL,... --decode URL,...) or as --infsvc NAME, not both", file=sys.stderr)
+        which = "not both" if static else "none was given"
+        print("iterserve router: give exactly one of: the replicas as URLs (--endpoints URL,..., and/or --prefill "
+              f"URL,... --decode URL,...), or --infsvc NAME ({which})", file=sys.stderr)
         return 2
     if args.prefill and not (args.decode or args.endpoints):
         print("iterserve router: --prefill needs replicas to decode on: add --decode URL,... (engines "

@@ -26,6 +26,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from iterserve.engine.config import DEFAULT_MAX_WAITING_REQUESTS
+
 # Pick.reason values (also the `reason` label of the router's picks counter).
 LEAST_LOAD = "least_load"  # one endpoint had the least load
 TIE_BREAK = "tie_break"  # several had the least load; chosen at random
@@ -64,7 +66,9 @@ class EndpointLoad:
 
 @dataclass(frozen=True, slots=True)
 class PickPolicy:
-    max_queue: int = 16  # requests an endpoint may queue beyond its max_num_seqs before it is saturated
+    # Requests an endpoint may queue beyond its max_num_seqs before it is saturated: by default what the
+    # engine itself queues, so the engines' waiting count (autoscaler, backlog alert) still sees the load.
+    max_queue: int = DEFAULT_MAX_WAITING_REQUESTS
     affinity_tolerance: int = 4  # the prefix's endpoint wins while its load <= least load + this
 
 

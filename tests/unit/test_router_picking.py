@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
+import yaml
 
+from iterserve.engine.config import DEFAULT_MAX_WAITING_REQUESTS
 from iterserve.router.discovery import parse_endpoints, ready_urls
 from iterserve.router.endpoints import parse_load
 from iterserve.router.http import _complete_chunks
@@ -22,6 +25,7 @@ from iterserve.router.picking import (
 from iterserve.router.prefix import PrefixTable, block_hashes, prompt_keys
 
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(("endpoints", "affinity", "url", "reason"), [
@@ -48,12 +52,23 @@ A, B, C = "http://a:1", "http://b:1", "http://c:1"
     ([EndpointLoad(A, in_flight=1), EndpointLoad(B, in_flight=1), EndpointLoad(C, in_flight=3)], None, None, TIE_BREAK),
 ])
 def test_pick(endpoints, affinity, url, reason):
-    choice = pick(endpoints, random.Random(0), PickPolicy(), affinity)
+    choice = pick(endpoints, random.Random(0), PickPolicy(max_queue=16), affinity)
     assert choice.reason == reason
     if reason == TIE_BREAK:
         assert choice.url in (A, B)
     else:
         assert choice.url == url
+
+
+def test_the_default_queue_bound_lets_the_engines_queue_what_the_autoscaler_and_alerts_read():
+    """Routed traffic must still build the engine queue: a router that refused first would hide the
+    backlog from the autoscaler's waiting signal and from the backlog alert."""
+    values = yaml.safe_load((REPO / "charts/iterserve/values.yaml").read_text())
+    backlog_threshold = values["alerts"]["schedulerBacklog"]["threshold"]
+    assert PickPolicy().max_queue == DEFAULT_MAX_WAITING_REQUESTS
+    assert PickPolicy().max_queue > backlog_threshold
+    one_engine = [EndpointLoad(A, waiting=backlog_threshold + 1, running=64, max_num_seqs=64)]
+    assert pick(one_engine, random.Random(0)).url == A
 
 
 def test_ties_between_endpoints_never_picked_are_broken_at_random():
@@ -139,4 +154,5 @@ def test_round_robin_baseline_turns_over_open_endpoints():
     loads = [EndpointLoad(B, in_flight=9), EndpointLoad(A), EndpointLoad(C, routable=False)]
     assert [pick_round_robin(loads, turn).url for turn in range(4)] == [A, B, A, B]
     assert pick_round_robin(loads, 0).reason == ROUND_ROBIN
-    assert pick_round_robin([EndpointLoad(A, in_flight=80)], 0).reason == SATURATED
+    full = EndpointLoad(A, in_flight=64 + PickPolicy().max_queue, max_num_seqs=64)
+    assert pick_round_robin([full], 0).reason == SATURATED
