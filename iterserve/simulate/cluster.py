@@ -14,6 +14,7 @@ pure function of trace, spec, profile and seed.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -97,6 +98,7 @@ class Pod:
     deleted_at: float | None = None
     gone_at: float | None = None
     stepping: bool = False  # a STEP event is queued
+    last_picked: int = 0  # the pick number when the router last chose this pod (0: never): ties rotate
     samples: deque = field(default_factory=lambda: deque(maxlen=64))
 
     @property
@@ -125,24 +127,32 @@ def round_robin(pods: Sequence[Pod], counter: int, rng: random.Random) -> Pod:
     return pods[counter % len(pods)]
 
 
-def least_load(pods: Sequence[Pod], counter: int, rng: random.Random) -> Pod | None:
+def least_load(pods: Sequence[Pod], counter: int, rng: random.Random, max_queue: int | None = None) -> Pod | None:
     """The router's own picking function (iterserve/router/picking.py), fed what the router sees:
     its in-flight count per replica and the replica's queue and batch (its 0.2 s scrape taken as
-    current). None: every replica saturated (the router answers 429)."""
-    from iterserve.router.picking import EndpointLoad, pick
+    current). None: every replica saturated (the router answers 429). max_queue: spec.routing.maxQueue
+    (None: the router's default)."""
+    from iterserve.router.picking import EndpointLoad, PickPolicy, pick
 
+    policy = PickPolicy() if max_queue is None else PickPolicy(max_queue=max_queue)
     loads = []
     for pod in pods:
         stats = pod.replica.engine.stats()
         loads.append(EndpointLoad(pod.name, len(pod.replica.in_flight), stats.num_waiting, stats.num_running,
-                                  stats.max_num_seqs))
-    chosen = pick(loads, rng).url
-    return next((p for p in pods if p.name == chosen), None)
+                                  stats.max_num_seqs, last_picked=pod.last_picked))
+    chosen = next((p for p in pods if p.name == pick(loads, rng, policy).url), None)
+    if chosen is not None:
+        chosen.last_picked = counter + 1
+    return chosen
 
 
-def _router_queue_timeout() -> float:
+def _router_queue_timeout(spec) -> float:
+    """spec.routing.queueTimeoutSeconds, else the router's default."""
     from iterserve.router.proxy import RouterOptions
 
+    routing = getattr(spec, "routing", None)
+    if routing is not None and routing.queue_timeout_seconds is not None:
+        return float(routing.queue_timeout_seconds)
     return RouterOptions().queue_timeout_s
 
 
@@ -167,6 +177,9 @@ class ClusterSim:
         self.route_rng = random.Random(options.seed + 1)  # the router's tie breaks
         self.router = options.router or router_for(spec)
         self.picker = PICKERS[self.router]
+        routing = getattr(spec, "routing", None)
+        if self.picker is least_load and routing is not None and routing.max_queue is not None:
+            self.picker = functools.partial(least_load, max_queue=routing.max_queue)
         self.progress = progress
         self.records = [RequestRecord(i, r.arrival_s, r.prompt_tokens, r.output_tokens) for i, r in enumerate(trace)]
         self.events: list[tuple] = []
@@ -179,7 +192,7 @@ class ClusterSim:
         self.memory = mem.fresh_memory(spec.replicas, 0.0)
         self.router_queue: deque[RequestRecord] = deque()  # no ready pod yet
         self.saturated: deque[RequestRecord] = deque()  # the router's hold while every replica is full
-        self.router_queue_timeout = _router_queue_timeout()
+        self.router_queue_timeout = _router_queue_timeout(spec)
         self.timeline: list[dict] = []
         self.scale_events: list[dict] = []
         self.retunes: list[dict] = []

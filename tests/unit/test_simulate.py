@@ -235,14 +235,15 @@ def test_same_seed_same_bytes(tmp_path):
 
 def test_least_load_routing_uses_the_routers_pick():
     # Two replicas; long requests every second and short ones in between: round robin alternates
-    # blindly, the router's pick sends each request to the replica with less in flight.
+    # blindly, the router's pick sends each request to the replica with less in flight. The long ones
+    # outlast the second between them (scale 4), so loads differ when they arrive.
     trace = []
     for i in range(20):
         trace.append(traces.TraceRequest(i * 1.0, 16, 400))
         trace.append(traces.TraceRequest(i * 1.0 + 0.5, 16, 2))
     spec = dict(SPEC, replicas=2, autoscaling=None)
-    rr = _run(spec, trace, router="round-robin")
-    ll = _run(spec, trace, router="least-load")
+    rr = _run(spec, trace, router="round-robin", scale=4.0)
+    ll = _run(spec, trace, router="least-load", scale=4.0)
     assert {r["pod"] for r in rr["requests"][::2]} == {"pod-1"}  # round robin: every long one on pod 1
     assert {r["pod"] for r in ll["requests"][::2]} == {"pod-1", "pod-2"}
     assert ll["summary"]["statuses"] == rr["summary"]["statuses"] == {"ok": 40}
@@ -282,9 +283,11 @@ def test_a_fleet_at_zero_replicas_gives_up_and_says_so():
 
 
 def test_the_router_holds_requests_while_every_replica_is_full_then_answers_429():
-    # One replica, maxNumSeqs 8: the router's capacity is 8 + 16 queued; 60 long requests at once.
+    # One replica, maxNumSeqs 8, spec.routing.maxQueue 16: the router's capacity is 8 + 16 queued;
+    # 60 long requests at once.
     burst = [traces.TraceRequest(0.0, 16, 2000 if i < 30 else 4) for i in range(60)]
-    spec = dict(SPEC, autoscaling=None, engine=dict(SPEC["engine"], maxModelLen=4096, kvCacheMemory="512MiB"))
+    spec = dict(SPEC, autoscaling=None, engine=dict(SPEC["engine"], maxModelLen=4096, kvCacheMemory="512MiB"),
+                routing={"mode": "Router", "maxQueue": 16})
     doc = _run(spec, burst, router="least-load", scale=4.0)
     statuses = [r["status"] for r in doc["requests"]]
     assert statuses.count("ok") >= 24 and "rejected" in statuses
