@@ -10,8 +10,12 @@ Scenarios (each on fresh engine processes):
 - saturated: offered load 3x capacity: the statuses clients get (target: only 200 and 429);
 - kill: three replicas at 60%, one SIGKILLed a third of the way in: failed requests (target <= 1%)
   and the time from the kill to the router's ejection (target <= 1 s);
-- overhead: one replica at 200 req/s, short requests, alternately direct and through the router:
-  added p50 end-to-end latency (target < 2 ms).
+- overhead: one replica at 200 req/s, short streamed requests (4 tokens), alternately direct and
+  through the router: added p50 end-to-end latency (target < 2 ms). The load comes from `hey`
+  (a Go HTTP load generator: `GOBIN=~/.cache/iterserve-peers/bin go install
+  github.com/rakyll/hey@v0.1.4`, or on PATH, or $ITERSERVE_HEY), which holds 200 req/s on 2 vCPUs;
+  without it (or with --python-loadgen) iterserve's Python loadgen, which reaches ~60 req/s on a
+  busy 2-vCPU machine. The JSON's `loadgen` says which one ran.
 
 Round robin is the loadgen spreading requests over the engine URLs itself, as a Kubernetes
 Service would; the router runs as its own process. Round robin and the router take turns in
@@ -27,10 +31,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import os
+import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -165,7 +170,7 @@ def compare(args, procs: Procs, scales: list[float], utilization: float) -> dict
     # The same router process picking round robin: the same proxy hop, only the policy differs.
     rr_router = procs.router(urls, "--policy", "round-robin")
     rate = utilization * sum(caps)
-    rounds = 2 if args.quick else 3
+    rounds = 2 if args.quick else args.rounds
     arms = ("round_robin", "router", "round_robin_via_router")
     kept: dict[str, list] = {arm: [] for arm in arms}
     for i in range(rounds):
@@ -209,8 +214,9 @@ def judge(name: str, r: dict) -> bool:
         ratios = [r.get("p95_ttft_ratio"), r.get("p95_ttft_ratio_same_hop", r.get("p95_ttft_ratio"))]
         return all(x is not None and x >= 1.2 for x in ratios)
     if name == "overhead":
-        achieved = (r.get("achieved_rate_per_s") or {}).get("direct", 0)
-        return achieved >= 0.9 * r["rate_per_s"] and r["added_p50_ms"] < 2.0
+        achieved = r.get("achieved_rate_per_s") or {}
+        return (min(achieved.get("direct", 0), achieved.get("router", 0)) >= 0.9 * r["rate_per_s"]
+                and r["added_p50_ms"] < 2.0)
     return r["pass"]
 
 
@@ -292,52 +298,173 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+HEY_VERSION = "v0.1.4"  # GOBIN=~/.cache/iterserve-peers/bin go install github.com/rakyll/hey@v0.1.4
+
+
+def find_hey() -> str | None:
+    """The `hey` load generator: $ITERSERVE_HEY, on PATH, or where the peers' tools are installed."""
+    for candidate in (os.environ.get("ITERSERVE_HEY"), shutil.which("hey"),
+                      str(Path.home() / ".cache/iterserve-peers/bin/hey")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def _quantiles(values: list[float]) -> dict:
+    out = percentiles(values)
+    if values:
+        ordered = sorted(values)
+        position = 0.9 * (len(ordered) - 1)
+        low = int(position)
+        high = min(low + 1, len(ordered) - 1)
+        out["p90"] = ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+    else:
+        out["p90"] = None
+    return out
+
+
+def _hey_body(prompt_len: int, max_tokens: int) -> str:
+    return json.dumps({"model": "fake", "prompt": list(range(100, 100 + prompt_len)), "max_tokens": max_tokens,
+                       "temperature": 0.0, "stream": True, "ignore_eos": True})
+
+
+def hey_run(hey: str, url: str, body: str, *, rate: float | None, seconds: float | None = None,
+            requests: int | None = None, streams: int = 1) -> list[tuple[float, int, float]]:
+    """(seconds, status, start offset in its process's run) per request. With a rate: `streams` hey
+    processes of one worker each at rate/streams req/s, started 1/rate s apart, so the arrivals are
+    evenly spaced at `rate` (one hey process with -c N -q r sends its N workers' requests in bursts
+    of N: their tickers tick in phase). Without: one process, one worker, `requests` back to back.
+    hey's CSV has 0.1 ms resolution."""
+    common_args = ["-m", "POST", "-T", "application/json", "-d", body, "-o", "csv", "-t", "30", "-cpus", "1",
+                   f"{url}/v1/completions"]
+    with tempfile.TemporaryDirectory(prefix="hey-") as tmp:
+        procs, outs = [], []
+        for i in range(streams if rate else 1):
+            out = open(Path(tmp) / f"{i}.csv", "wb")  # noqa: SIM115
+            outs.append(out)
+            load_args = (["-z", f"{seconds}s", "-c", "1", "-q", f"{rate / streams:.6f}"] if rate
+                         else ["-n", str(requests), "-c", "1"])
+            procs.append(subprocess.Popen([hey, *load_args, *common_args], stdout=out, stderr=subprocess.DEVNULL,
+                                          env={**os.environ, "OMP_NUM_THREADS": "1"}))
+            if rate:
+                time.sleep(1 / rate)
+        try:
+            for proc in procs:
+                proc.wait(timeout=(seconds or 0) + 120)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            for out in outs:
+                out.close()
+        rows = []
+        for i in range(len(procs)):
+            for line in (Path(tmp) / f"{i}.csv").read_text().splitlines()[1:]:
+                fields = line.split(",")
+                if len(fields) == 8:
+                    rows.append((float(fields[0]), int(fields[6]), float(fields[7])))
+    return rows
+
+
+def paired_added_ms(per_round: list[dict]) -> list[float]:
+    by_round: dict[int, dict] = {}
+    for r in per_round:
+        by_round.setdefault(r["round"], {})[r["path"]] = r["p50_ms"]
+    return [round(r["router"] - r["direct"], 3) for _, r in sorted(by_round.items())
+            if r.get("router") is not None and r.get("direct") is not None]
+
+
 def scenario_overhead(args, procs: Procs) -> dict:
     url = procs.engine("engine0", 0.25, 64)
     router = procs.router([url])
     rate = 50.0 if args.quick else 200.0
-    rounds = 2 if args.quick else 4
-    seconds = 3.0 if args.quick else 8.0
+    rounds = 2 if args.quick else args.overhead_rounds
+    seconds = 3.0 if args.quick else 10.0
+    hey = None if args.python_loadgen else find_hey()
+    router_pid = procs.procs[-1].pid
     e2e: dict[str, list] = {"direct": [], "router": []}
     ttft: dict[str, list] = {"direct": [], "router": []}
     statuses: dict[str, dict] = {"direct": {}, "router": {}}
-    router_pid = procs.procs[-1].pid
     cpu = 0.0
-    for i, path in itertools.product(range(rounds), ("direct", "router")):
-        kept = []
-        target = url if path == "direct" else router
-        before = _cpu_seconds(router_pid)
-        report = asyncio.run(run_load(spec(args, target, rate=rate, duration=seconds, prompt_len=16,
-                                           max_tokens=4, output_dist="fixed", seed=args.seed + i,
-                                           on_result=kept.append)))
-        if path == "router":
-            cpu += _cpu_seconds(router_pid) - before
-        e2e[path] += [r.end - r.start for r in kept if r.ok]
-        ttft[path] += [r.first_token - r.start for r in kept if r.ok and r.first_token]
-        for status, n in report["errors_by_status"].items():
-            statuses[path][status] = statuses[path].get(status, 0) + n
-    p = {k: percentiles(v) for k, v in e2e.items()}
-    t = {k: percentiles(v) for k, v in ttft.items()}
+    per_round = []
+    started = {"direct": 0, "router": 0}
+    body = _hey_body(16, 4)
+    for i in range(rounds):
+        # Alternating which goes first: both see the same drift of the machine's background load.
+        for path in ("direct", "router") if i % 2 == 0 else ("router", "direct"):
+            target = url if path == "direct" else router
+            before = _cpu_seconds(router_pid)
+            if hey:
+                rows = hey_run(hey, target, body, rate=rate, seconds=seconds, streams=args.hey_streams)
+                ok = [t for t, status, _ in rows if status == 200]
+                for _, status, _ in rows:
+                    if status != 200:
+                        statuses[path][str(status)] = statuses[path].get(str(status), 0) + 1
+                # hey -z sends one more request after its timer fires: the rate counts those started in time.
+                sent = sum(1 for *_, offset in rows if offset < seconds)
+            else:
+                kept: list = []
+                report = asyncio.run(run_load(spec(args, target, rate=rate, duration=seconds, prompt_len=16,
+                                                   max_tokens=4, output_dist="fixed", seed=args.seed + i,
+                                                   on_result=kept.append)))
+                ok = [r.end - r.start for r in kept if r.ok]
+                ttft[path] += [r.first_token - r.start for r in kept if r.ok and r.first_token]
+                for status, n in report["errors_by_status"].items():
+                    statuses[path][status] = statuses[path].get(status, 0) + n
+                sent = len(kept)
+            if path == "router":
+                cpu += _cpu_seconds(router_pid) - before
+            e2e[path] += ok
+            started[path] += sent
+            per_round.append({"round": i, "path": path, "requests": sent, "achieved_rate_per_s": sent / seconds,
+                              "p50_ms": 1000 * percentiles(ok)["p50"] if ok else None,
+                              "load_average_1m": os.getloadavg()[0]})
+    p = {k: _quantiles(v) for k, v in e2e.items()}
     added = (p["router"]["p50"] - p["direct"]["p50"]) * 1000
+    paired = paired_added_ms(per_round)
+    added_p90 = (p["router"]["p90"] - p["direct"]["p90"]) * 1000
     # One request at a time: the hop itself, without the machine's queueing at the offered rate.
     one: dict[str, list] = {"direct": [], "router": []}
-    for i, path in itertools.product(range(rounds), ("direct", "router")):
-        kept = []
-        asyncio.run(run_load(spec(args, url if path == "direct" else router, rate=float("inf"), duration=None,
-                                  requests=50 if args.quick else 100, concurrency=1, prompt_len=16, max_tokens=4, output_dist="fixed",
-                                  seed=args.seed + i, on_result=kept.append)))
-        one[path] += [r.end - r.start for r in kept if r.ok]
-    sequential = {k: percentiles(v) for k, v in one.items()}
-    out = {"rate_per_s": rate, "requests": {k: len(v) for k, v in e2e.items()}, "errors": statuses,
-            "e2e_s": p, "ttft_s": t, "added_p50_ms": added,
-            "router_cpu_ms_per_request": 1000 * cpu / max(1, len(e2e["router"])),
-            # What one core could relay if the router's CPU were the only limit (it is one process).
-            "router_max_rate_per_core_est": len(e2e["router"]) / cpu if cpu else None,
-            "achieved_rate_per_s": {k: len(v) / (rounds * seconds) for k, v in e2e.items()},
-            "sequential_e2e_s": sequential,
-            "sequential_added_p50_ms": (sequential["router"]["p50"] - sequential["direct"]["p50"]) * 1000,
-            "added_p50_ttft_ms": (t["router"]["p50"] - t["direct"]["p50"]) * 1000,
-            "target": "< 2 ms added p50 (at >= 90% of the offered rate achieved)", "pass": False}
+    n_one = 50 if args.quick else 100
+    for i in range(rounds):
+        for path in ("direct", "router") if i % 2 == 0 else ("router", "direct"):
+            target = url if path == "direct" else router
+            if hey:
+                one[path] += [t for t, status, _ in hey_run(hey, target, body, rate=None, requests=n_one) if status == 200]
+            else:
+                kept = []
+                asyncio.run(run_load(spec(args, target, rate=float("inf"), duration=None, requests=n_one,
+                                          concurrency=1, prompt_len=16, max_tokens=4, output_dist="fixed",
+                                          seed=args.seed + i, on_result=kept.append)))
+                one[path] += [r.end - r.start for r in kept if r.ok]
+    sequential = {k: _quantiles(v) for k, v in one.items()}
+    routed = len(e2e["router"]) + sum(statuses["router"].values())
+    out = {"loadgen": ({"tool": "hey", "version": HEY_VERSION, "path": hey, "processes": args.hey_streams,
+                        "arrivals": f"evenly spaced: {args.hey_streams} one-worker hey processes at "
+                                    f"{rate / args.hey_streams:g} req/s each, started {1000 / rate:g} ms apart"}
+                       if hey else {"tool": "iterserve loadgen (Python, asyncio)", "arrivals": "Poisson",
+                                    "why": "--python-loadgen" if args.python_loadgen else "hey not found"}),
+           "request": "POST /v1/completions, stream, 16 prompt tokens, max_tokens 4 (ignore_eos)",
+           "rate_per_s": rate, "rounds": rounds, "seconds_per_round": seconds,
+           "requests": {k: len(v) for k, v in e2e.items()}, "errors": statuses,
+           "e2e_s": p, "added_p50_ms": added, "added_p90_ms": added_p90,
+           # Router p50 - direct p50 of the two back-to-back runs of each round: the round-to-round
+           # drift of the shared machine's load cancels; their spread is the noise of the figure.
+           "added_p50_ms_per_round": paired,
+           "added_p50_ms_per_round_median": statistics.median(paired) if paired else None,
+           "router_cpu_ms_per_request": 1000 * cpu / max(1, routed),
+           # What one core could relay if the router's CPU were the only limit (it is one process).
+           "router_max_rate_per_core_est": routed / cpu if cpu else None,
+           "achieved_rate_per_s": {k: n / (rounds * seconds) for k, n in started.items()},
+           "per_round": per_round,
+           "sequential_e2e_s": sequential,
+           "sequential_added_p50_ms": (sequential["router"]["p50"] - sequential["direct"]["p50"]) * 1000,
+           "target": "< 2 ms added p50 (at >= 90% of the offered rate achieved)", "pass": False}
+    if not hey:
+        t = {k: percentiles(v) for k, v in ttft.items()}
+        out["ttft_s"] = t
+        out["added_p50_ttft_ms"] = (t["router"]["p50"] - t["direct"]["p50"]) * 1000
     out["pass"] = judge("overhead", out)
     return out
 
@@ -345,15 +472,17 @@ def scenario_overhead(args, procs: Procs) -> dict:
 def plot(results: dict, path: str) -> None:
     plt = common.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    labels, rr, routed = [], [], []
+    labels, rr, rr_hop, routed = [], [], [], []
     for name in ("skewed", "identical"):
         if name in results:
             labels.append(f"{name}\n({results[name]['utilization']:.0%} load)")
             rr.append(results[name]["round_robin"]["ttft_s"]["p95"])
+            rr_hop.append((results[name].get("round_robin_via_router") or {}).get("ttft_s", {}).get("p95") or 0)
             routed.append(results[name]["router"]["ttft_s"]["p95"])
     x = range(len(labels))
-    axes[0].bar([i - 0.2 for i in x], rr, 0.4, label="round robin", color="#999999")
-    axes[0].bar([i + 0.2 for i in x], routed, 0.4, label="router (least load)", color="#1f77b4")
+    axes[0].bar([i - 0.27 for i in x], rr, 0.27, label="round robin (client)", color="#999999")
+    axes[0].bar(list(x), rr_hop, 0.27, label="round robin (router process)", color="#cccccc")
+    axes[0].bar([i + 0.27 for i in x], routed, 0.27, label="router (least load)", color="#1f77b4")
     axes[0].set_xticks(list(x), labels)
     axes[0].set_ylabel("p95 TTFT (s)")
     axes[0].set_title("p95 time to first token")
@@ -367,7 +496,9 @@ def plot(results: dict, path: str) -> None:
                   "saturated": lambda r: f"statuses: {r['statuses']}",
                   "kill": lambda r: f"failed {r['failed_fraction']:.2%}, ejected after "
                                     f"{r['ejected_after_s'] if r['ejected_after_s'] is None else round(r['ejected_after_s'], 2)} s",
-                  "overhead": lambda r: f"added p50 {r['added_p50_ms']:.2f} ms at {r['rate_per_s']:.0f} req/s"}[name](r)
+                  "overhead": lambda r: f"added p50 {r['added_p50_ms']:.2f} ms at {r['rate_per_s']:.0f} req/s "
+                                        f"({r['achieved_rate_per_s']['router']:.0f} achieved, "
+                                        f"{(r.get('loadgen') or {}).get('tool', 'loadgen').split(' ')[0]})"}[name](r)
         lines.append(f"{name}: {figure} [{'pass' if r['pass'] else 'FAIL'}]")
     axes[1].axis("off")
     axes[1].text(0, 0.9, "\n\n".join(lines), va="top", fontsize=9, family="monospace", wrap=True)
@@ -389,6 +520,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dist", default="fixed", choices=("fixed", "zipf", "exponential"),
                         help="output lengths as `iterserve loadgen` draws them (default fixed: --max-tokens each; "
                              "the overhead scenario always uses 4)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="skewed, identical: alternating rounds per policy, --duration split over them "
+                             "(default 3; quick: 2)")
+    parser.add_argument("--overhead-rounds", type=int, default=6,
+                        help="overhead: alternating direct/router rounds of 10 s each (default 6; quick: 2)")
+    parser.add_argument("--hey-streams", type=int, default=20,
+                        help="overhead: one-worker hey processes sharing the rate, evenly staggered (default 20)")
+    parser.add_argument("--python-loadgen", action="store_true",
+                        help="overhead: use iterserve's Python loadgen even when hey is installed")
     args = parser.parse_args(argv)
     args.duration = args.duration or (20.0 if args.quick else 90.0)
     wanted = [s.strip() for s in args.scenarios.split(",") if s.strip()]
@@ -396,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown scenario(s) {', '.join(sorted(unknown))}")
     info = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load_average_at_start": list(os.getloadavg()),
-            "cpus": os.cpu_count()}
+            "cpus": os.cpu_count(), "cpu_model": _cpu_model()}
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="routing-bench-") as tmp:
         for name in wanted:
@@ -434,6 +574,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _cpu_model() -> str | None:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
 def _summary(name: str, r: dict) -> str:
     if name in ("skewed", "identical"):
         same_hop = ("" if "round_robin_via_router" not in r else  # older runs had no third arm
@@ -451,8 +598,13 @@ def _summary(name: str, r: dict) -> str:
         return (f"failed {r['failed_fraction']:.2%} of {r['load']['requests']}, ejected after "
                 f"{'never' if ej is None else f'{ej:.2f} s'}, retries {r['retries']}")
     achieved = r["achieved_rate_per_s"]
-    return (f"added p50 e2e {r['added_p50_ms']:.2f} ms (TTFT {r['added_p50_ttft_ms']:.2f} ms) at "
-            f"{r['rate_per_s']:.0f} req/s offered ({achieved['direct']:.0f} direct / {achieved['router']:.0f} "
+    tool = (r.get("loadgen") or {}).get("tool", "iterserve loadgen").split(" ")[0]
+    extra = f", TTFT {r['added_p50_ttft_ms']:.2f} ms" if "added_p50_ttft_ms" in r else ""
+    p90 = f", p90 {r['added_p90_ms']:.2f} ms" if "added_p90_ms" in r else ""
+    per_round = r.get("added_p50_ms_per_round_median")
+    per_round = "" if per_round is None else f" (median of per-round pairs {per_round:.2f} ms)"
+    return (f"added e2e p50 {r['added_p50_ms']:.2f} ms{per_round}{p90}{extra} at "
+            f"{r['rate_per_s']:.0f} req/s offered by {tool} ({achieved['direct']:.0f} direct / {achieved['router']:.0f} "
             f"routed achieved); one at a time {r.get('sequential_added_p50_ms', float('nan')):.2f} ms; router CPU "
             f"{r['router_cpu_ms_per_request']:.2f} ms/request (~{r.get('router_max_rate_per_core_est') or 0:.0f} "
             "req/s per core)")
