@@ -25,7 +25,10 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TOKEN_ID = 2**31 - 1
-MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range); repetition_penalty in (0, 2]
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range); repetition_penalty <= 2
+# A logit divided by a smaller repetition_penalty overflows float32 once temperature divides it too
+# (5e-324 is 0.0 in float32: inf logits, NaN probabilities), so the range starts here.
+MIN_REPETITION_PENALTY = 1e-4
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGPROBS = 1024  # the engine's bound; the server's --max-logprobs is usually lower
@@ -105,8 +108,9 @@ class SamplingParams:
             value = getattr(self, name)
             _check(_is_number(value) and -MAX_PENALTY <= value <= MAX_PENALTY, name,
                    f"must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
-        _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_PENALTY,
-               "repetition_penalty", f"must be in (0, {MAX_PENALTY:g}], got {self.repetition_penalty}")
+        _check(_is_number(self.repetition_penalty)
+               and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_PENALTY, "repetition_penalty",
+               f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_PENALTY:g}] (1 = off), got {self.repetition_penalty}")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
         _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")

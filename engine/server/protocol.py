@@ -25,6 +25,7 @@ from iterserve.engine.sampling_params import (
     MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
     MAX_TOKEN_ID,
+    MIN_REPETITION_PENALTY,
     MIN_SEED,
 )
 
@@ -106,7 +107,7 @@ class _SamplingFields(_Request):
     top_k: int = Field(-1, ge=-1, le=MAX_TOKEN_ID,
                        description="-1: off (0 is refused); above the vocabulary size: the whole vocabulary.")
     ignore_eos: bool = False
-    repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_PENALTY,
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_PENALTY,
                                       description="HF's: seen tokens' logits divided (>0) or multiplied (<0) by it.")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     min_tokens: int = Field(0, ge=0, description="No EOS or stop token before this many tokens.")

@@ -108,7 +108,7 @@ def test_token_counts_is_one_scatter():
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0), ("min_p", 1.5),
+    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0), ("repetition_penalty", 5e-324), ("min_p", 1.5),
     ("min_tokens", 51), ("logit_bias", {1: 101.0}), ("logit_bias", {-1: 1.0}),
 ])
 def test_out_of_range_values_are_refused(field, value):
