@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from iterserve.engine.loadgen import PROMPT_TOKEN_RANGE, LoadSpec, output_lengths
+from iterserve.machine import cpu_model
 
 PROMPT_LEN_RANGE = (20, 120)
 MAX_OUTPUT_TOKENS = 256
@@ -65,7 +66,7 @@ def machine(threads: int) -> dict:
 
     return {
         "cpus": os.cpu_count(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -79,16 +80,6 @@ def machine(threads: int) -> dict:
 def finish_machine(info: dict) -> dict:
     info["load_average_at_end"] = list(os.getloadavg())
     return info
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def format_table(headers: list[str], rows: list[list]) -> str:

@@ -30,10 +30,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
+
+from iterserve.machine import cpu_model
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -41,16 +42,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def suffixed(path: str, suffix: str) -> str:
     p = Path(path)
     return str(p.with_name(f"{p.stem}-{suffix}{p.suffix}"))
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def record_run(trace, step_log: str, max_num_seqs: int, clock_kind: str, replay: dict | None = None) -> dict:

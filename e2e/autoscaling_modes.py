@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import threading
@@ -50,6 +49,7 @@ from e2e.wholeloop.timeline import percentile  # noqa: E402
 from iterserve.devcluster import LocalCluster  # noqa: E402
 from iterserve.devcluster.adapter import PrometheusAdapter  # noqa: E402
 from iterserve.devcluster.monitoring import CHART, ChartAlerting, render_chart  # noqa: E402
+from iterserve.machine import cpu_model  # noqa: E402
 from iterserve.operator.models import GROUP, PLURAL, VERSION  # noqa: E402
 
 MODES = ("Builtin", "External", "External+running")
@@ -110,16 +110,6 @@ class HpaInstaller:
                 self._stop.wait(0.5)
         finally:
             api.close()
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def _first(rows: list[dict], start: float, predicate) -> float | None:

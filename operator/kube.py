@@ -56,15 +56,7 @@ class Kube:
     # discovery (no RBAC rule: every authenticated user may read it)
     def inference_services_discoverable(self) -> bool:
         """Whether API discovery lists the CRD's resource yet (kopf resolves resources once, at start)."""
-        api = self.core.api_client
-        request = api.param_serialize("GET", f"/apis/{GROUP}/{VERSION}", auth_settings=["BearerToken"])
-        response = api.call_api(*request)
-        response.read()
-        if response.status == 404:
-            return False
-        if not 200 <= response.status < 300:
-            raise ApiException(status=response.status, reason=response.reason)
-        return any(r.get("name") == PLURAL for r in json.loads(response.data).get("resources", []))
+        return self.api_resource_served(GROUP, VERSION, PLURAL)
 
     def api_resource_served(self, group: str, version: str, plural: str) -> bool:
         """Whether API discovery lists group/version's `plural` (e.g. a CRD another project installs)."""
