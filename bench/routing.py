@@ -473,12 +473,19 @@ def plot(results: dict, path: str) -> None:
     plt = common.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     labels, rr, rr_hop, routed = [], [], [], []
+    runs = []
     for name in ("skewed", "identical"):
         if name in results:
-            labels.append(f"{name}\n({results[name]['utilization']:.0%} load)")
-            rr.append(results[name]["round_robin"]["ttft_s"]["p95"])
-            rr_hop.append((results[name].get("round_robin_via_router") or {}).get("ttft_s", {}).get("p95") or 0)
-            routed.append(results[name]["router"]["ttft_s"]["p95"])
+            r = results[name]
+            runs.append((f"{name}\n({r['utilization']:.0%} load)", r))
+            # Extra runs of the same scenario with other output-length distributions (kept in the JSON).
+            runs += [(f"{name}, {dist}\noutputs ({v['utilization']:.0%} load)", v)
+                     for dist, v in (r.get("other_output_dists") or {}).items()]
+    for label, r in runs:
+        labels.append(label)
+        rr.append(r["round_robin"]["ttft_s"]["p95"])
+        rr_hop.append((r.get("round_robin_via_router") or {}).get("ttft_s", {}).get("p95") or 0)
+        routed.append(r["router"]["ttft_s"]["p95"])
     x = range(len(labels))
     axes[0].bar([i - 0.27 for i in x], rr, 0.27, label="round robin (client)", color="#999999")
     axes[0].bar(list(x), rr_hop, 0.27, label="round robin (router process)", color="#cccccc")
@@ -486,7 +493,8 @@ def plot(results: dict, path: str) -> None:
     axes[0].set_xticks(list(x), labels)
     axes[0].set_ylabel("p95 TTFT (s)")
     axes[0].set_title("p95 time to first token")
-    axes[0].legend()
+    axes[0].set_ylim(0, 1.4 * max([*rr, *rr_hop, *routed, 0.001]))  # room for the legend
+    axes[0].legend(fontsize=8, loc="upper left")
     lines = []
     for name in ("metrics_500", "saturated", "kill", "overhead"):
         r = results.get(name)
