@@ -48,6 +48,7 @@ import httpx
 from iterserve.devcluster.waiting import free_port, wait_for
 from iterserve.engine import metrics as names
 from iterserve.engine.loadgen import LoadSpec, percentiles, run_load
+from iterserve.machine import cpu_model
 
 BENCH = Path(__file__).resolve().parent
 SCENARIOS = ("skewed", "identical", "metrics_500", "saturated", "kill", "overhead")
@@ -544,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown scenario(s) {', '.join(sorted(unknown))}")
     info = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load_average_at_start": list(os.getloadavg()),
-            "cpus": os.cpu_count(), "cpu_model": _cpu_model()}
+            "cpus": os.cpu_count(), "cpu_model": cpu_model()}
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="routing-bench-") as tmp:
         for name in wanted:
@@ -580,13 +581,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(results, args.plot)
     return 0
-
-
-def _cpu_model() -> str | None:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return None
 
 
 def _summary(name: str, r: dict) -> str:
