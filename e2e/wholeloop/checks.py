@@ -11,6 +11,7 @@ from e2e.wholeloop.timeline import epoch
 
 ACTIONS = ("ScaleUp", "ScaleDown", "RetuneDown", "RetuneUp")
 _READINGS = re.compile(r"\b(\d\.\d{3})\b")
+_PREEMPTED = re.compile(r"\(\+(\d+) preemptions\)")
 _WAITING = re.compile(r"waiting ([\d.]+) on (\d+) read pods \(target ([\d.]+)/replica\)")
 AFTER_RETUNE_SETTLE_SECONDS = 8  # running sequences above the new cap finish first
 MIN_AFTER_WINDOW_SECONDS = 10
@@ -131,7 +132,12 @@ def evaluate(result: dict) -> tuple[dict, list[Check]]:
         # with recompute preemption usage dips at each eviction, so one of them may miss the peak.
         evidence = [float(v) for v in _READINGS.findall(pod_retunes[0]["message"].split(" above ")[0])]
         summary_retune["kv_usage_operator_readings"] = evidence
-        pressured = max(kv + evidence, default=0) >= 0.95 and "above 0.95" in pod_retunes[0]["message"]
+        # A recompute preemption happens only when the pool has no free block, so a sample that preempted
+        # is one where usage reached 1.0 between readings (each eviction drops usage before the next).
+        readings = pod_retunes[0]["message"].split(" above ")[0]
+        preempted = [int(n) for n in _PREEMPTED.findall(readings)]
+        full_between_readings = bool(evidence) and len(preempted) == len(evidence) and min(preempted) > 0
+        pressured = max(kv + evidence, default=0) >= 0.95 or full_between_readings
         checks.append(Check(
             "kv_retune_lowered_max_num_seqs", lowered and pressured,
             f"pod {pod}: engine max_num_seqs {summary_retune['max_num_seqs_before']} -> "

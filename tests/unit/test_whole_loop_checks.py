@@ -83,3 +83,24 @@ def test_ready_endpoints_skip_unready_and_terminating_pods():
 
     pods = [pod("127.10.3.2"), pod("127.10.3.1"), pod("127.10.3.3", ready=False), pod("127.10.3.4", deleting=True)]
     assert ready_urls(pods, "http") == ["http://127.10.3.1:8000", "http://127.10.3.2:8000"]
+
+
+def retune(t, readings):
+    return {"time": stamp(t), "action": "RetuneDown", "reason": "kv_pressure", "pod": "p", "fromMaxNumSeqs": 8,
+            "toMaxNumSeqs": 6, "message": f"KV usage {readings} above 0.95 or preempting for 3 samples: "
+                                          "max_num_seqs 8 x 0.75 -> 6 (floor 4)"}
+
+
+def pod_row(t, seqs, kv, preemptions):
+    return dict(row(t, 1, 1), pods={"p": {"max_num_seqs": seqs, "kv_usage": kv, "preemptions_total": preemptions}})
+
+
+def test_a_retune_counts_as_kv_pressure_when_usage_crossed_095_or_every_reading_preempted():
+    """With recompute preemption usage drops at each eviction, so the readings may all sit under 0.95
+    while every one of them saw preemptions, which need a full pool."""
+    rows = [pod_row(t, 8, 0.8, t) for t in range(11, 30)] + [pod_row(t, 6, 0.5, 30) for t in range(31, 60)]
+    for readings, ok in [("0.951, 1.000, 0.902 (+41 preemptions)", True),
+                         ("0.488 (+1 preemptions), 0.854 (+11 preemptions), 0.927 (+8 preemptions)", True),
+                         ("0.488, 0.854 (+2 preemptions), 0.927", False)]:
+        check = by_name(evaluate(result([retune(30, readings)], rows))[1])["kv_retune_lowered_max_num_seqs"]
+        assert check.ok == ok, (readings, check.detail)
