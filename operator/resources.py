@@ -232,6 +232,22 @@ def _volumes(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     return volumes
 
 
+def pod_scheduling(spec, with_affinity: bool = True) -> dict:
+    """spec.scheduling as pod spec fields: nodeSelector, tolerations (with the automatic GPU one),
+    affinity (engine pods only, when asked) and priorityClassName."""
+    scheduling, out = spec.scheduling, {}
+    if scheduling.node_selector:
+        out["nodeSelector"] = dict(scheduling.node_selector)
+    tolerations = _tolerations(spec)
+    if tolerations:
+        out["tolerations"] = tolerations
+    if with_affinity and scheduling.affinity:
+        out["affinity"] = scheduling.affinity
+    if scheduling.priority_class_name:
+        out["priorityClassName"] = scheduling.priority_class_name
+    return out
+
+
 def _tolerations(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     tolerations = [t.to_wire() for t in spec.scheduling.tolerations]
     if gpu_count(spec) and not any(t.get("key") == GPU_RESOURCE for t in tolerations):
@@ -259,16 +275,7 @@ def pod_template(spec: InferenceServiceSpec, name: str, role: str | None = None)
             "seccompProfile": {"type": "RuntimeDefault"},
         },
     }
-    scheduling = spec.scheduling
-    if scheduling.node_selector:
-        pod_spec["nodeSelector"] = dict(scheduling.node_selector)
-    tolerations = _tolerations(spec)
-    if tolerations:
-        pod_spec["tolerations"] = tolerations
-    if scheduling.affinity:
-        pod_spec["affinity"] = scheduling.affinity
-    if scheduling.priority_class_name:
-        pod_spec["priorityClassName"] = scheduling.priority_class_name
+    pod_spec.update(pod_scheduling(spec))
     template = {
         "metadata": {
             "labels": pod_labels(spec, name, role),

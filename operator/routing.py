@@ -149,19 +149,9 @@ def build_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[st
 def _router_scheduling(spec: InferenceServiceSpec) -> dict[str, Any]:
     """The engines' nodeSelector and tolerations: the router runs where its engines may (near them,
     and on clusters that keep workloads on labelled or tainted nodes)."""
-    from iterserve.operator.resources import (
-        _tolerations,  # the engines' (with the automatic GPU one)
-    )
+    from iterserve.operator.resources import pod_scheduling
 
-    scheduling, out = spec.scheduling, {}
-    if scheduling.node_selector:
-        out["nodeSelector"] = dict(scheduling.node_selector)
-    tolerations = _tolerations(spec)
-    if tolerations:
-        out["tolerations"] = tolerations
-    if scheduling.priority_class_name:
-        out["priorityClassName"] = scheduling.priority_class_name
-    return out
+    return pod_scheduling(spec, with_affinity=False)
 
 
 def build_inference_pool(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
