@@ -2,7 +2,8 @@
 against disaggregated (1 prefill + 1 decode replica behind `iterserve router --prefill --decode`),
 each engine pinned to one core (taskset, OMP_NUM_THREADS=1), the embedded SmolLM2-135M.
 
-Workloads (the same seeded Poisson arrivals and prompts for every arm):
+Workloads (the same seeded Poisson arrivals and prompt lengths for every arm; token ids of each
+arm's own, so no engine finds a prompt in its prefix cache, which each arm records):
 - mixed: long prompts (--long-tokens, default 2000) among short ones (--short-tokens, default
   128), --long-share of them long (default 0.25); every request generates --max-tokens (32);
 - short: short prompts only. Disaggregated twice: with the default threshold (512: the short
@@ -11,10 +12,15 @@ Workloads (the same seeded Poisson arrivals and prompts for every arm):
 
 Figures per arm: TTFT p50/p90 (all, long, short), ITL p90/p99, end-to-end p50, and for the
 disaggregated arms the KV transfer cost (the decode engine's iterserve_kv_transfer_seconds and
-_bytes per transferred prompt token) and the router's remote prefill seconds. The arrival rate
-is set from a calibration on one replica (--utilization of two replicas' estimated capacity)
-unless --rate is given. The router and the load generator are not pinned: they share the two
-cores with the engines, as the rest of this machine's work does (the load average is recorded).
+_bytes per transferred prompt token), the share of requests sent remote and the router's remote
+prefill seconds; for every arm its engines' busy share (CPU seconds of the engine process per
+second of the arm) and the load average at its start and end. The arrival rate is set from a
+calibration on one replica (--utilization, default 0.6, of two replicas' capacity, requests
+alone) unless --rate is given, and is the same for both workloads. With 2000-token prompts at
+--long-share 0.25 the split is balanced: the prefill replica gets the long prefills, the decode
+replica the short prefills and all decoding, each about as busy as one aggregated replica. The
+router and the load generator are not pinned: they share the two cores with the engines, as the
+rest of this machine's work does.
 
     python bench/disaggregation.py --json docs/perf/disaggregation.json --plot docs/perf/disaggregation.png
     python bench/disaggregation.py --quick
@@ -46,6 +52,7 @@ from iterserve.engine import metrics as names
 from iterserve.engine.loadgen import PROMPT_TOKEN_RANGE, percentiles
 
 ITERSERVE = [str(Path(sys.executable).parent / "iterserve")]
+MODEL = ["smollm2-135m"]  # the served model name, read from the engines' /v1/models
 ENGINE_ARGS = ["--max-model-len", "4096", "--max-num-seqs", "8", "--log-level", "warning"]
 
 
@@ -64,6 +71,8 @@ class Procs:
 
     def __init__(self, logdir: Path):
         self.logdir, self.procs = logdir, []
+        self.by_name: dict[str, subprocess.Popen] = {}
+        self.engine_args: list[str] = []
         self.pin = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
 
     def start(self, name: str, command: list[str], core: int | None = None) -> subprocess.Popen:
@@ -74,11 +83,20 @@ class Procs:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd="/",
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
         self.procs.append(proc)
+        self.by_name[name] = proc
         return proc
+
+    def cpu_seconds(self, name: str) -> float | None:
+        """The process's user + system CPU time so far (taskset execs the engine: same pid)."""
+        try:
+            fields = Path(f"/proc/{self.by_name[name].pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, KeyError, IndexError):
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def engine(self, name: str, core: int, *extra: str) -> str:
         port = free_port()
-        self.start(name, [*ITERSERVE, "serve", "--port", str(port), *ENGINE_ARGS, *extra], core)
+        self.start(name, [*ITERSERVE, "serve", "--port", str(port), *ENGINE_ARGS, *self.engine_args, *extra], core)
         return f"http://127.0.0.1:{port}"
 
     def router(self, name: str, *args: str) -> str:
@@ -120,21 +138,23 @@ def scrape(url: str) -> dict[str, float]:
     return samples
 
 
-def workload(args, long_share: float, seed: int, arm: int) -> list[tuple[float, list[int]]]:
+def workload(args, long_share: float, seed: int, arm: int, rate: float,
+             stream: int = 0) -> list[tuple[float, list[int]]]:
     """(arrival offset in seconds, prompt token ids) per request: the same arrivals and lengths for
-    every arm of a workload, token ids of the arm's own (an engine that served an earlier arm
-    must not find the prompts in its prefix cache); no two prompts share a prefix."""
-    rng, tokens = random.Random(seed), random.Random(seed * 1000 + arm + 1)
+    every arm of a workload, token ids of the arm's own stream (an engine that served an earlier
+    arm or workload must not find the prompts in its prefix cache: each (stream, arm) pair draws
+    from its own generator; pass a different stream per workload); no two prompts share a prefix."""
+    rng, tokens = random.Random(seed), random.Random(f"{seed}/{stream}/{arm}")
     at, out = 0.0, []
     for _ in range(args.requests):
         n = args.long_tokens if rng.random() < long_share else args.short_tokens
         out.append((at, [tokens.randint(*PROMPT_TOKEN_RANGE) for _ in range(n)]))
-        at += rng.expovariate(args.rate)
+        at += rng.expovariate(rate)
     return out
 
 
 async def one(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, result: Result) -> None:
-    body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": MODEL[0], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
     result.start = time.perf_counter()
     try:
@@ -221,23 +241,45 @@ def transfer_cost(before: dict, after: dict, router_before: dict, router_after: 
     }
 
 
-def run_arm(name: str, url: str, requests, args, decode: str | None) -> dict:
-    engine0 = scrape(decode) if decode else {}
+def run_arm(name: str, url: str, requests, args, engines: dict[str, str], procs: Procs,
+            decode: str | None, threshold: int) -> dict:
+    """One arm: the requests through url; engines (name -> URL) are the ones behind it, whose CPU
+    time (busy share of their core) and prefix cache hits are recorded; decode is the decode
+    engine of a disaggregated arm (its KV transfer metrics give the transfer cost)."""
+    load0 = list(os.getloadavg())
+    cpu0 = {e: procs.cpu_seconds(e) for e in engines}
+    engine0 = {e: scrape(u) for e, u in engines.items()}
     router0 = scrape(url)
     results, elapsed = asyncio.run(drive(url, requests, args.max_tokens))
-    engine1 = scrape(decode) if decode else {}
+    engine1 = {e: scrape(u) for e, u in engines.items()}
     router1 = scrape(url)
+    cpu1 = {e: procs.cpu_seconds(e) for e in engines}
     summary = summarize(results, elapsed, args.long_tokens)
+    summary["rate_per_s"] = len(requests) / requests[-1][0] if len(requests) > 1 and requests[-1][0] else None
+    summary["prompt_tokens_total"] = sum(len(p) for _, p in requests)
+    summary["long_requests"] = sum(len(p) >= args.long_tokens for _, p in requests)
+    # The share of the arm's wall time each engine's process was on a CPU (its one core): how busy
+    # the arm kept it (below 1 also when other processes took the core while it had work).
+    summary["engine_cpu_busy"] = {e: (cpu1[e] - cpu0[e]) / elapsed if cpu0[e] is not None and cpu1[e] is not None
+                                  else None for e in engines}
+    # Prompt tokens the engines found in their prefix caches during the arm: 0 unless prompts repeat
+    # (they do not: each arm has its own), else the KV bytes per token below would be understated.
+    hits = names.PREFIX_CACHE_HITS_TOTAL
+    summary["prefix_cache_hits"] = {e: engine1[e].get(hits, 0.0) - engine0[e].get(hits, 0.0) for e in engines}
     if decode:
-        # Tokens whose KV moved: the prompts the router sent remote (each remote prompt is long in
-        # the mixed workload; in short-forced every prompt is remote).
-        remote = router1.get(f"{names.ROUTER_PD_DECISIONS_TOTAL}{{reason=remote}}", 0) - router0.get(
-            f"{names.ROUTER_PD_DECISIONS_TOTAL}{{reason=remote}}", 0)
-        threshold = args.threshold if name != "disaggregated_threshold_0" else 0
+        key = f"{names.ROUTER_PD_DECISIONS_TOTAL}{{reason=remote}}"
+        remote = router1.get(key, 0.0) - router0.get(key, 0.0)
+        # Tokens whose KV moved: the prompts the router sent remote, the longest ones above the
+        # threshold (the router sends every prompt over it unless the prefill queue is full; in the
+        # mixed workload those all have the long length, in short-forced every prompt is remote).
         moved = sorted((len(p) for _, p in requests if len(p) > threshold), reverse=True)[:int(remote)]
-        router1 = {**router1, "tokens": float(sum(moved))}
-        router0 = {**router0, "tokens": 0.0}
-        summary["transfer"] = transfer_cost(engine0, engine1, router0, router1)
+        summary["transfer"] = transfer_cost(engine0[decode], engine1[decode], {**router0, "tokens": 0.0},
+                                            {**router1, "tokens": float(sum(moved))})
+        summary["transfer"]["remote_share"] = remote / len(requests)
+        summary["pd_decisions"] = {
+            k.split("reason=")[1].rstrip("}"): router1[k] - router0.get(k, 0.0)
+            for k in router1 if k.startswith(names.ROUTER_PD_DECISIONS_TOTAL + "{")}
+    summary["load_average_at_start"] = load0
     summary["load_average"] = list(os.getloadavg())
     print(f"  {name}: {_line(summary)}", flush=True)
     return summary
@@ -252,7 +294,8 @@ def _line(s: dict) -> str:
         per_token = t["transfer_bytes_per_token"]
         line += (f"; remote {t['remote_prefills']:.0f}, transfer {f(t['transfer_ms_per_token'])} ms/token, "
                  f"{'-' if per_token is None else f'{per_token:.0f}'} B/token")
-    return line
+    busy = ", ".join(f"{e} {b:.0%}" for e, b in s["engine_cpu_busy"].items() if b is not None)
+    return f"{line}; {s['duration_s']:.0f} s, engines busy {busy}, load {s['load_average'][0]:.1f}"
 
 
 def calibrate(url: str, args) -> dict:
@@ -279,7 +322,11 @@ def plot(report: dict, path: str) -> None:
         width = 0.8 / len(arms)
         for i, (arm, r) in enumerate(arms.items()):
             values = [r[k][q] or 0 for _, k, q in figures]
-            ax.bar([x + i * width for x in range(len(figures))], values, width, label=arm)
+            t = r.get("transfer")
+            label = arm if not t else (f"{arm} ({t['remote_prefills']:.0f}/{r['requests']} remote"
+                                       + (f", KV {t['transfer_ms_per_token']:.2f} ms/token)"
+                                          if t["transfer_ms_per_token"] is not None else ")"))
+            ax.bar([x + i * width for x in range(len(figures))], values, width, label=label)
         ax.set_xticks([x + width * (len(arms) - 1) / 2 for x in range(len(figures))], [f[0] for f in figures])
         ax.set_yscale("log")
         ax.set_ylabel("seconds (log)")
@@ -297,17 +344,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-tokens", type=int, help="long prompts' length (default 2000; quick: 700)")
     parser.add_argument("--short-tokens", type=int, help="short prompts' length (default 128; quick: 48)")
     parser.add_argument("--long-share", type=float, default=0.25, help="share of long prompts in the mixed workload")
-    parser.add_argument("--requests", type=int, help="requests per arm (default 32; quick: 8)")
+    parser.add_argument("--requests", type=int, help="requests per arm (default 24; quick: 8)")
     parser.add_argument("--max-tokens", type=int, help="output tokens per request (default 32; quick: 16)")
     parser.add_argument("--rate", type=float, help="arrivals per second (default: --utilization of the calibrated "
                                                    "capacity of two replicas)")
-    parser.add_argument("--utilization", type=float, default=0.5)
+    parser.add_argument("--utilization", type=float, default=0.6,
+                        help="without --rate: the arrival rate as this share of two replicas' capacity, from the "
+                             "calibration of one long and one short request alone (default 0.6)")
     parser.add_argument("--threshold", type=int, default=512, help="the router's --pd-threshold-tokens (default 512)")
     parser.add_argument("--workloads", default="mixed,short", help="comma-separated, of mixed and short (default both)")
+    parser.add_argument("--fake-model", action="store_true",
+                        help="engines serve the fake model: checks this script's plumbing in seconds, measures nothing")
     args = parser.parse_args(argv)
     args.long_tokens = args.long_tokens or (700 if args.quick else 2000)
     args.short_tokens = args.short_tokens or (48 if args.quick else 128)
-    args.requests = args.requests or (8 if args.quick else 32)
+    args.requests = args.requests or (8 if args.quick else 24)
     args.max_tokens = args.max_tokens or (16 if args.quick else 32)
     wanted = {w.strip() for w in args.workloads.split(",") if w.strip()}
     if not wanted or wanted - {"mixed", "short"}:
@@ -322,34 +373,46 @@ def main(argv: list[str] | None = None) -> int:
                     "workloads": {}}
     with tempfile.TemporaryDirectory(prefix="disagg-bench-") as tmp:
         procs = Procs(Path(tmp))
+        procs.engine_args = ["--fake-model"] if args.fake_model else []
         try:
             engines = {"both0": procs.engine("both0", 0), "both1": procs.engine("both1", 1),
                        "prefill": procs.engine("prefill", 0, "--role", "prefill"),
                        "decode": procs.engine("decode", 1, "--role", "decode")}
             for name, url in engines.items():
                 wait_for(lambda url=url: _ok(f"{url}/ready"), 900, 0.5, what=f"engine {name} ready")
+            MODEL[0] = httpx.get(f"{engines['both0']}/v1/models", timeout=30).json()["data"][0]["id"]
             calibration = calibrate(engines["both0"], args) if args.rate is None else {"long_s": None, "short_s": None}
             if args.rate is None:
+                # Each request alone on one replica takes long_s or short_s: two replicas at
+                # --utilization of that capacity (batching serves a little more, so the engines run
+                # somewhat below it; each arm records its engines' measured busy share).
                 mean_s = args.long_share * calibration["long_s"] + (1 - args.long_share) * calibration["short_s"]
                 args.rate = args.utilization * 2 / mean_s
             report["calibration"] = {**calibration, "rate_per_s": args.rate}
-            print(f"calibration: {calibration}; rate {args.rate:.3f}/s", flush=True)
+            arms_total = 2 * ("mixed" in wanted) + 3 * ("short" in wanted)
+            print(f"calibration: {calibration}; rate {args.rate:.3f}/s; {arms_total} arms of {args.requests} "
+                  f"requests: about {arms_total * args.requests / args.rate / 60:.0f} min of arrivals", flush=True)
             aggregated = procs.router("router-agg", "--endpoints", f"{engines['both0']},{engines['both1']}")
             # A prefill slower than the router's default timeout (30 s) would fall back to local prefill;
             # here every remote prefill is waited for, so the arm measures disaggregation itself.
             pd = ["--prefill", engines["prefill"], "--decode", engines["decode"], "--pd-prefill-timeout", "900"]
             disaggregated = procs.router("router-pd", *pd, "--pd-threshold-tokens", str(args.threshold))
             forced = procs.router("router-pd0", *pd, "--pd-threshold-tokens", "0")
-            for workload_name, share, arms in (w for w in (
-                    ("mixed", args.long_share, [("aggregated", aggregated, None),
-                                                ("disaggregated", disaggregated, engines["decode"])]),
-                    ("short", 0.0, [("aggregated", aggregated, None),
-                                    ("disaggregated", disaggregated, engines["decode"]),
-                                    ("disaggregated_threshold_0", forced, engines["decode"])])) if w[0] in wanted):
+            agg_engines = {e: engines[e] for e in ("both0", "both1")}
+            pd_engines = {e: engines[e] for e in ("prefill", "decode")}
+            plan = [("mixed", args.long_share, [("aggregated", aggregated, agg_engines, None, args.threshold),
+                                                ("disaggregated", disaggregated, pd_engines, "decode", args.threshold)]),
+                    ("short", 0.0, [("aggregated", aggregated, agg_engines, None, args.threshold),
+                                    ("disaggregated", disaggregated, pd_engines, "decode", args.threshold),
+                                    ("disaggregated_threshold_0", forced, pd_engines, "decode", 0)])]
+            for stream, (workload_name, share, arms) in enumerate(plan):
+                if workload_name not in wanted:
+                    continue
                 print(f"{workload_name} workload:", flush=True)
                 report["workloads"][workload_name] = {
-                    name: run_arm(name, url, workload(args, share, args.seed, i), args, decode)
-                    for i, (name, url, decode) in enumerate(arms)}
+                    name: run_arm(name, url, workload(args, share, args.seed, i, args.rate, stream), args, arm_engines,
+                                  procs, decode, threshold)
+                    for i, (name, url, arm_engines, decode, threshold) in enumerate(arms)}
         finally:
             procs.close()
     common.finish_machine(info)
@@ -358,11 +421,12 @@ def main(argv: list[str] | None = None) -> int:
         for arm, r in arms.items():
             t = r.get("transfer") or {}
             rows.append([f"{workload_name}/{arm}", r["ttft_s"]["p50"], r["ttft_s"]["p90"], r["itl_s"]["p90"],
-                         r["itl_s"]["p99"], r["ttft_long_s"]["p50"], t.get("transfer_ms_per_token"),
+                         r["itl_s"]["p99"], r["ttft_long_s"]["p50"], r["ttft_short_s"]["p50"], t.get("remote_share"),
+                         t.get("transfer_ms_per_token"), t.get("transfer_bytes_per_token"),
                          f"{r['completed']}/{r['requests']}"])
     print()
     print(common.format_table(["arm", "TTFT p50 s", "TTFT p90 s", "ITL p90 s", "ITL p99 s", "long TTFT p50 s",
-                               "transfer ms/token", "ok"], rows))
+                               "short TTFT p50 s", "remote share", "KV ms/token", "KV B/token", "ok"], rows))
     print(f"cpu {info['cpu_model']}, {info['cpus']} cpus, load average {info['load_average_at_start']} -> "
           f"{info['load_average_at_end']}")
     common.write_json(args.json, report)
