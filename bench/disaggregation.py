@@ -333,7 +333,8 @@ def plot(report: dict, path: str) -> None:
         ax.set_title(f"{workload_name} prompts")
         ax.legend(fontsize=8)
     m = report["machine"]
-    fig.suptitle(f"P/D disaggregation, SmolLM2-135M, one core per engine; {m['cpu_model']}, load "
+    model = "the FAKE model (plumbing check)" if report["args"].get("fake_model") else "SmolLM2-135M"
+    fig.suptitle(f"P/D disaggregation, {model}, one core per engine; {m['cpu_model']}, load "
                  f"{m['load_average_at_start'][0]:.1f} -> {m['load_average_at_end'][0]:.1f}", fontsize=9)
     common.save_figure(fig, path)
 
