@@ -56,6 +56,8 @@ class EngineStats:
     kv_pulls_ok: int = 0
     kv_pulls_failed: int = 0
     kv_leases_expired: int = 0
+    # Prompt tokens not computed yet (waiting and still-prefilling requests, and the inbox's).
+    queued_prompt_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -259,6 +261,7 @@ class LLMEngine:
             prefix_cache_queries=cache.queries if cache else 0,
             prefix_cache_hits=cache.hits if cache else 0,
             prefix_cache_hit_rate=cache.hit_rate() if cache else 0.0,
+            queued_prompt_tokens=sched.queued_prompt_tokens(tuple(self._inbox)),
             **self._kv_stats(),
         )
 

@@ -118,3 +118,10 @@ KV_PINNED_BLOCKS = "iterserve_kv_pinned_blocks"
 WAITING_FOR_KV_REQUESTS = "iterserve_scheduler_waiting_for_kv_requests"
 ENGINE_METRIC_NAMES += [KV_TRANSFER_SECONDS, KV_TRANSFER_BYTES, KV_TRANSFER_FAILURES_TOTAL, KV_TRANSFER_EXPIRED_TOTAL,
                         KV_PINNED_BLOCKS, WAITING_FOR_KV_REQUESTS]
+
+# Prefill work queued on an engine (issue 17, the prefill pool's scaling signal): prompt tokens not
+# computed yet, of waiting requests and of running ones still prefilling (a decode engine leaves
+# out prompts whose KV it pulls from a prefill engine). The operator scales a disaggregated
+# InferenceService's prefill pool on it per replica (spec.disaggregation.prefill.scalingSignal).
+QUEUED_PROMPT_TOKENS = "iterserve_scheduler_queued_prompt_tokens"
+ENGINE_METRIC_NAMES += [QUEUED_PROMPT_TOKENS]

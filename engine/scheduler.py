@@ -127,6 +127,19 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped or self.waiting_for_kv)
 
+    def queued_prompt_tokens(self, arriving: tuple[Sequence, ...] = ()) -> int:
+        """Prompt tokens still to compute here: of waiting requests, and of running ones still
+        prefilling (a preempted-by-recompute request counts its prompt again), and of `arriving`
+        ones not added yet (the engine's inbox). Prompts whose KV is pulled from a prefill engine
+        are not computed here and do not count. Safe to call from any thread: it reads copies of
+        the queues."""
+        total = 0
+        for seq in (*arriving, *tuple(self.waiting), *tuple(self.running)):
+            if seq.kv_transfer is not None and seq.kv_transfer.wants_pull:
+                continue
+            total += max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+        return total
+
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.is_finished:
             return

@@ -99,6 +99,13 @@ class Kube:
         return _json(self.custom.patch_namespaced_custom_object(
             GROUP, VERSION, namespace, PLURAL, name, {"spec": {"replicas": replicas}}, _preload_content=False))
 
+    def scale_prefill_pool(self, namespace: str, name: str, replicas: int) -> dict:
+        """spec.disaggregation.prefill.replicas, as the builtin autoscaler sets it; the reconcile
+        then sets the NAME-prefill Deployment's replicas from it (the one writer of Deployments)."""
+        body = {"spec": {"disaggregation": {"prefill": {"replicas": replicas}}}}
+        return _json(self.custom.patch_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name, body, _preload_content=False))
+
     def patch_status(self, namespace: str, name: str, status: dict, resource_version: str) -> dict:
         """Merge-patches status, failing with 409 if the object changed since resource_version."""
         body = {"metadata": {"resourceVersion": resource_version}, "status": status}

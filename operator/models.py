@@ -285,14 +285,20 @@ class PrefillPool(WireModel):
             ".minReplicas"),
     ]})
 
-    replicas: int = Field(1, ge=0, description="Prefill pods wanted (kept within minReplicas..maxReplicas).")
+    replicas: int = Field(1, ge=0, description=(
+        "Prefill pods wanted (kept within minReplicas..maxReplicas). With spec.autoscaling mode Builtin the "
+        "autoscaler sets it from scalingSignal each tick, as it sets spec.replicas for the decode pool."))
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(4, ge=1)
     scaling_signal: Literal["QueuedPromptTokens", "TTFT"] = Field(
         "QueuedPromptTokens", description=("What the prefill pool scales on: prompt tokens waiting per replica, or "
                                            "time to first token."))
-    target_queued_prompt_tokens: int = Field(8192, ge=1, description="QueuedPromptTokens: per replica.")
-    target_ttft_seconds: float = Field(2.0, gt=0, description="TTFT: the p95 to keep under.")
+    target_queued_prompt_tokens: int = Field(8192, ge=1, description=(
+        "QueuedPromptTokens: prompt tokens not yet computed per prefill replica (the engines' "
+        "iterserve_scheduler_queued_prompt_tokens) the scaler aims for."))
+    target_ttft_seconds: float = Field(2.0, gt=0, description=(
+        "TTFT: the p95 time to first token on the prefill pods over the last 60 s to keep under "
+        "(replicas x p95 / target)."))
     extra_args: list[str] = Field(default_factory=list, description="More `iterserve serve` flags for prefill pods only.")
 
     @model_validator(mode="after")
@@ -408,6 +414,8 @@ class ScalingRecord(WireModel):
     pod: str | None = None
     from_max_num_seqs: int | None = None
     to_max_num_seqs: int | None = None
+    pool: Literal["decode", "prefill"] | None = Field(
+        None, description="Disaggregation: the pool whose replicas changed (decode: the engine Deployment).")
 
 
 class PodSummary(WireModel):
@@ -420,6 +428,20 @@ class PodSummary(WireModel):
     kv_cache_usage: float | None = None
     preemptions_per_minute: float | None = None
     max_num_seqs: int | None = None
+
+
+class PrefillPoolStatus(WireModel):
+    """Disaggregation: the prefill pool (Deployment NAME-prefill) as the autoscaler last saw it."""
+
+    replicas: int = Field(0, description="Prefill pods that exist.")
+    ready_replicas: int = Field(0, description="Prefill pods ready.")
+    desired_replicas: int | None = Field(None, description="What the autoscaler wants (else spec's replicas).")
+    last_scale_time: datetime | None = None
+    signal: Literal["QueuedPromptTokens", "TTFT"] | None = None
+    signal_value: float | None = Field(
+        None, description="QueuedPromptTokens: queued prompt tokens per read replica; TTFT: windowed p95 in seconds.")
+    target: float | None = None
+    reason: str | None = Field(None, description="The last decision's reason (snake_case).")
 
 
 class InferenceServiceStatus(WireModel):
@@ -440,6 +462,7 @@ class InferenceServiceStatus(WireModel):
     kv_cache_usage: float | None = Field(None, description="Highest KV cache usage fraction over readable pods.")
     prefill_replicas: int | None = Field(None, description="Disaggregation: prefill pods that exist.")
     prefill_ready_replicas: int | None = Field(None, description="Disaggregation: prefill pods ready.")
+    prefill: PrefillPoolStatus | None = Field(None, description="Disaggregation: the prefill pool and its scaling.")
     pods: list[PodSummary] = Field(default_factory=list)
 
 

@@ -22,7 +22,7 @@ class Rule:
 RULES: tuple[Rule, ...] = (
     Rule("iterserve.dev", "inferenceservices", ("get", "list", "watch", "patch"),
          "kopf watches them and patches its annotations; the reconcile reads them fresh; the builtin "
-         "autoscaler sets spec.replicas"),
+         "autoscaler sets spec.replicas (and spec.disaggregation.prefill.replicas for the prefill pool)"),
     Rule("iterserve.dev", "inferenceservices/status", ("patch",),
          "the reconcile writes status (conditions, replicas, selector)"),
     Rule("iterserve.dev", "inferenceservices/finalizers", ("update",),

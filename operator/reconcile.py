@@ -228,6 +228,14 @@ class Reconciler:
                 status["prefillReplicas"] = ((prefill or {}).get("status") or {}).get("replicas", 0) if prefill else None
                 status["prefillReadyReplicas"] = (((prefill or {}).get("status") or {}).get("readyReplicas", 0)
                                                   if prefill else None)
+            if spec.disaggregation.enabled:
+                status["prefill"] = {**(prev.get("prefill") or {}),
+                                     "replicas": status.get("prefillReplicas") or 0,
+                                     "readyReplicas": status.get("prefillReadyReplicas") or 0}
+                if spec.autoscaling_mode != "Builtin" or "desiredReplicas" not in status["prefill"]:
+                    status["prefill"]["desiredReplicas"] = spec.disaggregation.prefill.wanted_replicas
+            elif prev.get("prefill") is not None:
+                status["prefill"] = None
             ineffective = find_condition(status["conditions"], DISAGGREGATION_INEFFECTIVE)
             if spec.disaggregation.enabled and (tick is not None and tick.prompts or ineffective is None):
                 average, requests = tick.prompts if tick is not None and tick.prompts else (None, 0)
@@ -240,14 +248,17 @@ class Reconciler:
                                                      generation)
             if tick is not None:
                 status.update(status_patch({**prev, **status}, tick.settings, tick.decision, tick.record,
-                                           max_num_seqs, tick.at))
+                                           max_num_seqs, tick.at, tick.prefill))
             return status
 
         written, _ = self.write_status(body, wanted_status)
         if written is not None:
             self._announce_transitions(written, previous)
-            for event in events_for(tick.decision, tick.record) if tick is not None else ():
-                self._event(written, event.type, event.reason, event.message)
+            pools = [] if tick is None else [(tick.decision, tick.record)] + (
+                [(tick.prefill.decision, tick.prefill.record)] if tick.prefill is not None else [])
+            for decision, record in pools:
+                for event in events_for(decision, record, name_pool=tick.prefill is not None):
+                    self._event(written, event.type, event.reason, event.message)
         return Outcome("applied" if changes else "unchanged", changes, written, spec)
 
     def _delete(self, owner_body: dict, obj: dict, why: str) -> str:

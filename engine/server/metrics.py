@@ -195,6 +195,9 @@ class _SchedulerCollector(Collector):
                        "a decode engine.", label, s.kv_leases_expired if s else 0)
         yield _gauge(names.KV_PINNED_BLOCKS, "Prefill role: KV blocks pinned under leases for decode engines.", label,
                      s.num_pinned_blocks if s else 0)
+        yield _gauge(names.QUEUED_PROMPT_TOKENS, "Prompt tokens not computed yet, of waiting requests and of running "
+                     "ones still prefilling (prompts whose KV is pulled from a prefill engine left out).", label,
+                     s.queued_prompt_tokens if s else 0)
         yield _gauge(names.WAITING_FOR_KV_REQUESTS, "Decode role: requests holding blocks while their prompt KV is "
                      "pulled.", label, s.num_waiting_for_kv if s else 0)
         if not self.vllm_names:

@@ -9,10 +9,13 @@ import asyncio
 import logging
 
 from iterserve.operator.autoscaling.loop import Autoscaler, admin_token_from_secret, trusted_pods
+from iterserve.operator.disaggregation import prefill_name
 from iterserve.operator.metrics import OperatorMetrics
 from iterserve.operator.resources import (
     ADMIN_TOKEN_KEY,
     ENGINE_PORT,
+    PREFILL,
+    ROLE_LABEL,
     Owner,
     controlled_by,
     deployment_name,
@@ -41,19 +44,33 @@ class AutoscalerHook:
         if not self.autoscaler.due(ctx.namespace, ctx.name, spec.autoscaling.interval_seconds):
             return
         owner = Owner.from_body(ctx.body)
-        deployment = kube.get("Deployment", ctx.namespace, deployment_name(ctx.name))
         selector = selector_string(ctx.name)
-        pods, strangers = trusted_pods(
-            kube.list_pods(ctx.namespace, selector),
-            deployment if deployment is not None and controlled_by(deployment, owner) else None,
-            kube.list_replica_sets(ctx.namespace, selector))
+        listed, replica_sets = kube.list_pods(ctx.namespace, selector), kube.list_replica_sets(ctx.namespace, selector)
+        disaggregated = spec.disaggregation.enabled
+        # Readings split by the role label: the engine Deployment is the decode pool, NAME-prefill
+        # the prefill pool; each pool's pods are trusted only through their own Deployment.
+        prefill_listed = [p for p in listed if _role(p) == PREFILL] if disaggregated else []
+        pods, strangers = self._trusted(kube, ctx.namespace, deployment_name(ctx.name), owner,
+                                        [p for p in listed if not disaggregated or _role(p) != PREFILL], replica_sets)
+        prefill_pods: list[dict] = []
+        if disaggregated:
+            prefill_pods, more = self._trusted(kube, ctx.namespace, prefill_name(ctx.name), owner, prefill_listed,
+                                               replica_sets)
+            strangers += more
         self._report_strangers(ctx.namespace, ctx.name, strangers)
         secret = kube.get("Secret", ctx.namespace, secret_name(ctx.name))
         token = admin_token_from_secret(secret, ADMIN_TOKEN_KEY) if secret and controlled_by(secret, owner) else None
         tick = asyncio.run(self.autoscaler.tick(
             namespace=ctx.namespace, name=ctx.name, spec=spec, replicas=spec.replicas, pods=pods,
-            port=ENGINE_PORT, admin_token=token, kube=kube))
+            port=ENGINE_PORT, admin_token=token, kube=kube, prefill_pods=prefill_pods,
+            prefill_replicas=spec.disaggregation.prefill.wanted_replicas if disaggregated else None))
         ctx.reconciler.reconcile(ctx.namespace, ctx.name, tick=tick)
+
+    @staticmethod
+    def _trusted(kube, namespace: str, deployment: str, owner: Owner, pods: list[dict],
+                 replica_sets: list[dict]) -> tuple[list[dict], list[str]]:
+        live = kube.get("Deployment", namespace, deployment)
+        return trusted_pods(pods, live if live is not None and controlled_by(live, owner) else None, replica_sets)
 
     def _report_strangers(self, namespace: str, name: str, strangers: list[str]) -> None:
         if self.autoscaler.metrics:
@@ -62,3 +79,7 @@ class AutoscalerHook:
             logger.warning("%s/%s: ignoring pods with the engine labels that are not its Deployment's: %s",
                            namespace, name, ", ".join(strangers))
         self._strangers[(namespace, name)] = strangers
+
+
+def _role(pod: dict) -> str | None:
+    return (pod["metadata"].get("labels") or {}).get(ROLE_LABEL)

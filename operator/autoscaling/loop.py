@@ -28,9 +28,10 @@ from iterserve.operator.autoscaling.metrics_source import (
     PrometheusSource,
     ScrapeSource,
 )
-from iterserve.operator.autoscaling.policy import PodSample, decide
+from iterserve.operator.autoscaling.policy import PodSample, decide, decide_prefill
 from iterserve.operator.autoscaling.report import (
     AutoscalerTick,
+    PoolTick,
     Record,
     average_prompt,
     seqs_by_pod,
@@ -127,23 +128,37 @@ class Autoscaler:
     def forget(self, namespace: str, name: str) -> None:
         with self._guard:
             self._memories.pop((namespace, name), None)
+            self._memories.pop((namespace, name, "prefill"), None)
             self._last_tick.pop((namespace, name), None)
         if self.metrics:
             self.metrics.forget(namespace, name)
 
     async def tick(self, *, namespace: str, name: str, spec, replicas: int, pods: Sequence[dict], port: int,
-                   admin_token: str | None, kube: Kube) -> AutoscalerTick:
+                   admin_token: str | None, kube: Kube, prefill_pods: Sequence[dict] = (),
+                   prefill_replicas: int | None = None) -> AutoscalerTick:
         """Reads, decides and acts: engines' max_num_seqs through their admin API and, in Builtin
-        mode, spec.replicas through `kube` (blocking calls, run in a thread)."""
+        mode, spec.replicas through `kube` (blocking calls, run in a thread). With disaggregation on
+        (`settings.prefill`), `pods` are the decode pool's and `prefill_pods` the prefill pool's,
+        which gets its own decision (decide_prefill) and memory, and its replicas set through
+        spec.disaggregation.prefill.replicas (`prefill_replicas`: their current value)."""
         settings = settings_from_spec(spec)
         key = (namespace, name)
         now = self.clock()
         self._last_tick[key] = now
         memory = self._memories.get(key) or mem.fresh_memory(replicas, now)
         infos, urls = engine_pods(pods, port)
+        prefill_infos, prefill_urls = engine_pods(prefill_pods, port) if settings.prefill else ([], {})
         readable = [PodEndpoint(p.name, urls[p.name]) for p in infos if p.ready_at is not None and p.name in urls]
-        samples = await self.source_for(spec, namespace).read(readable) if readable else []
+        readable += [PodEndpoint(p.name, prefill_urls[p.name]) for p in prefill_infos
+                     if p.ready_at is not None and p.name in prefill_urls]
+        read = await self.source_for(spec, namespace).read(readable) if readable else []
+        decode_names = {p.name for p in infos}
+        samples = [s for s in read if s.pod in decode_names]
         now = self.clock()
+        prefill = None
+        if settings.prefill is not None and prefill_replicas is not None:
+            prefill = await self._tick_prefill(namespace, name, settings, prefill_replicas, prefill_infos,
+                                               [s for s in read if s.pod not in decode_names], kube, now)
         memory = mem.record_samples(memory, samples, [p.name for p in infos], settings, now)
         decision = decide(settings, mem.state_for(memory, replicas, infos), memory.history, now)
 
@@ -163,9 +178,29 @@ class Autoscaler:
             self.metrics.record(namespace, name, settings, decision, sum(1 for s in samples if not s.ok),
                                 seqs_by_pod(decision, record.seqs.applied))
         if decision.replicas_changed or record.seqs.applied or record.seqs.failed:
-            logger.info("%s/%s: %s", namespace, name, decision.message)
+            logger.info("%s/%s: %s%s", namespace, name, "decode pool: " if prefill else "", decision.message)
         return AutoscalerTick(settings, decision, record, datetime.fromtimestamp(now, UTC),
-                              start_max_num_seqs(decision, record, settings), average_prompt(samples))
+                              start_max_num_seqs(decision, record, settings), average_prompt(samples), prefill)
+
+    async def _tick_prefill(self, namespace: str, name: str, settings, replicas: int, infos, samples,
+                            kube: Kube, now: float) -> PoolTick:
+        """The prefill pool's half of a tick: its own memory (samples, proposals, scale events),
+        decision and replica change."""
+        key = (namespace, name, "prefill")
+        memory = self._memories.get(key) or mem.fresh_memory(replicas, now)
+        memory = mem.record_samples(memory, samples, [p.name for p in infos], settings, now)
+        decision = decide_prefill(settings, mem.state_for(memory, replicas, infos), memory.history, now)
+        record = Record()
+        if settings.mode == "Builtin" and decision.replicas_changed:
+            try:
+                await asyncio.to_thread(kube.scale_prefill_pool, namespace, name, decision.desired_replicas)
+                record.replicas_applied = True
+            except Exception as error:  # reported as a Warning Event; the next tick retries
+                record.replicas_error = f"{type(error).__name__}: {error}"
+        self._memories[key] = mem.record_decision(memory, decision, settings, now, record.replicas_applied, ())
+        if decision.replicas_changed:
+            logger.info("%s/%s: prefill pool: %s", namespace, name, decision.message)
+        return PoolTick(decision, record)
 
 
 class _Unconfigured:

@@ -38,7 +38,11 @@ FIELDS: dict[str, tuple[str, ...]] = {
     # Optional: the average prompt (spec.disaggregation's DisaggregationIneffective condition).
     "prompt_tokens_total": (names.PROMPT_TOKENS_TOTAL,),
     "requests_total": (names.REQUESTS_TOTAL,),
+    # Optional: the prefill pool's signals (spec.disaggregation.prefill.scalingSignal).
+    "queued_prompt_tokens": (names.QUEUED_PROMPT_TOKENS,),
 }
+# The TTFT histogram, read as cumulative buckets (PodSample.ttft_buckets); vLLM's name as the alias.
+TTFT_HISTOGRAMS = (names.TIME_TO_FIRST_TOKEN, names.VLLM_TIME_TO_FIRST_TOKEN)
 REQUIRED = REQUIRED_SIGNALS
 
 
@@ -49,15 +53,22 @@ class MetricsFormatError(ValueError):
 def parse_engine_metrics(text: str) -> dict[str, float | None]:
     """The autoscaler's signals from Prometheus text format (series of one name are summed)."""
     totals: dict[str, float] = {}
+    buckets: dict[str, dict[float, float]] = {}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+                if sample.name.endswith("_bucket") and "le" in sample.labels:
+                    by_bound = buckets.setdefault(sample.name[: -len("_bucket")], {})
+                    bound = float(sample.labels["le"])
+                    by_bound[bound] = by_bound.get(bound, 0.0) + sample.value
     except ValueError as error:
         raise MetricsFormatError(f"unparsable /metrics: {error}") from None
     values: dict[str, float | None] = {}
     for field, candidates in FIELDS.items():
         values[field] = next((totals[n] for n in candidates if n in totals), None)
+    ttft = next((buckets[n] for n in TTFT_HISTOGRAMS if n in buckets), None)
+    values["ttft_buckets"] = tuple(sorted(ttft.items())) if ttft else None
     missing = [FIELDS[f][0] for f in REQUIRED if values[f] is None]
     if missing:
         raise MetricsFormatError(f"metric {', '.join(missing)} not exported (renamed, or not an iterserve/vLLM engine?)")
@@ -122,6 +133,7 @@ class PrometheusSource:
         out = {field: f"sum by ({self.pod_label}) ({candidates[0]}{{{matchers}}})"
                for field, candidates in FIELDS.items()}
         out["up"] = f"max by ({self.pod_label}) (up{{{matchers}}})"
+        out["ttft_buckets"] = f"sum by ({self.pod_label}, le) ({TTFT_HISTOGRAMS[0]}_bucket{{{matchers}}})"
         return out
 
     async def read(self, pods: Sequence[PodEndpoint]) -> list[PodSample]:
@@ -130,7 +142,8 @@ class PrometheusSource:
         queries = self.queries(pods)
         try:
             async with httpx.AsyncClient(timeout=self.timeout) as client:
-                results = await asyncio.gather(*(self._query(client, q) for q in queries.values()))
+                results = await asyncio.gather(*(self._query(client, q, by_le=field == "ttft_buckets")
+                                                 for field, q in queries.items()))
         except (httpx.HTTPError, MetricsFormatError) as error:
             reason = f"Prometheus at {self.url} unreachable or failing: {_describe(error)}"
             now = self.clock()
@@ -139,18 +152,24 @@ class PrometheusSource:
         now = self.clock()
         return [self._sample(pod, by_field, now) for pod in pods]
 
-    async def _query(self, client: httpx.AsyncClient, query: str) -> dict[str, float]:
+    async def _query(self, client: httpx.AsyncClient, query: str, by_le: bool = False) -> dict:
         response = await client.get(f"{self.url}/api/v1/query", params={"query": query})
         body = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
         if response.status_code != 200 or body.get("status") != "success":
             raise MetricsFormatError(f"query {query!r} failed: HTTP {response.status_code} {body.get('error', '')}")
+        if by_le:  # pod -> its (le, count) pairs, sorted
+            by_pod: dict[str, dict[float, float]] = {}
+            for item in body["data"]["result"]:
+                by_pod.setdefault(item["metric"].get(self.pod_label, ""), {})[float(item["metric"]["le"])] = \
+                    float(item["value"][1])
+            return {pod: tuple(sorted(b.items())) for pod, b in by_pod.items()}
         return {item["metric"].get(self.pod_label, ""): float(item["value"][1]) for item in body["data"]["result"]}
 
     def _sample(self, pod: PodEndpoint, by_field: dict[str, dict[str, float]], now: float) -> PodSample:
         up = by_field["up"].get(pod.name)
         if up is not None and up < 1:
             return PodSample(pod.name, now, error="Prometheus cannot scrape this pod (up == 0)")
-        values = {field: by_field[field].get(pod.name) for field in FIELDS}
+        values = {field: by_field[field].get(pod.name) for field in (*FIELDS, "ttft_buckets")}
         missing = [FIELDS[f][0] for f in REQUIRED if values[f] is None]
         if missing:
             return PodSample(pod.name, now, error=f"Prometheus has no series {', '.join(missing)} for "

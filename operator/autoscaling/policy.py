@@ -36,6 +36,10 @@ class PodSample:
     max_num_seqs: float | None = None
     prompt_tokens_total: float | None = None  # prompt tokens of finished requests (for the average prompt)
     requests_total: float | None = None  # finished requests
+    # The prefill pool's signals: prompt tokens not computed yet, and the TTFT histogram as
+    # cumulative (upper bound, count) pairs, +Inf last.
+    queued_prompt_tokens: float | None = None
+    ttft_buckets: tuple[tuple[float, float], ...] | None = None
     error: str | None = None
 
     @property
@@ -105,6 +109,7 @@ class PodSignal:
     preemptions_per_minute: float | None = None
     max_num_seqs: int | None = None
     error: str | None = None
+    queued_prompt_tokens: float | None = None
 
 
 @dataclass(frozen=True)
@@ -124,6 +129,11 @@ class Decision:
     total_waiting: float | None = None
     total_running: float | None = None
     preemptions_per_minute_per_replica: float | None = None
+    # The prefill pool's decision (decide_prefill): its pool, signal and the value it read.
+    pool: str = "decode"  # decode (the engine Deployment, or the only pool) | prefill
+    signal: str | None = None  # QueuedPromptTokens | TTFT
+    signal_value: float | None = None  # queued prompt tokens per replica, or the windowed p95 TTFT (s)
+    signal_target: float | None = None
 
     @property
     def replicas_changed(self) -> bool:
@@ -289,6 +299,16 @@ def _replica_decision(settings, state, history, signals, measured, metrics, now)
         proposal, reason = _scale_down_floor(settings, state, history, signals, measured, proposal,
                                              reason, notes, now)
 
+    decision = _carry_out(settings, state, proposal, reason, notes, metrics, signals, now)
+    return replace(decision, total_waiting=total_waiting, total_running=total_running,
+                   preemptions_per_minute_per_replica=rate_per_replica)
+
+
+def _carry_out(settings: Settings, state: State, proposal: int, reason: str, notes: list[str],
+               metrics: MetricsStatus, signals: Sequence[PodSignal], now: float) -> Decision:
+    """A raw proposal through the machinery both pools share: stabilization windows, capacity
+    still loading, rate policies and replica bounds, in HPA's order."""
+    current = state.replicas
     recommendation = Recommendation(now, proposal)
     desired, held_by = _stabilize(settings, state, proposal, now), None
     if desired != proposal:
@@ -321,9 +341,7 @@ def _replica_decision(settings, state, history, signals, measured, metrics, now)
     message = f"replicas {current} -> {desired}: " + "; ".join(notes + limited)
     return Decision(current, desired, direction, reason, message, recommendation, (), metrics,
                     scaling_limited=bool(limited), limited_message="; ".join(limited),
-                    limited_reason=limited_reason, pods=signals,
-                    total_waiting=total_waiting, total_running=total_running,
-                    preemptions_per_minute_per_replica=rate_per_replica)
+                    limited_reason=limited_reason, pods=tuple(signals))
 
 
 def _sequence_capacity(signal: PodSignal) -> float:
@@ -521,3 +539,150 @@ def _retune_pod(settings: Settings, pod: PodState, samples: Sequence[PodSample],
     return SeqsChange(pod.name, current, raised, "kv_recovered",
                       f"KV usage below {kv.recovery_threshold:g} with no preemptions for "
                       f"{kv.recovery_window_seconds:g} s: max_num_seqs {current} + {kv.recovery_step} -> {raised}")
+
+
+# ------------------------------------------------------------------------------ the prefill pool
+
+
+def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
+    """Prometheus' histogram_quantile over cumulative (upper bound, count) buckets, +Inf last:
+    linear inside the bucket that holds the q-th observation; None without observations. An
+    answer in the +Inf bucket is the highest finite bound (what Prometheus returns too)."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower_bound
+            if count == lower_count:
+                return bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
+        lower_bound, lower_count = bound, count
+    return lower_bound
+
+
+def _bucket_increase(samples: Sequence[PodSample], now: float, window: float) -> dict[float, float] | None:
+    """One pod's TTFT histogram increase over the window: the latest reading less the last one at
+    or before the window's start (else the first usable one); a reset counts from zero."""
+    points = [s for s in samples if s.ok and s.ttft_buckets]
+    if len(points) < 2:
+        return None
+    start = now - window
+    base = points[0]
+    for sample in points:
+        if sample.at <= start:
+            base = sample
+    latest = points[-1]
+    if latest is base:
+        return None
+    before = dict(base.ttft_buckets)
+    after = dict(latest.ttft_buckets)
+    reset = any(after.get(bound, 0.0) < count for bound, count in before.items())
+    return {bound: count - (0.0 if reset else before.get(bound, 0.0)) for bound, count in after.items()}
+
+
+def windowed_ttft_quantile(q: float, histories: Sequence[Sequence[PodSample]], now: float,
+                           window: float) -> tuple[float | None, int]:
+    """(the q-quantile of TTFT over the last `window` seconds across pods, observations in it),
+    from bucket deltas between readings, as rate()-then-histogram_quantile would give it."""
+    total: dict[float, float] = {}
+    for samples in histories:
+        increase = _bucket_increase(samples, now, window)
+        for bound, count in (increase or {}).items():
+            total[bound] = total.get(bound, 0.0) + count
+    buckets = sorted(total.items())
+    if not buckets:
+        return None, 0
+    return histogram_quantile(q, buckets), int(round(buckets[-1][1]))
+
+
+def _prefill_signal(signal: PodSignal, samples: Sequence[PodSample], settings: Settings) -> PodSignal:
+    """The decode pool's PodSignal, with the prefill signal required on top of it."""
+    if signal.state != "measured":
+        return signal
+    latest = samples[-1]
+    if settings.prefill.signal == "QueuedPromptTokens":
+        value = latest.queued_prompt_tokens
+        if value is None or math.isnan(value):
+            return replace(signal, state="unreadable",
+                           error="iterserve_scheduler_queued_prompt_tokens missing (an engine older than the operator?)")
+        return replace(signal, queued_prompt_tokens=value)
+    if not latest.ttft_buckets:
+        return replace(signal, state="unreadable", error="TTFT histogram missing")
+    return replace(signal, queued_prompt_tokens=latest.queued_prompt_tokens)
+
+
+def decide_prefill(settings: Settings, state: State, history: Mapping[str, Sequence[PodSample]],
+                   now: float) -> Decision:
+    """The prefill pool's decision (spec.disaggregation.prefill), each tick beside `decide`'s for
+    the decode pool: `state` and `history` hold the prefill pods only, and `state.replicas` is the
+    pool's replicas. Its signal is queued prompt tokens per replica against the target, or the
+    windowed p95 TTFT against the target (replicas x p95 / target, HPA's ratio); the proposal then
+    goes through the same tolerance, stabilization, pending-capacity, rate-policy and bounds rules
+    as the decode pool's (`_carry_out`), with the prefill pool's bounds."""
+    pool = settings.prefill
+    if pool is None:
+        raise ValueError("decide_prefill needs settings.prefill (spec.disaggregation.enabled)")
+    extra = {"pool": "prefill", "signal": pool.signal, "signal_target": pool.target}
+    if settings.mode != "Builtin":
+        why = "autoscaling is Off" if settings.mode == "Off" else \
+            "mode External: the prefill pool follows spec.disaggregation.prefill.replicas"
+        return Decision(state.replicas, state.replicas, "none", "autoscaling_off" if settings.mode == "Off"
+                        else "external_mode", why, None, (), MetricsStatus(False, "AutoscalingOff", why), **extra)
+    bounded = settings.prefill_pool()
+    ready = [p for p in state.pods if p.ready_at is not None]
+    signals = tuple(_prefill_signal(_pod_signal(p, history.get(p.name, ()), bounded, now), history.get(p.name, ()),
+                                    bounded) for p in ready)
+    measured = [s for s in signals if s.state == "measured"]
+    metrics = _metrics_status(signals, state)
+    current = state.replicas
+    if not measured:
+        return replace(_hold(state, bounded, "metrics_unavailable", f"prefill pool holding at {current}: "
+                             f"{metrics.message}", **extra), metrics=metrics, pods=signals)
+
+    target = pool.target
+    if pool.signal == "QueuedPromptTokens":
+        total = sum(s.queued_prompt_tokens for s in measured)
+        value = total / len(measured)
+        raw = total / target
+        notes = [f"queued prompt tokens {total:g} on {len(measured)} read pods "
+                 f"({value:.0f}/replica, target {target:g}/replica)"]
+        above, below = "queued_prompt_tokens_above_target", "queued_prompt_tokens_below_target"
+        over_target = [s.pod for s in measured if s.queued_prompt_tokens > target]
+    else:
+        value, observed = windowed_ttft_quantile(
+            0.95, [_usable(history.get(s.pod, ()), p, bounded) for s in measured
+                   for p in ready if p.name == s.pod], now, pool.ttft_window_seconds)
+        if value is None:
+            raw = 0.0
+            notes = [f"no first token in the last {pool.ttft_window_seconds:g} s on {len(measured)} read pods"]
+        else:
+            raw = len(measured) * value / target
+            notes = [f"p95 TTFT {value:.3f} s over {observed} requests in {pool.ttft_window_seconds:g} s on "
+                     f"{len(measured)} read pods (target {target:g} s)"]
+        above, below = "ttft_above_target", "ttft_below_target"
+        over_target = [s.pod for s in measured] if value is not None and value > target else []
+    unmeasured = len(signals) - len(measured)
+    if current > 0 and abs(raw / current - 1.0) <= settings.tolerance:
+        proposal, reason = current, "within_tolerance"
+    else:
+        proposal = math.ceil(raw)
+        reason = above if proposal > current else below
+    if proposal < current:
+        coming = [p.name for p in state.pods if p.ready_at is None and now - p.created_at < settings.cold_start_seconds]
+        coming += [s.pod for s in signals if s.state == "warming"]
+        floor = math.ceil(raw + unmeasured)  # HPA: on the way down, pods without metrics count at target
+        if floor > proposal:
+            notes.append(f"{unmeasured} unmeasured ready pods assumed at target: {floor}")
+            proposal = min(current, floor)
+            reason = "unmeasured_pods_assumed_at_target" if proposal >= current else reason
+        if over_target and proposal < current:
+            notes.append(f"above target on {', '.join(over_target)}")
+            proposal, reason = current, "scale_down_blocked_queue"
+        if coming and proposal < current:
+            notes.append(f"pods loading or warming up: {', '.join(coming)}")
+            proposal, reason = current, "scale_down_blocked_warming"
+    decision = _carry_out(bounded, state, proposal, reason, ["prefill pool", *notes], metrics, signals, now)
+    return replace(decision, signal_value=value, **extra)

@@ -27,6 +27,14 @@ class Event:
 
 
 @dataclass(frozen=True)
+class PoolTick:
+    """The prefill pool's half of a tick (disaggregation): its decision and replica change."""
+
+    decision: Decision
+    record: Record
+
+
+@dataclass(frozen=True)
 class AutoscalerTick:
     """One tick, handed to the reconcile to record."""
 
@@ -39,6 +47,8 @@ class AutoscalerTick:
     max_num_seqs: int | None
     # (average prompt tokens, finished requests) over the readable pods' lifetimes; None: none read.
     prompts: tuple[float, int] | None = None
+    # Disaggregation on: the prefill pool's decision (`decision` is then the decode pool's).
+    prefill: PoolTick | None = None
 
 
 def average_prompt(samples) -> tuple[float, int] | None:
@@ -95,12 +105,18 @@ def _retune_action(change: SeqsChange) -> str:
     return "RetuneDown" if change.to_max_num_seqs < change.from_max_num_seqs else "RetuneUp"
 
 
-def events_for(decision: Decision, record: Record) -> list[Event]:
+def _replicas_field(decision: Decision) -> str:
+    return "spec.disaggregation.prefill.replicas" if decision.pool == "prefill" else "spec.replicas"
+
+
+def events_for(decision: Decision, record: Record, name_pool: bool = False) -> list[Event]:
+    """`name_pool`: disaggregation is on, so each replica Event says which pool it is about."""
     events = []
+    pool = f"{decision.pool} pool: " if name_pool else ""
     if record.replicas_applied:
-        events.append(Event("Normal", _scale_action(decision), f"{decision.reason}: {decision.message}"))
+        events.append(Event("Normal", _scale_action(decision), f"{pool}{decision.reason}: {decision.message}"))
     if record.replicas_error:
-        events.append(Event("Warning", "ScaleFailed", f"could not set spec.replicas to "
+        events.append(Event("Warning", "ScaleFailed", f"{pool}could not set {_replicas_field(decision)} to "
                                                       f"{decision.desired_replicas}: {record.replicas_error}"))
     for change in record.seqs.applied:
         events.append(Event("Normal", _retune_action(change), f"pod {change.pod}: {change.reason}: {change.message}"))
@@ -111,13 +127,14 @@ def events_for(decision: Decision, record: Record) -> list[Event]:
     return events
 
 
-def _history_records(decision: Decision, record: Record, now: datetime) -> list[dict]:
+def _history_records(decision: Decision, record: Record, now: datetime, name_pool: bool = False) -> list[dict]:
     stamp = status_rules.timestamp(now)
     out = []
     if record.replicas_applied:
         out.append({"time": stamp, "action": _scale_action(decision),
                     "reason": decision.reason, "message": decision.message[:1000],
-                    "fromReplicas": decision.current_replicas, "toReplicas": decision.desired_replicas})
+                    "fromReplicas": decision.current_replicas, "toReplicas": decision.desired_replicas,
+                    **({"pool": decision.pool} if name_pool else {})})
     for change in record.seqs.applied:
         out.append({"time": stamp, "action": _retune_action(change),
                     "reason": change.reason, "message": change.message[:1000], "pod": change.pod,
@@ -126,9 +143,11 @@ def _history_records(decision: Decision, record: Record, now: datetime) -> list[
 
 
 def status_patch(previous: dict | None, settings: Settings, decision: Decision, record: Record,
-                 effective_max_num_seqs: int, now: datetime) -> dict:
-    """The status fields that record a tick, as a merge patch over `previous`."""
+                 effective_max_num_seqs: int, now: datetime, prefill: PoolTick | None = None) -> dict:
+    """The status fields that record a tick, as a merge patch over `previous`; `prefill`: the
+    prefill pool's half (its scalingHistory entries, status.prefill's scaling fields)."""
     previous = previous or {}
+    name_pool = prefill is not None
     conditions = previous.get("conditions") or []
     metrics = decision.metrics
     conditions = status_rules.set_condition(conditions, METRICS_AVAILABLE,
@@ -146,7 +165,9 @@ def status_patch(previous: dict | None, settings: Settings, decision: Decision, 
         patch["desiredReplicas"] = decision.desired_replicas
         patch["effectiveMaxNumSeqs"] = effective_max_num_seqs
     history = previous.get("scalingHistory") or []
-    for entry in _history_records(decision, record, now):
+    for entry in _history_records(decision, record, now, name_pool):
+        history = status_rules.append_history(history, entry)
+    for entry in _history_records(prefill.decision, prefill.record, now, True) if prefill else ():
         history = status_rules.append_history(history, entry)
     if history != (previous.get("scalingHistory") or []):
         patch["scalingHistory"] = history
@@ -156,7 +177,25 @@ def status_patch(previous: dict | None, settings: Settings, decision: Decision, 
     patch["waitingRequests"] = int(sum(p.waiting for p in measured)) if measured else None
     patch["kvCacheUsage"] = round(max(p.kv_usage for p in measured), 4) if measured else None
     patch["pods"] = [_pod_summary(p) for p in decision.pods]
+    if prefill is not None:
+        patch["prefill"] = prefill_status(previous.get("prefill"), settings, prefill, now)
     return patch
+
+
+def prefill_status(previous: dict | None, settings: Settings, tick: PoolTick, now: datetime) -> dict:
+    """status.prefill's scaling fields from the prefill pool's decision (the reconcile sets
+    replicas and readyReplicas from the Deployment)."""
+    out = dict(previous or {})
+    decision = tick.decision
+    if settings.mode == "Builtin":
+        out["desiredReplicas"] = decision.desired_replicas
+    if tick.record.replicas_applied:
+        out["lastScaleTime"] = status_rules.timestamp(now)
+    out["signal"] = decision.signal
+    out["signalValue"] = None if decision.signal_value is None else round(decision.signal_value, 3)
+    out["target"] = decision.signal_target
+    out["reason"] = decision.reason
+    return out
 
 
 def _pod_summary(signal: PodSignal) -> dict:

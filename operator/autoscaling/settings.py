@@ -8,12 +8,13 @@ an empty `autoscaling: {}` section gets; the simulator and the tests build them 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from iterserve.operator.models import (
     AutoscalingSpec,
     EngineSpec,
     KvRetune,
+    PrefillPool,
     ScaleDownRules,
     ScaleUpRules,
     ScalingPolicy,
@@ -21,10 +22,13 @@ from iterserve.operator.models import (
 
 _AUTOSCALING = AutoscalingSpec()  # the models' defaults, the one place they are written
 _KV = KvRetune()
+_PREFILL = PrefillPool()
 # The policy's own windows (not spec fields): samples older than this no longer describe a pod,
 # and a preemption rate is measured over this much time.
 MIN_STALE_SAMPLE_SECONDS = 60
 PREEMPTION_WINDOW_SECONDS = 60
+# The prefill pool's TTFT signal: the p95 of the TTFT histogram's increase over this much time.
+TTFT_WINDOW_SECONDS = 60
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,24 @@ class KvRetuneSettings:
 
 
 @dataclass(frozen=True)
+class PrefillSettings:
+    """A disaggregated InferenceService's prefill pool (spec.disaggregation.prefill): its bounds and
+    signal. The decision reuses the decode pool's tolerance, stabilization windows, rate policies,
+    cold start and warm-up (spec.autoscaling)."""
+
+    min_replicas: int = _PREFILL.min_replicas
+    max_replicas: int = _PREFILL.max_replicas
+    signal: str = _PREFILL.scaling_signal  # QueuedPromptTokens | TTFT
+    target_queued_prompt_tokens: float = _PREFILL.target_queued_prompt_tokens
+    target_ttft_seconds: float = _PREFILL.target_ttft_seconds
+    ttft_window_seconds: float = TTFT_WINDOW_SECONDS
+
+    @property
+    def target(self) -> float:
+        return self.target_queued_prompt_tokens if self.signal == "QueuedPromptTokens" else self.target_ttft_seconds
+
+
+@dataclass(frozen=True)
 class Settings:
     mode: str = _AUTOSCALING.mode  # Builtin | External | Off
     min_replicas: int = _AUTOSCALING.min_replicas
@@ -81,6 +103,8 @@ class Settings:
     stale_sample_seconds: float = MIN_STALE_SAMPLE_SECONDS
     spec_max_num_seqs: int = EngineSpec().max_num_seqs
     kv_retune: KvRetuneSettings = field(default_factory=KvRetuneSettings)
+    # Disaggregation on: the prefill pool's own decision (policy.decide_prefill); None: no such pool.
+    prefill: PrefillSettings | None = None
 
     @property
     def retunes(self) -> bool:
@@ -94,7 +118,15 @@ class Settings:
         periods = [p.period_seconds for r in (self.scale_up, self.scale_down) for p in r.policies]
         return max([self.scale_up.stabilization_window_seconds,
                     self.scale_down.stabilization_window_seconds, self.preemption_window_seconds,
-                    self.kv_retune.recovery_window_seconds, *periods]) + 60
+                    self.kv_retune.recovery_window_seconds, *periods,
+                    self.prefill.ttft_window_seconds if self.prefill else 0]) + 60
+
+    def prefill_pool(self) -> Settings:
+        """These settings with the prefill pool's replica bounds: what the shared machinery
+        (tolerance, stabilization, rate policies, bounds) applies to the prefill decision."""
+        if self.prefill is None:
+            raise ValueError("no prefill pool: spec.disaggregation.enabled is false")
+        return replace(self, min_replicas=self.prefill.min_replicas, max_replicas=self.prefill.max_replicas)
 
 
 def _same_named(cls, model) -> dict:
@@ -114,4 +146,15 @@ def settings_from_spec(spec) -> Settings:
         "stale_sample_seconds": max(MIN_STALE_SAMPLE_SECONDS, 4 * auto.interval_seconds),
         "spec_max_num_seqs": spec.engine.max_num_seqs,
         "kv_retune": KvRetuneSettings(**_same_named(KvRetuneSettings, auto.kv_retune)),
+        "prefill": prefill_settings(spec),
     })
+
+
+def prefill_settings(spec) -> PrefillSettings | None:
+    d = spec.disaggregation
+    if not d.enabled:
+        return None
+    return PrefillSettings(min_replicas=d.prefill.min_replicas, max_replicas=d.prefill.max_replicas,
+                           signal=d.prefill.scaling_signal,
+                           target_queued_prompt_tokens=d.prefill.target_queued_prompt_tokens,
+                           target_ttft_seconds=d.prefill.target_ttft_seconds)

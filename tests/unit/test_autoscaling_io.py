@@ -59,13 +59,32 @@ VLLM_TEXT = f"""{names.VLLM_WAITING}{{model_name="m"}} 3
 def test_parse_engine_metrics_reads_the_names_from_engine_metrics():
     assert parse_engine_metrics(ENGINE_TEXT) == {
         "waiting": 7.0, "running": 16.0, "kv_usage": 0.97, "preemptions_total": 42.0, "max_num_seqs": 16.0,
-        "prompt_tokens_total": None, "requests_total": None}  # optional: only the average prompt reads them
+        "prompt_tokens_total": None, "requests_total": None,  # optional: only the average prompt reads them
+        "queued_prompt_tokens": None, "ttft_buckets": None}  # optional: only the prefill pool reads them
 
 
 def test_parse_falls_back_to_the_vllm_names():
     assert parse_engine_metrics(VLLM_TEXT) == {
         "waiting": 3.0, "running": 5.0, "kv_usage": 0.5, "preemptions_total": 2.0, "max_num_seqs": None,
-        "prompt_tokens_total": None, "requests_total": None}
+        "prompt_tokens_total": None, "requests_total": None, "queued_prompt_tokens": None, "ttft_buckets": None}
+
+
+def test_parse_reads_the_prefill_signals_queued_prompt_tokens_and_ttft_buckets_summed_over_series():
+    text = ENGINE_TEXT + f"""# TYPE {names.QUEUED_PROMPT_TOKENS} gauge
+{names.QUEUED_PROMPT_TOKENS}{{model_name="m"}} 4096.0
+# TYPE {names.TIME_TO_FIRST_TOKEN} histogram
+{names.TIME_TO_FIRST_TOKEN}_bucket{{le="0.5",model_name="m"}} 3.0
+{names.TIME_TO_FIRST_TOKEN}_bucket{{le="1.0",model_name="m"}} 5.0
+{names.TIME_TO_FIRST_TOKEN}_bucket{{le="+Inf",model_name="m"}} 6.0
+{names.TIME_TO_FIRST_TOKEN}_bucket{{le="0.5",model_name="other"}} 1.0
+{names.TIME_TO_FIRST_TOKEN}_bucket{{le="1.0",model_name="other"}} 1.0
+{names.TIME_TO_FIRST_TOKEN}_bucket{{le="+Inf",model_name="other"}} 1.0
+{names.TIME_TO_FIRST_TOKEN}_count{{model_name="m"}} 6.0
+{names.TIME_TO_FIRST_TOKEN}_sum{{model_name="m"}} 4.0
+"""
+    values = parse_engine_metrics(text)
+    assert values["queued_prompt_tokens"] == 4096
+    assert values["ttft_buckets"] == ((0.5, 4.0), (1.0, 6.0), (float("inf"), 7.0))
 
 
 @pytest.mark.parametrize("text,message", [

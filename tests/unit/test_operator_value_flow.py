@@ -46,6 +46,11 @@ class MemoryKube:
         self.body["spec"]["replicas"] = replicas
         return copy.deepcopy(self._bump(self.body))
 
+    def scale_prefill_pool(self, namespace, name, replicas):
+        self.writes.append(("spec.disaggregation.prefill.replicas", str(replicas)))
+        self.body["spec"]["disaggregation"]["prefill"]["replicas"] = replicas
+        return copy.deepcopy(self._bump(self.body))
+
     def get(self, kind, namespace, name):
         found = self.objects.get((kind, name))
         return copy.deepcopy(found) if found else None
@@ -120,3 +125,72 @@ def test_the_autoscaler_tick_writes_only_spec_replicas():
     assert tick.decision.desired_replicas == 2 and tick.record.replicas_applied
     assert kube.writes == [("spec.replicas", "2")] and kube.events == []
     assert tick.max_num_seqs is None  # nothing read: the reconcile keeps what it recorded
+
+
+DISAGGREGATED = {**SPEC, "autoscaling": {**SPEC["autoscaling"], "warmupSeconds": 0},
+                 "disaggregation": {"enabled": True, "prefill": {
+                     "replicas": 1, "minReplicas": 1, "maxReplicas": 4, "targetQueuedPromptTokens": 1000}}}
+
+
+def _pod(name: str, ip: str) -> dict:
+    return {"metadata": {"name": name, "creationTimestamp": "2026-01-01T00:00:00Z"},
+            "status": {"podIP": ip, "phase": "Running",
+                       "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": "2026-01-01T00:01:00Z"}]}}
+
+
+class _Readings:
+    """A metrics source with fixed readings: decode pod llm-d idle, prefill pod llm-prefill-p behind."""
+
+    def __init__(self, clock):
+        self.clock = clock
+        self.read_pods: list[str] = []
+
+    async def read(self, pods):
+        self.read_pods = [p.name for p in pods]
+        values = {"llm-d": dict(waiting=0.0, running=1.0, queued_prompt_tokens=0.0),
+                  "llm-prefill-p": dict(waiting=2.0, running=1.0, queued_prompt_tokens=3500.0)}
+        return [policy.PodSample(p.name, self.clock(), kv_usage=0.1, preemptions_total=0.0, max_num_seqs=16.0,
+                                 **values[p.name]) for p in pods]
+
+
+def test_a_disaggregated_tick_decides_each_pool_on_its_own_pods_and_scales_the_prefill_pool_through_its_spec():
+    from iterserve.operator.validation import parse_spec
+
+    kube = MemoryKube(copy.deepcopy(DISAGGREGATED))
+    reconciler = Reconciler(kube)
+    reconciler.reconcile("ns", "llm")
+    reconciler.reconcile("ns", "llm")
+    assert kube.objects[("Deployment", "llm-prefill")]["spec"]["replicas"] == 1
+    kube.writes.clear()
+    now = datetime(2026, 1, 1, 0, 10, tzinfo=UTC).timestamp()
+    autoscaler = Autoscaler(clock=lambda: now)
+    readings = _Readings(autoscaler.clock)
+    autoscaler.source_for = lambda spec, namespace: readings
+    tick = asyncio.run(autoscaler.tick(namespace="ns", name="llm", spec=parse_spec(DISAGGREGATED), replicas=1,
+                                       pods=[_pod("llm-d", "10.0.0.1")], port=8000, admin_token=None, kube=kube,
+                                       prefill_pods=[_pod("llm-prefill-p", "10.0.0.2")], prefill_replicas=1))
+    assert readings.read_pods == ["llm-d", "llm-prefill-p"]  # one read for both pools
+    # The decode pool read only its own pod (the prefill pod's 2 waiting would not scale it).
+    assert [p.pod for p in tick.decision.pods] == ["llm-d"] and tick.decision.desired_replicas == 1
+    assert tick.prefill.decision.desired_replicas == 4 and tick.prefill.decision.signal_value == 3500
+    assert kube.writes == [("spec.disaggregation.prefill.replicas", "4")]
+
+    reconciler.reconcile("ns", "llm", tick=tick)
+    assert kube.objects[("Deployment", "llm-prefill")]["spec"]["replicas"] == 4  # the reconcile follows the spec
+    assert kube.objects[("Deployment", "llm")]["spec"]["replicas"] == 1
+    prefill = kube.body["status"]["prefill"]
+    assert prefill["desiredReplicas"] == 4 and prefill["signal"] == "QueuedPromptTokens"
+    assert prefill["signalValue"] == 3500 and prefill["target"] == 1000 and prefill["lastScaleTime"]
+    assert prefill["reason"] == "queued_prompt_tokens_above_target"
+    assert [(h["action"], h.get("pool"), h["toReplicas"]) for h in kube.body["status"]["scalingHistory"]] == [
+        ("ScaleUp", "prefill", 4)]
+    assert "ScaleUp" in kube.events
+
+
+def test_with_autoscaling_off_the_prefill_pool_follows_its_spec_replicas():
+    spec = {**DISAGGREGATED, "disaggregation": {"enabled": True, "prefill": {"replicas": 3}}}
+    spec.pop("autoscaling")
+    kube = MemoryKube(spec)
+    Reconciler(kube).reconcile("ns", "llm")
+    assert kube.objects[("Deployment", "llm-prefill")]["spec"]["replicas"] == 3
+    assert kube.body["status"]["prefill"]["desiredReplicas"] == 3
