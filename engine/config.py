@@ -57,8 +57,11 @@ class EngineConfig:
     attention_backend: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
-    # Weight-only quantized linears on CPU (engine/model/quant.py): none (exact fp32), int8, int4.
+    # Quantized linears on CPU (engine/model/quant.py): none (exact fp32), int8 / int4 (weight-only),
+    # w8a8 (int8 weights and per-row int8 activations).
     quantization: str = "none"
+    # torch.compile the decoder's dense work on CPU (engine/model/compiled.py); off by default.
+    compile: bool = False
     seed: int = 0
     step_log: str | None = None
     watermark: float = 0.01
@@ -113,7 +116,7 @@ class EngineConfig:
         _choice("--attention-backend", self.attention_backend, ("auto", "torch", "triton"))
         _choice("--device", self.device, ("auto", "cpu", "cuda"))
         _choice("--dtype", self.dtype, ("auto", "float32", "float16", "bfloat16"))
-        _choice("--quantization", self.quantization, ("none", "int8", "int4"))
+        _choice("--quantization", self.quantization, ("none", "int8", "int4", "w8a8"))
         _choice("--role", self.role, ("both", "prefill", "decode"))
         _choice("--kv-failure-policy", self.kv_failure_policy, ("recompute", "fail"))
         if not self.kv_lease_seconds > 0:

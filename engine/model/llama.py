@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from iterserve.engine.attention.backend import AttentionBackend, AttentionMetadata
 from iterserve.engine.model.loader import ModelConfig
-from iterserve.engine.model.quant import Int4Linear, Int8Linear, QuantLinear, int4_from_dense
+from iterserve.engine.model.quant import Int4Linear, QuantLinear, quantize_dense, quantize_lm_head
 
 Weight = torch.Tensor | QuantLinear  # a linear's weight: dense [out, in], or quantized (quant.py)
 
@@ -57,6 +57,7 @@ class LlamaModel:
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
         self.quantization = quantization
+        self.compiled = None  # a CompiledForward (compiled.py) once compile() ran
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor], backend: AttentionBackend,
@@ -75,10 +76,8 @@ class LlamaModel:
                     weights.pop(n)
                 return Int4Linear(*(torch.cat([p[i] for p in parts], dim=0) for i in range(3)))
             dense = torch.cat([weights.pop(n) for n in names], dim=0)
-            if quantization == "int4":
-                return int4_from_dense(dense)
-            if quantization == "int8":
-                return Int8Linear(dense)
+            if quantization != "none":
+                return quantize_dense(quantization, dense)
             return dense.to(device=device, dtype=dtype)
 
         layers = []
@@ -95,7 +94,7 @@ class LlamaModel:
         embed = take("model.embed_tokens.weight")
         lm_head = embed if config.tie_word_embeddings else take("lm_head.weight")
         if quantization != "none":
-            lm_head = Int8Linear(lm_head)
+            lm_head = quantize_lm_head(quantization, lm_head)
         return cls(config, backend, layers, embed, take("model.norm.weight"), lm_head, max_positions, quantization)
 
     @property
@@ -108,25 +107,41 @@ class LlamaModel:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T]; returns the final hidden states [T, hidden]."""
-        backend, eps = self.backend, self.config.rms_norm_eps
-        num_tokens = input_ids.shape[0]
-        heads, kv_heads, head_dim = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
-        split = [self.q_size, self.kv_size, self.kv_size]
-        hidden = F.embedding(input_ids, self.embed_tokens)
-        residual = None
+        """input_ids, positions: [T]; returns the final hidden states [T, hidden].
+
+        Each layer is: the dense work before attention (`attention_input`), the paged KV write and
+        attention (the backend), the dense work after it (`mlp`). With `--compile` (compiled.py) the
+        dense work between two attentions runs as one compiled graph; attention stays its boundary."""
+        if self.compiled is not None:
+            return self.compiled.forward(input_ids, positions, kv_caches, meta)
+        backend = self.backend
+        hidden, residual = F.embedding(input_ids, self.embed_tokens), None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x, residual = backend.rms_norm(hidden, layer.input_norm, eps, residual)
-            q, k, v = linear(x, layer.qkv_proj).split(split, dim=-1)
-            q, k = backend.rotary(q.view(num_tokens, heads, head_dim), k.view(num_tokens, kv_heads, head_dim),
-                                  positions, self.cos_sin)
-            backend.write_kv(k, v.view(num_tokens, kv_heads, head_dim), k_cache, v_cache, meta)
+            q, k, v, residual = self.attention_input(hidden, residual, layer, positions)
+            backend.write_kv(k, v, k_cache, v_cache, meta)
             attn = backend.attend(q, k_cache, v_cache, meta, self.scale)
-            hidden = linear(attn.reshape(num_tokens, self.q_size), layer.o_proj)
-            x, residual = backend.rms_norm(hidden, layer.post_attention_norm, eps, residual)
-            hidden = linear(backend.silu_and_mul(linear(x, layer.gate_up_proj)), layer.down_proj)
-        hidden, _ = backend.rms_norm(hidden, self.norm, eps, residual)
-        return hidden
+            hidden, residual = self.mlp(attn, residual, layer)
+        return self.final_norm(hidden, residual)
+
+    def attention_input(self, hidden: torch.Tensor, residual: torch.Tensor | None, layer: DecoderLayer,
+                        positions: torch.Tensor):
+        """Norm, fused q/k/v projection and rotary: (q [T, heads, d], k, v [T, kv_heads, d], residual)."""
+        backend, num_tokens = self.backend, hidden.shape[0]
+        heads, kv_heads, head_dim = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
+        x, residual = backend.rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps, residual)
+        q, k, v = linear(x, layer.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = backend.rotary(q.view(num_tokens, heads, head_dim), k.view(num_tokens, kv_heads, head_dim),
+                              positions, self.cos_sin)
+        return q, k, v.view(num_tokens, kv_heads, head_dim), residual
+
+    def mlp(self, attn: torch.Tensor, residual: torch.Tensor, layer: DecoderLayer):
+        """Output projection, norm and the gated MLP: (hidden [T, hidden], residual)."""
+        hidden = linear(attn.reshape(attn.shape[0], self.q_size), layer.o_proj)
+        x, residual = self.backend.rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps, residual)
+        return linear(self.backend.silu_and_mul(linear(x, layer.gate_up_proj)), layer.down_proj), residual
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.backend.rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)[0]
 
     __call__ = forward
 

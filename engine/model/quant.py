@@ -18,11 +18,12 @@ fp32 without --quantization stays the exact-parity mode.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
 
-MODES = ("none", "int8", "int4")
+MODES = ("none", "int8", "int4", "w8a8")
 Q4_GROUP = 32
 # Rows above which a quantized linear uses the dequantized fp32 weight (see the module docstring).
 DENSE_ABOVE = int(os.environ.get("ITERSERVE_QUANT_DENSE_ABOVE", "16"))
@@ -83,6 +84,70 @@ class Int4Linear(QuantLinear):
                                                  self.scales_and_zeros).to(x.dtype)
 
 
+class W8A8Linear(QuantLinear):
+    """int8 weights times int8 activations (`--quantization w8a8`), through fbgemm's dynamic int8
+    linear (`torch.ops.quantized.linear_dynamic`: activations quantized on the fly, int32
+    accumulation, AVX2 u8 x s8 kernels). It is faster than fp32 sgemm at every row count measured
+    (bench/quant_linear.py), from one decode row (it reads a quarter of the bytes) to full batches
+    (it computes with 8-bit integer lanes).
+
+    fbgemm quantizes the activations with ONE scale for the whole batch (over its min..max), so one
+    large row would coarsen every other row, and a row's result would depend on its batch. Each row
+    is therefore divided by its own max |value| first and the result multiplied back (exact: the
+    linear has no bias), and one constant row [1, -1, 0, ...] is appended, so the batch's range is
+    always exactly [-1, 1]: every row is quantized with the same step, 2/127 of its own max |value|
+    (7-bit range: fbgemm's `reduce_range`, which keeps AVX2's 16-bit pair sums from saturating), and a
+    row's result never depends on the other rows. Weights: per-output-channel symmetric int8, the
+    same values as Int8Linear. No fp32 copy of the weight is kept."""
+
+    kind = "w8a8"
+
+    def __init__(self, weight: torch.Tensor):
+        weight = weight.float()
+        out_features, in_features = weight.shape
+        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        self.qweight = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        self.wscale = scales
+        self.shape = self.qweight.shape
+        self.packed = _fbgemm_prepack(self.qweight, scales)
+        self.sentinel = torch.zeros(in_features)
+        self.sentinel[0], self.sentinel[min(1, in_features - 1)] = 1.0, -1.0
+
+    @property
+    def dense(self) -> torch.Tensor:
+        """The dequantized weight (for tests and tools; the forward pass never builds it)."""
+        return self.qweight.float() * self.wscale[:, None]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        row_max = torch.linalg.vector_norm(x, ord=float("inf"), dim=1, keepdim=True, dtype=torch.float32)
+        row_max.clamp_(min=1e-30)
+        scaled = torch.empty(rows + 1, x.shape[1], dtype=torch.float32)
+        torch.div(x, row_max, out=scaled[:rows])
+        scaled[rows] = self.sentinel
+        out = torch.ops.quantized.linear_dynamic(scaled, self.packed, True)[:rows]
+        return out.mul_(row_max).to(x.dtype)
+
+
+def _fbgemm_prepack(qweight: torch.Tensor, scales: torch.Tensor):
+    """fbgemm's packed int8 weight (per-channel scales) for torch.ops.quantized.linear_dynamic."""
+    engine = torch.backends.quantized.engine
+    try:
+        torch.backends.quantized.engine = "fbgemm"
+        with warnings.catch_warnings():
+            # torch marks quantized tensors as deprecated (in favour of torchao); this is only the
+            # packing format the fbgemm kernel takes, built once at load.
+            warnings.simplefilter("ignore", UserWarning)
+            q = torch._make_per_channel_quantized_tensor(qweight, scales.double(),
+                                                         torch.zeros(len(scales), dtype=torch.long), 0)
+            return torch.ops.quantized.linear_prepack(q, None)
+    except (RuntimeError, AttributeError) as error:
+        raise ValueError(f"--quantization w8a8 needs torch's fbgemm int8 kernels (an x86-64 CPU build of torch); "
+                         f"this torch has none ({error}); use --quantization int8") from error
+    finally:
+        torch.backends.quantized.engine = engine
+
+
 def int4_from_dense(weight: torch.Tensor, dense_above: int = DENSE_ABOVE) -> Int4Linear:
     """Q4_1-style blocks (min/max per 32 weights) from a float weight: for weights the file did not
     store as Q4_1 (tests, HF checkpoints)."""
@@ -99,3 +164,19 @@ def check_supported(mode: str, device: torch.device) -> None:
         raise ValueError(f"--quantization must be one of {', '.join(MODES)}; got {mode!r}")
     if mode != "none" and device.type != "cpu":
         raise ValueError(f"--quantization {mode} runs torch's CPU weight-only kernels; use --device cpu")
+
+
+def quantize_dense(mode: str, weight: torch.Tensor) -> QuantLinear:
+    """A decoder linear for --quantization mode, from its float weight (int4: blocks made from it)."""
+    if mode == "int8":
+        return Int8Linear(weight)
+    if mode == "int4":
+        return int4_from_dense(weight)
+    if mode == "w8a8":
+        return W8A8Linear(weight)
+    raise ValueError(f"no quantized linear for --quantization {mode!r}")
+
+
+def quantize_lm_head(mode: str, weight: torch.Tensor) -> QuantLinear:
+    """The LM head (run on the sampled rows only): int8 in every mode (the GGUF stores it as Q8_0)."""
+    return W8A8Linear(weight) if mode == "w8a8" else Int8Linear(weight)

@@ -46,9 +46,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--served-model-name", help="the model id clients send and /v1/models lists")
     model.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     model.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    model.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
-                       help="weight-only quantized linears on CPU: int8, or int4 from the GGUF's Q4_1 blocks "
-                            "(default none: exact fp32; see README Performance for the accuracy cost)")
+    model.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "w8a8"],
+                       help="quantized linears on CPU: int8 (weight-only, bf16 activations), int4 (weight-only, "
+                            "from the GGUF's Q4_1 blocks), w8a8 (int8 weights and int8 activations per row: "
+                            "fastest for full batches) (default none: exact fp32; see README Performance for "
+                            "the accuracy cost of each)")
+    model.add_argument("--compile", action="store_true",
+                       help="CPU: torch.compile the decoder's dense work between attentions (inductor C++ "
+                            "code, fused norms/rotary/SiLU); compiles at start-up, cached in "
+                            "~/.cache/iterserve/inductor (see README Performance for what it gains)")
     model.add_argument("--seed", type=int, default=0)
 
     http = parser.add_argument_group("HTTP")
@@ -135,6 +141,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         dtype=args.dtype,
         quantization=args.quantization,
+        compile=args.compile,
         seed=args.seed,
         step_log=args.step_log,
         fake_step_time_scale=args.fake_step_time_scale,
