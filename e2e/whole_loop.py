@@ -7,6 +7,14 @@ replicas came back to min with no failed request, and that every decision is an 
 scalingHistory record.
 
     python e2e/whole_loop.py [--quick] [--real-model] [--alerts] [--json PATH] [--plot PNG]
+    python e2e/whole_loop.py --disaggregated [--quick] [--json PATH] [--plot PNG]
+
+--disaggregated runs a disaggregated InferenceService instead (spec.disaggregation.enabled, Router
+mode; e2e/wholeloop/disaggregated.py): a prefill pool scaled on queued prompt tokens and a decode
+pool scaled on waiting requests, under long prompts (the prefill pool must scale up while the decode
+pool holds), then short prompts with long outputs (the decode pool must scale up while the prefill
+pool does not), then light load until both pools are back at their minimum, with no failed request
+and every decision an Event and a scalingHistory record naming its pool.
 
 Engines run with --fake-model: the real scheduler, KV pool, metrics and admin API, with a modelled
 step time. The embedded SmolLM2-135M does ~35 tokens/s on one shared CPU core, and on a two-core
@@ -38,6 +46,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `e2e` as a package when run as a script
 
 from e2e.wholeloop.checks import evaluate  # noqa: E402
+from e2e.wholeloop.disaggregated import DisaggregatedScenario  # noqa: E402
+from e2e.wholeloop.disaggregated import evaluate as evaluate_disaggregated  # noqa: E402
+from e2e.wholeloop.disaggregated import plot as plot_disaggregated  # noqa: E402
 from e2e.wholeloop.plot import plot  # noqa: E402
 from e2e.wholeloop.run import run  # noqa: E402
 from e2e.wholeloop.scenario import Scenario  # noqa: E402
@@ -56,10 +67,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="run Prometheus + Alertmanager on the chart's rules; list the alerts in the summary")
     parser.add_argument("--resolve-wait", type=float, default=90, metavar="S",
                         help="with --alerts: seconds to wait after the run for fired alerts to resolve")
+    parser.add_argument("--disaggregated", action="store_true",
+                        help="a prefill pool and a decode pool, each scaled on its own signal (fake model only)")
     parser.add_argument("--workdir", type=Path, help="cluster, operator and pod logs (default: a temp folder)")
     args = parser.parse_args(argv)
+    if args.disaggregated and (args.real_model or args.alerts):
+        parser.error("--disaggregated runs the fake model without --alerts (leave out --real-model and --alerts)")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.real_model:
+    if args.disaggregated:
+        scenario = DisaggregatedScenario.quick() if args.quick else DisaggregatedScenario.full()
+    elif args.real_model:
         scenario = Scenario.real(quick=args.quick)
     else:
         scenario = Scenario.quick() if args.quick else Scenario.full()
@@ -77,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                 alerts = _settle_alerts(alerting, origin, args.resolve_wait)
         else:
             result = run(handle, workdir / "run", scenario)
-    summary, checks = evaluate(result)
+    summary, checks = (evaluate_disaggregated if args.disaggregated else evaluate)(result)
     if args.alerts:
         summary.update(alerts)
     for check in checks:
@@ -87,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         result.update(summary=summary, checks=[vars(c) for c in checks])
         args.json.write_text(json.dumps(result, indent=1))
     if args.plot:
-        plot(result, summary, args.plot)
+        (plot_disaggregated if args.disaggregated else plot)(result, summary, args.plot)
         print(f"plot: {args.plot}")
     return 0 if all(c.ok for c in checks) else 1
 

@@ -11,6 +11,7 @@ import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 
+from e2e.wholeloop import disaggregated
 from e2e.wholeloop.endpoints import ReadyEndpoints
 from e2e.wholeloop.scenario import NAME, Scenario, inference_service
 from e2e.wholeloop.stack import Stack, wait_for
@@ -23,14 +24,19 @@ from iterserve.operator.routing import router_labels
 LIGHT_CHUNK_SECONDS = 5
 
 
-def run(cluster, workdir: Path, scenario: Scenario, log=print) -> dict:
+def run(cluster, workdir: Path, scenario: Scenario | disaggregated.DisaggregatedScenario, log=print) -> dict:
+    """`scenario`: the aggregated loop (Scenario) or the disaggregated one (e2e/wholeloop/disaggregated.py)."""
     from kubernetes import client
 
     started = time.monotonic()
     address: list[str] = []
+    split = getattr(scenario, "disaggregated", False)
+    router_pd: dict = {}
     with Stack(cluster, workdir, log) as stack:
         custom = client.CustomObjectsApi(stack.api)
-        custom.create_namespaced_custom_object(GROUP, VERSION, stack.namespace, PLURAL, inference_service(scenario))
+        custom.create_namespaced_custom_object(GROUP, VERSION, stack.namespace, PLURAL,
+                                               disaggregated.inference_service(scenario) if split
+                                               else inference_service(scenario))
         endpoints = ReadyEndpoints(stack.api, stack.namespace, NAME).start()
         requests = RequestLog()
         sampler = Sampler(stack.api, stack.namespace, NAME, requests).start()
@@ -43,9 +49,14 @@ def run(cluster, workdir: Path, scenario: Scenario, log=print) -> dict:
                     return False
                 try:  # and the router has seen an engine (it watches the pods itself)
                     with urllib.request.urlopen(f"{endpoints()[0]}/metrics", timeout=2) as response:
-                        return f"{names.ROUTER_ENDPOINT_IN_FLIGHT}{{" in response.read().decode()
+                        text = response.read().decode()
                 except OSError:
                     return False
+                if not split:
+                    return f"{names.ROUTER_ENDPOINT_IN_FLIGHT}{{" in text
+                # Disaggregated: a ready prefill pod too, and the router knows it.
+                prefill = (body.get("status") or {}).get("prefillReadyReplicas") or 0
+                return prefill >= 1 and text.count(f"{names.ROUTER_ENDPOINT_IN_FLIGHT}{{") >= 2
 
             wait_for(serving,
                      scenario.ready_timeout_seconds,
@@ -54,7 +65,9 @@ def run(cluster, workdir: Path, scenario: Scenario, log=print) -> dict:
             address = endpoints()
             log(f"first replica and the router ready after {time.monotonic() - started:.1f} s; driving load "
                 f"through Service {NAME} -> router {', '.join(address)}")
-            phases = asyncio.run(_drive(scenario, endpoints, requests, sampler, log))
+            drive = disaggregated.drive if split else _drive
+            phases = asyncio.run(drive(scenario, endpoints, requests, sampler, log))
+            router_pd = _router_pd(address[0]) if address else {}
         finally:
             timeline = sampler.stop()
             endpoints.stop()
@@ -78,7 +91,27 @@ def run(cluster, workdir: Path, scenario: Scenario, log=print) -> dict:
         "load_address": f"Service {NAME} -> router pod {', '.join(address)} (spec.routing.mode Router)",
         "load_via_router": bool(address),
         "operator_forbidden": forbidden,
+        **router_pd,
     }
+
+
+def _router_pd(router: str) -> dict:
+    """The router's P/D decisions and fallbacks by reason (all zero or absent without disaggregation)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"{router}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except OSError as error:
+        return {"router_pd_decisions": {"error": str(error)}}
+    out: dict[str, dict[str, float]] = {"router_pd_decisions": {}, "router_pd_fallbacks": {}}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = {names.ROUTER_PD_DECISIONS_TOTAL: "router_pd_decisions",
+                   names.ROUTER_PD_FALLBACKS_TOTAL: "router_pd_fallbacks"}.get(sample.name)
+            if key and "reason" in sample.labels:
+                out[key][sample.labels["reason"]] = out[key].get(sample.labels["reason"], 0) + sample.value
+    return out
 
 
 async def _drive(scenario: Scenario, endpoints, requests: RequestLog, sampler: Sampler, log) -> dict:

@@ -18,7 +18,7 @@ import httpx
 
 from iterserve.operator.autoscaling.metrics_source import MetricsFormatError, parse_engine_metrics
 from iterserve.operator.models import GROUP, PLURAL, VERSION
-from iterserve.operator.resources import ENGINE_PORT, selector_string
+from iterserve.operator.resources import ENGINE_PORT, PREFILL, ROLE_LABEL, selector_string
 
 PREEMPTION_WINDOW_SECONDS = 20
 CLIENT_WINDOW_SECONDS = 5
@@ -118,27 +118,37 @@ class Sampler:
         status = service.get("status") or {}
         for record in status.get("scalingHistory") or []:
             key = (record["time"], record["action"], record.get("pod"), record.get("fromReplicas"),
-                   record.get("toReplicas"), record.get("fromMaxNumSeqs"), record.get("toMaxNumSeqs"))
+                   record.get("toReplicas"), record.get("fromMaxNumSeqs"), record.get("toMaxNumSeqs"),
+                   record.get("pool"))
             self.timeline.decisions.setdefault(key, record)
         pods = json.loads(self.core.list_namespaced_pod(
             self.namespace, label_selector=selector_string(self.name), _preload_content=False).data)["items"]
-        per_pod, ready, live, terminating = {}, 0, 0, 0
+        # Disaggregation: the decode pool (the engine Deployment) is what replicas_* count; the
+        # prefill pool's pods (role label prefill) are counted under prefill_*.
+        counts = {"decode": [0, 0, 0], "prefill": [0, 0, 0]}  # ready, live, terminating
+        per_pod = {}
         for pod in pods:
             meta, pod_status = pod["metadata"], pod.get("status") or {}
             is_ready = any(c["type"] == "Ready" and c["status"] == "True" for c in pod_status.get("conditions") or [])
+            role = (meta.get("labels") or {}).get(ROLE_LABEL)
+            pool = counts["prefill" if role == PREFILL else "decode"]
             if meta.get("deletionTimestamp"):
-                terminating += 1
+                pool[2] += 1
             else:
-                live += 1
-                ready += is_ready
+                pool[1] += 1
+                pool[0] += is_ready
             entry = {"ready": is_ready, "terminating": bool(meta.get("deletionTimestamp"))}
+            if role:
+                entry["role"] = role
             if pod_status.get("podIP"):
                 entry.update(self._scrape(meta["name"], pod_status["podIP"], now))
             per_pod[meta["name"]] = entry
         recent = [r for r in self.requests.snapshot() if r.end > now - CLIENT_WINDOW_SECONDS]
         ttfts = [r.ttft for r in recent if r.ttft is not None]
-        measured = [p for p in per_pod.values() if p.get("waiting") is not None and not p["terminating"]]
-        return {
+        measured = [p for p in per_pod.values() if p.get("waiting") is not None and not p["terminating"]
+                    and p.get("role") != PREFILL]
+        ready, live, terminating = counts["decode"]
+        row = {
             "t": round(now - self.timeline.started, 2),
             "phase": self.requests.phase,
             "replicas_desired": service["spec"].get("replicas"),
@@ -153,6 +163,23 @@ class Sampler:
             "ttft_p95_s": percentile(ttfts, 0.95),
             "pods": per_pod,
         }
+        disaggregation = service["spec"].get("disaggregation") or {}
+        if disaggregation.get("enabled"):
+            prefill_measured = [p for p in per_pod.values() if p.get("role") == PREFILL and not p["terminating"]
+                                and p.get("queued_prompt_tokens") is not None]
+            scaling = status.get("prefill") or {}
+            row.update({
+                "prefill_desired": (disaggregation.get("prefill") or {}).get("replicas", 1),
+                "prefill_ready": counts["prefill"][0],
+                "prefill_live": counts["prefill"][1],
+                "prefill_terminating": counts["prefill"][2],
+                "prefill_queued_prompt_tokens": (sum(p["queued_prompt_tokens"] for p in prefill_measured)
+                                                 if prefill_measured else None),
+                "prefill_signal_value": scaling.get("signalValue"),
+                "decode_queued_prompt_tokens": (sum(p.get("queued_prompt_tokens") or 0 for p in measured)
+                                                if measured else None),
+            })
+        return row
 
     def _scrape(self, pod: str, ip: str, now: float) -> dict:
         try:
@@ -170,4 +197,5 @@ class Sampler:
             "kv_usage": round(values["kv_usage"], 4), "preemptions_total": values["preemptions_total"],
             "preemptions_per_min": None if rate is None else round(rate, 2),
             "max_num_seqs": values["max_num_seqs"],
+            "queued_prompt_tokens": values.get("queued_prompt_tokens"),
         }
