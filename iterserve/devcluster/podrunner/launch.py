@@ -44,6 +44,7 @@ SERVE_FLAGS = {
     "--scheduling": True, "--attention-backend": True, "--kv-cache-memory": True, "--num-kv-blocks": True,
     "--block-size": True, "--swap-space": True, "--enable-prefix-caching": False, "--no-enable-prefix-caching": False,
     "--max-request-body": True, "--quantization": True, "--max-logprobs": True,
+    "--compile": False,
     "--role": True, "--kv-transfer-port": True, "--kv-transfer-host": True, "--kv-advertise-host": True,
     "--kv-lease-seconds": True, "--kv-transfer-timeout": True, "--kv-failure-policy": True,
 }
