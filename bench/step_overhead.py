@@ -1,6 +1,8 @@
 """Where one engine step's time goes on CPU: matmuls, attention (KV write + gather + SDPA), other
 ops, and Python/dispatch overhead, for tail steps, full-batch steps and a prefill chunk, at 1 and 2
-torch threads, eager and `--compile` (engine/model/compiled.py).
+torch threads, for three variants of the same model: `before` (every dense linear through
+F.linear, as before the small-row path in engine/model/llama.py, and the torch attention backend
+of --baseline-rev), `eager` (today's default) and `compiled` (`--compile`, engine/model/compiled.py).
 
 Each step is what ModelRunner.execute does for a batch: the per-step attention metadata, the
 decoder forward and the LM head for the sampled rows, on the real embedded model (SmolLM2-135M).
@@ -20,7 +22,7 @@ Each thread count runs in its own process (OpenMP's pool and inductor's generate
 on it). OMP_WAIT_POLICY=PASSIVE as `iterserve serve` sets it.
 
     python bench/step_overhead.py --json docs/perf/step_overhead.json
-    python bench/step_overhead.py --quick --variants eager,compiled --threads 1
+    python bench/step_overhead.py --quick --variants before,eager --threads 1
 """
 
 from __future__ import annotations
@@ -36,13 +38,16 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+import types  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import common  # noqa: E402
 import torch  # noqa: E402
 
 from iterserve.engine.attention.backend import AttentionMetadata  # noqa: E402
 from iterserve.engine.attention.torch_backend import TorchBackend  # noqa: E402
+from iterserve.engine.model import llama  # noqa: E402
 from iterserve.engine.model.llama import LlamaModel  # noqa: E402
 from iterserve.engine.model.loader import ModelConfig, load_model  # noqa: E402
 from iterserve.engine.model.registry import resolve_model_path  # noqa: E402
@@ -66,22 +71,35 @@ SCENARIOS = [Scenario("tail-1", 1, 1, 256), Scenario("tail-2", 2, 1, 256), Scena
 QUICK = ["tail-2", "full-32", "prefill-512"]
 
 
-class ProfiledBackend(TorchBackend):
-    """The torch backend with its KV write and attention marked for the profiler."""
+class Profiled:
+    """Mixed into an attention backend: its KV write and attention marked for the profiler."""
 
     profiling = False
 
     def write_kv(self, key, value, k_cache, v_cache, meta):
-        if not ProfiledBackend.profiling:
+        if not Profiled.profiling:
             return super().write_kv(key, value, k_cache, v_cache, meta)
         with torch.profiler.record_function(ATTENTION_RANGE):
             return super().write_kv(key, value, k_cache, v_cache, meta)
 
     def attend(self, query, k_cache, v_cache, meta, scale):
-        if not ProfiledBackend.profiling:
+        if not Profiled.profiling:
             return super().attend(query, k_cache, v_cache, meta, scale)
         with torch.profiler.record_function(ATTENTION_RANGE):
             return super().attend(query, k_cache, v_cache, meta, scale)
+
+
+class ProfiledBackend(Profiled, TorchBackend):
+    pass
+
+
+def baseline_backend(rev: str):
+    """The torch backend as it was at git revision rev (its file is self-contained), profiled."""
+    source = subprocess.run(["git", "show", f"{rev}:engine/attention/torch_backend.py"], check=True,
+                            capture_output=True, text=True, cwd=Path(__file__).parent.parent).stdout
+    module = types.ModuleType("baseline_torch_backend")
+    exec(compile(source, "baseline_torch_backend.py", "exec"), module.__dict__)  # noqa: S102
+    return type("BaselineBackend", (Profiled, module.TorchBackend), {})()
 
 
 def skeleton_model(cfg: ModelConfig, quantization: str) -> LlamaModel:
@@ -110,8 +128,9 @@ def skeleton_model(cfg: ModelConfig, quantization: str) -> LlamaModel:
 class Case:
     """A model, its KV caches and one scenario's inputs; step() runs what ModelRunner.execute runs."""
 
-    def __init__(self, model: LlamaModel, caches, scenario: Scenario, seed: int):
+    def __init__(self, model: LlamaModel, caches, scenario: Scenario, seed: int, small_rows: int | None = None):
         self.model, self.caches, self.s = model, caches, scenario
+        self.small_rows = llama.SMALL_ROWS if small_rows is None else small_rows
         blocks = -(-scenario.context // BLOCK)
         gen = torch.Generator().manual_seed(seed)
         order = torch.randperm(len(caches[0][0]), generator=gen).tolist()  # scattered blocks, as in a real pool
@@ -122,7 +141,14 @@ class Case:
         self.sample_rows = torch.arange(scenario.query_len - 1, n, scenario.query_len)
 
     def step(self) -> tuple[float, float]:
-        s = self.s
+        s, default = self.s, llama.SMALL_ROWS
+        llama.SMALL_ROWS = self.small_rows
+        try:
+            return self._step(s)
+        finally:
+            llama.SMALL_ROWS = default
+
+    def _step(self, s: Scenario) -> tuple[float, float]:
         start = time.perf_counter()
         meta = AttentionMetadata.build([s.query_len] * s.seqs, [s.context] * s.seqs, self.tables, BLOCK)
         built = time.perf_counter()
@@ -141,12 +167,12 @@ def kv_caches(cfg: ModelConfig, blocks: int, seed: int):
 
 def breakdown(case: Case) -> dict:
     """One profiled step: ms of matmul / attention / other ops / python+dispatch."""
-    ProfiledBackend.profiling = True
+    Profiled.profiling = True
     try:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             wall, _ = case.step()
     finally:
-        ProfiledBackend.profiling = False
+        Profiled.profiling = False
     totals = {"matmul": 0.0, "attention": 0.0, "other_ops": 0.0}
     for event in prof.events():
         name = event.name
@@ -181,7 +207,7 @@ def run_child(args) -> dict:
                                        q4_1=dict(loaded.q4_1 or {}))
         skeleton = skeleton_model(cfg, mode)
         skeleton_caches = kv_caches(skeleton.config, blocks, args.seed)
-        variants = {}
+        variants, small_rows = {}, {"before": 0}
         for variant in args.variants.split(","):
             if variant == "compiled":
                 # Separate model objects sharing the weights: one eager, one compiled.
@@ -194,10 +220,17 @@ def run_child(args) -> dict:
                 compile_s[mode] = round(time.perf_counter() - t0, 1)
                 compile_model(skel_c)
                 variants[variant] = (real_c, skel_c)
-            else:
+            elif variant == "before":
+                old = baseline_backend(args.baseline_rev)
+                variants[variant] = tuple(LlamaModel(m.config, old, m.layers, m.embed_tokens, m.norm, m.lm_head, 1024,
+                                                     mode) for m in (real, skeleton))
+            elif variant == "eager":
                 variants[variant] = (real, skeleton)
+            else:
+                raise SystemExit(f"unknown variant {variant!r}; choose from before, eager, compiled")
         for scenario in scenarios:
-            cases = {v: (Case(m, caches, scenario, args.seed), Case(sk, skeleton_caches, scenario, args.seed))
+            cases = {v: (Case(m, caches, scenario, args.seed, small_rows.get(v)),
+                         Case(sk, skeleton_caches, scenario, args.seed, small_rows.get(v)))
                      for v, (m, sk) in variants.items()}
             times = {v: [] for v in cases}
             meta_times = {v: [] for v in cases}
@@ -238,9 +271,13 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
     parser.add_argument("--threads", default="1,2", help="torch thread counts, each in its own process (default 1,2)")
     parser.add_argument("--modes", default="none", help="quantization modes, e.g. none,int8 (default none)")
-    parser.add_argument("--variants", default="eager,compiled", help="eager and/or compiled (default both)")
+    parser.add_argument("--variants", default="before,eager,compiled",
+                        help="any of before, eager, compiled (default all three)")
     parser.add_argument("--scenarios", default=",".join(s.name for s in SCENARIOS))
     parser.add_argument("--repeats", type=int, default=7, help="timed steps per variant (default 7)")
+    parser.add_argument("--baseline-rev", default="138bf3a",
+                        help="git revision whose torch attention backend the `before` variant runs (default "
+                             "%(default)s, the last before this change)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -259,6 +296,7 @@ def main(argv=None) -> int:
         with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
             child = [sys.executable, __file__, "--threads", threads, "--modes", args.modes, "--variants", args.variants,
                      "--scenarios", args.scenarios, "--repeats", str(args.repeats), "--seed", str(args.seed),
+                     "--baseline-rev", args.baseline_rev,
                      "--child-out", tmp.name] + (["--quick"] if args.quick else [])
             env = dict(os.environ, OMP_NUM_THREADS=threads)
             subprocess.run(child, check=True, env=env)
@@ -273,10 +311,28 @@ def main(argv=None) -> int:
                                          r["profile_ms"]["attention"], r["profile_ms"]["other_ops"],
                                          r["profile_ms"]["python_dispatch"], r["skeleton_ms_median"]]
                                         for r in results]))
+    speedups = []
+    by_key = {(r["threads"], r["quantization"], r["scenario"], r["variant"]): r["step_ms_median"] for r in results}
+    for (threads, mode, scenario, variant), ms in by_key.items():
+        base = {"eager": "before", "compiled": "eager"}.get(variant)
+        if base and (threads, mode, scenario, base) in by_key:
+            speedups.append({"threads": threads, "quantization": mode, "scenario": scenario,
+                             "change": f"{variant} vs {base}",
+                             "speedup": round(by_key[(threads, mode, scenario, base)] / ms, 3)})
+    for t2 in [k for k in by_key if k[0] == 2]:
+        if (1, *t2[1:]) in by_key:
+            speedups.append({"threads": "2 vs 1", "quantization": t2[1], "scenario": t2[2],
+                             "change": f"{t2[3]}: 2 threads vs 1",
+                             "speedup": round(by_key[(1, *t2[1:])] / by_key[t2], 3)})
+    if speedups:
+        print()
+        print(common.format_table(["threads", "mode", "scenario", "change", "speedup"],
+                                  [[x["threads"], x["quantization"], x["scenario"], x["change"], x["speedup"]]
+                                   for x in speedups]))
     if compile_s:
         print("compile + warm-up seconds:", compile_s)
     common.write_json(args.json, {"benchmark": "step_overhead", "machine": common.finish_machine(info),
-                                  "compile_s": compile_s, "results": results})
+                                  "compile_s": compile_s, "speedups": speedups, "results": results})
     return 0
 
 

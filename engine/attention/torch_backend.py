@@ -2,7 +2,11 @@
 
 What a step's attention needs besides q/k/v (which rows are decodes, their block tables grouped
 into length buckets, the prefills' causal masks) is worked out once per step (`_plan`) and reused
-by every layer, instead of being rebuilt in Python 30 times.
+by every layer, instead of being rebuilt in Python 30 times. The plan also spares each layer
+work SDPA would otherwise redo: decode masks are additive floats (a boolean mask is converted on
+every call), a bucket holding every row in order skips the row gather and scatter, a lone decode
+needs no mask, and a prompt's first chunk uses SDPA's own causal kernel (is_causal, which skips
+the masked half) instead of an explicit mask.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ class TorchBackend(AttentionBackend):
         v_cache.view(num_blocks * block_size, heads, dim).index_copy_(0, meta.slot_mapping, value)
 
     def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        plan = _plan(meta, k_cache.shape[1], query.device)  # built once per step, shared by every layer
+        plan = _plan(meta, k_cache.shape[1], query.device, query.dtype)  # built once per step, shared by every layer
         output = torch.empty_like(query)
         gqa = query.shape[1] != k_cache.shape[2]
         _, block_size, heads, dim = k_cache.shape
@@ -35,16 +39,20 @@ class TorchBackend(AttentionBackend):
             # Decodes of similar length together: gather their blocks (padded to the bucket's longest,
             # at most ~1/3 waste), one masked SDPA per bucket.
             count, width = tables.shape
-            k = k_cache[tables].view(count, width * block_size, heads, dim).transpose(1, 2)
-            v = v_cache[tables].view(count, width * block_size, heads, dim).transpose(1, 2)
-            out = F.scaled_dot_product_attention(query[rows].unsqueeze(2), k, v, attn_mask=mask, scale=scale,
-                                                 enable_gqa=gqa)
-            output[rows] = out.squeeze(2)
-        for q_start, q_end, blocks, seq_len, mask in plan.prefills:
-            k = k_cache[blocks].view(-1, heads, dim)[:seq_len].transpose(0, 1)  # [Hkv, L, D]
-            v = v_cache[blocks].view(-1, heads, dim)[:seq_len].transpose(0, 1)
+            flat = tables.view(-1)
+            k = k_cache.index_select(0, flat).view(count, width * block_size, heads, dim).transpose(1, 2)
+            v = v_cache.index_select(0, flat).view(count, width * block_size, heads, dim).transpose(1, 2)
+            q = (query if rows is None else query.index_select(0, rows)).unsqueeze(2)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa).squeeze(2)
+            if rows is None:  # one bucket with every row, in order: the output itself
+                return out
+            output[rows] = out
+        for q_start, q_end, blocks, seq_len, mask, causal in plan.prefills:
+            k = k_cache.index_select(0, blocks).view(-1, heads, dim)[:seq_len].transpose(0, 1)  # [Hkv, L, D]
+            v = v_cache.index_select(0, blocks).view(-1, heads, dim)[:seq_len].transpose(0, 1)
             q = query[q_start:q_end].transpose(0, 1)  # [H, q_len, D]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                                 enable_gqa=gqa)
             output[q_start:q_end] = out.transpose(0, 1)
         return output
 
@@ -76,11 +84,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 @dataclass(slots=True)
 class _Plan:
-    decode_buckets: list  # (query rows [S], block tables [S, width], mask [S, 1, 1, width * bs] | None)
-    prefills: list  # (q_start, q_end, blocks [n], seq_len, causal mask [q_len, seq_len]): and lone decodes
+    # (query rows [S] | None for all rows in order, block tables [S, width], additive mask [S, 1, 1, width * bs])
+    decode_buckets: list
+    # (q_start, q_end, blocks [n], seq_len, causal mask [q_len, seq_len] | None, is_causal): and lone decodes
+    prefills: list
 
 
-def _plan(meta: AttentionMetadata, block_size: int, device) -> _Plan:
+def _plan(meta: AttentionMetadata, block_size: int, device, dtype: torch.dtype) -> _Plan:
     cached = meta.__dict__.get("_torch_plan")
     if cached is not None:
         return cached
@@ -93,11 +103,16 @@ def _plan(meta: AttentionMetadata, block_size: int, device) -> _Plan:
             decodes.append((seq_len, i))
             continue
         num_blocks = -(-seq_len // block_size)
-        # Query j sits at position seq_len - q_len + j and sees keys up to and including it.
-        key_pos = torch.arange(seq_len, device=device)
-        query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-        mask = key_pos[None, :] <= query_pos[:, None]
-        prefills.append((starts[i], starts[i + 1], tables[i, :num_blocks], seq_len, mask))
+        mask, causal = None, False
+        if q_len == seq_len and q_len > 1:
+            causal = True  # a prompt's first chunk: SDPA's causal (top-left) alignment is the right one
+        elif q_len > 1:
+            # Query j sits at position seq_len - q_len + j and sees keys up to and including it.
+            key_pos = torch.arange(seq_len, device=device)
+            query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+            mask = key_pos[None, :] <= query_pos[:, None]
+        # (q_len 1: a lone decode sees every cached key, no mask.)
+        prefills.append((starts[i], starts[i + 1], tables[i, :num_blocks].contiguous(), seq_len, mask, causal))
     buckets = []
     decodes.sort(reverse=True)
     while decodes:
@@ -107,11 +122,15 @@ def _plan(meta: AttentionMetadata, block_size: int, device) -> _Plan:
         while take < len(decodes) and -(-decodes[take][0] // block_size) >= BUCKET_FILL * width:
             take += 1
         group, decodes = decodes[:take], decodes[take:]
+        group.sort(key=lambda d: d[1])  # in row order, so a bucket of every row needs no gather
         index = torch.tensor([i for _, i in group], device=device)
         lens = torch.tensor([n for n, _ in group], device=device)
-        mask = (torch.arange(width * block_size, device=device)[None, :] < lens[:, None])[:, None, None, :]
-        rows = torch.tensor([starts[i] for _, i in group], device=device)
-        buckets.append((rows, tables[index, :width], mask))
+        beyond = torch.arange(width * block_size, device=device)[None, :] >= lens[:, None]
+        mask = torch.zeros(beyond.shape, dtype=dtype, device=device).masked_fill_(beyond, float("-inf"))[:, None, None, :]
+        row_list = [starts[i] for _, i in group]
+        every_row = not buckets and not decodes and not prefills and row_list == list(range(starts[-1]))
+        rows = None if every_row else torch.tensor(row_list, device=device)
+        buckets.append((rows, tables[index, :width].contiguous(), mask))
     plan = _Plan(buckets, prefills)
     meta.__dict__["_torch_plan"] = plan
     return plan
