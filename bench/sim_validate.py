@@ -213,7 +213,7 @@ def main() -> int:
         what = "each step's engine-thread CPU time" if clock == "cpu" else "each step's wall time"
         profile, errors = fit_and_test("smollm2-135m-cpu" if clock == "cpu" else "smollm2-135m-cpu-wall", train, test,
                                        f"{source}; {what}, median over {train_noise[0]['measurements_per_step']} "
-                                       "replays of the same batches")
+                                       "measurements of the same batches (a run and its replays)")
         single_errors = profiles.evaluate(profile, test_single)
         # The same terms without the median: a fit on the first run's single measurements.
         singles_train = [r for document in trains for r in measured_steps(document, clock)[1]]
