@@ -37,13 +37,13 @@ PHASES = ("idle", "long", "short", "light")
 @dataclass(frozen=True)
 class DisaggregatedScenario:
     disaggregated: bool = True  # tells run() and the JSON which loop this is
-    idle_seconds: float = 5
-    long_seconds: float = 40  # long prompts at long_rate: the prefill pool's load
+    idle_seconds: float = 3
+    long_seconds: float = 30  # long prompts at long_rate: the prefill pool's load
     long_rate: float = 1.5
     long_prompt_tokens: int = 2000  # over threshold_tokens: prefilled on the prefill pool
     long_max_tokens: int = 4
-    short_seconds: float = 45  # short prompts with long outputs at short_rate: the decode pool's load
-    short_rate: float = 6.0
+    short_seconds: float = 40  # short prompts with long outputs at short_rate: the decode pool's load
+    short_rate: float = 5.0
     short_prompt_tokens: int = 32  # under threshold_tokens: prefilled on the decode pod itself
     short_max_tokens: int = 128
     light_rate: float = 0.5  # per kind (long and short) after the load, until both pools are at min
