@@ -111,6 +111,66 @@ def measurement_floor(series: np.ndarray, records: list[dict]) -> dict:
     return out
 
 
+def residuals(profile: profiles.StepProfile, records: list[dict], series: list[list[dict]]) -> dict:
+    """Where the profile errs on the decode-only held-out steps (signed: + over-predicts): by
+    batch size, by context (terciles), by position in the run (quarters), and against each
+    measurement series alone (the first run, each replay)."""
+    features = [profiles.StepFeatures.from_record(r) for r in records]
+    measured = np.array([r["duration_s"] for r in records])
+    predicted = np.array([profile.step_seconds(f) for f in features])
+    signed = (predicted - measured) / measured
+    decode = np.array([f.prefill_tokens == 0 for f in features])
+    seqs = np.array([f.num_seqs for f in features])
+    context = np.array([f.context_tokens for f in features])
+    position = np.arange(len(records)) * 4 // max(1, len(records))
+
+    def group(mask: np.ndarray) -> dict:
+        return {"steps": int(mask.sum()), "signed": float(signed[mask].mean()), "abs": float(np.abs(signed[mask]).mean())}
+
+    out: dict = {"by_num_seqs": {int(k): group(decode & (seqs == k)) for k in sorted(set(seqs[decode]))}}
+    edges = np.quantile(context[decode], [0, 1 / 3, 2 / 3, 1]) if decode.any() else []
+    out["by_context"] = {f"{lo:.0f}-{hi:.0f}": group(decode & (context >= lo) & (context <= hi))
+                         for lo, hi in zip(edges[:-1], edges[1:], strict=True)}
+    out["by_position_quarter"] = {str(q): group(decode & (position == q)) for q in range(4) if (decode & (position == q)).any()}
+    out["by_series_abs"] = [float(np.abs((predicted[decode] - t[decode]) / t[decode]).mean())
+                            for t in (np.array([r["duration_s"] for r in run]) for run in series)]
+    return out
+
+
+def error_by_measurements(profile: profiles.StepProfile, document: dict, clock: str) -> list[dict]:
+    """The decode-only and mixed errors against medians over the first k measurements of each
+    step, k = 1 .. runs + replays: how much of the error is the measurement's own noise."""
+    out = []
+    for k in range(len(document.get("replays", [])) + 1):
+        medians = measured_steps(dict(document, replays=document.get("replays", [])[:k]), clock)[0]
+        errors = profiles.evaluate(profile, medians)
+        out.append({"measurements": k + 1, "decode_only": errors["decode_only"].mean, "mixed": errors["mixed"].mean})
+    return out
+
+
+CANDIDATE_SHAPES = {  # tried by CV beside the profile's terms; not offered to fit_profile (see docs/simulator.md)
+    "min(tokens,2)": lambda f: min(f.prefill_tokens + f.decode_seqs, 2),
+    "min(tokens,3)": lambda f: min(f.prefill_tokens + f.decode_seqs, 3),
+    "min(tokens,4)": lambda f: min(f.prefill_tokens + f.decode_seqs, 4),
+    "min(tokens,8)": lambda f: min(f.prefill_tokens + f.decode_seqs, 8),
+    "log(tokens)": lambda f: float(np.log(f.prefill_tokens + f.decode_seqs)),
+    "sqrt(tokens)": lambda f: float(np.sqrt(f.prefill_tokens + f.decode_seqs)),
+    "2+ sequences": lambda f: float(f.num_seqs >= 2),
+}
+
+
+def candidate_shapes(profile: profiles.StepProfile, train: list[dict]) -> dict:
+    """4-fold CV error on the training steps of the profile's terms plus each candidate shape."""
+    features = [profiles.StepFeatures.from_record(r) for r in train]
+    times = np.array([r["duration_s"] for r in train])
+    base = profiles._matrix(features, list(profile.coefficients))
+    out = {"profile's terms": profiles._cv_error(base, times)}
+    for name, shape in CANDIDATE_SHAPES.items():
+        column = np.array([[shape(f)] for f in features], dtype=float)
+        out[name] = profiles._cv_error(np.hstack([base, column]), times)
+    return out
+
+
 def real_figures(run: dict) -> dict:
     done = [r for r in run["requests"] if "finished_s" in r]
     span = max(r["finished_s"] for r in done) - min(r["arrival_s"] for r in run["requests"])
@@ -240,12 +300,31 @@ def main() -> int:
         floor = measurement_floor(series, matched_records)
         print("measurement floor: one level-matched real run vs the median of the others: "
               f"decode-only {floor['decode_only']:.1%}, mixed {floor['mixed']:.1%}")
+        first = heldout["runs"][0]
+        prompt_len = {r["id"]: r["prompt_tokens"] for r in first["requests"]}
+        series = [[step_record(s, prompt_len, run["steps"][i][key]) for i, s in enumerate(first["steps"]) if s["chunks"]]
+                  for run in [first, *heldout.get("replays", [])]]
+        resid = residuals(profile, test, series)
+        print("decode-only residuals vs the medians (mean signed / mean abs; + over-predicts):")
+        for what, groups in (("sequences", resid["by_num_seqs"]), ("context tokens", resid["by_context"]),
+                             ("run quarter", resid["by_position_quarter"])):
+            print(f"  by {what}: " + ", ".join(f"{k}: {g['signed']:+.1%} / {g['abs']:.1%} ({g['steps']})"
+                                              for k, g in groups.items()))
+        print("  against each measurement series alone: " + ", ".join(f"{e:.1%}" for e in resid["by_series_abs"]))
+        trend = error_by_measurements(profile, heldout, clock)
+        print("error vs medians of the first k measurements per step: " + ", ".join(
+            f"k={t['measurements']}: {t['decode_only']:.1%} / {t['mixed']:.1%}" for t in trend) + " (decode-only / mixed)")
+        shapes = candidate_shapes(profile, train)
+        print("4-fold CV error on the training steps, the profile's terms + one candidate shape: " + ", ".join(
+            f"{k} {v:.2%}" for k, v in shapes.items()))
         result[clock] = {"profile": json.loads(profile.to_json()),
                          "step_errors_vs_medians": {k: vars(v) for k, v in errors.items()},
                          "step_errors_vs_single": {k: vars(v) for k, v in single_errors.items()},
                          "step_errors_no_medians": {k: vars(v) for k, v in errors_no_median.items()},
                          "step_errors_level_matched": {k: vars(v) for k, v in matched.items()},
                          "level_factors": factors, "measurement_floor": floor,
+                         "decode_only_residuals": resid, "error_by_measurements": trend,
+                         "candidate_shapes_cv_error": shapes,
                          "run_step_seconds_total": [sum(s[key] for s in run["steps"])
                                                     for run in [heldout["runs"][0], *heldout.get("replays", [])]],
                          "noise_train": train_noise, "noise_heldout": test_noise}
