@@ -5,7 +5,10 @@ Policies: static N (no autoscaling), queue threshold only (waiting requests per 
 preemption signal, no KV retune), iterserve's default (the spec's defaults, retune off) and
 default + retune (the spec's defaults as they are: KV retune on).
 
-    .venv/bin/python bench/policy_table.py --json docs/perf/policy_table.json [--quick]
+    .venv/bin/python bench/policy_table.py --burst-rate 2 --json docs/perf/sim/policy_table.json \
+        --plot docs/perf/sim/policy [--quick]
+
+--plot PREFIX draws the timelines of PLOTTED (PREFIX_default_retune_30s.png, ...).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ POLICIES = {
     "iterserve default": {"autoscaling": dict(AUTOSCALING, kvRetune={"enabled": False})},
     "default + retune": {"autoscaling": dict(AUTOSCALING)},
 }
+PLOTTED = {("default + retune", "30"): "default_retune_30s", ("iterserve default", "100"): "default_100s",
+           ("queue threshold only", "100"): "queue_only_100s"}
 
 
 def workload(minutes: float, seed: int, burst_rate: float) -> list[TraceRequest]:
@@ -54,6 +59,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--burst-rate", type=float, default=2.5, help="requests/s during the burst")
     parser.add_argument("--json")
+    parser.add_argument("--plot", metavar="PREFIX", help="write the timelines of a few rows as PREFIX_<row>.png")
     args = parser.parse_args()
     minutes = 8 if args.quick else args.minutes
     profile = load_profile(args.profile)
@@ -72,6 +78,12 @@ def main() -> int:
             document, wall = simulate(trace, spec, profile, SimOptions(seed=args.seed, startup=Delay.parse(startup),
                                                                        tail_s=120), slo, {})
             s = document["summary"]
+            if args.plot and (name, startup) in PLOTTED:
+                from iterserve.simulate.report import plot
+
+                path = f"{args.plot}_{PLOTTED[name, startup]}.png"
+                plot(document, path, f"{name}, start-up {startup} s, profile {profile.name}")
+                print(f"  wrote {path}")
             rows.append({"policy": name, "startup_s": None if name.startswith("static") else float(startup),
                          "slo_attainment": s["slo"]["attainment"], "ttft_p95_s": s["ttft_s"]["p95"],
                          "replica_seconds": s["replica_seconds"], "scale_events": len(s["scale_events"]),
