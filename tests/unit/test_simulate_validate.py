@@ -1,6 +1,7 @@
-"""bench/sim_validate.py on the shipped evidence (docs/perf/sim/v3: real runs of the embedded model):
-the shipped default profile is exactly the fit of that evidence, and the printout carries the checks
-and the residual analysis docs/simulator.md quotes."""
+"""bench/sim_validate.py on the shipped evidence (real runs of the embedded model, recorded by
+bench/sim_record.py): the shipped default profile is exactly the fit of that evidence, the committed
+validate.json (whose figures docs/simulator.md and the README quote) is what the script computes from
+it, and the printout carries the checks and the residual analysis."""
 
 import json
 import os
@@ -13,7 +14,19 @@ import pytest
 from iterserve.simulate import profile as profiles
 
 ROOT = Path(__file__).resolve().parents[2]
-EVIDENCE = ROOT / "docs" / "perf" / "sim" / "v3"
+EVIDENCE = ROOT / "docs" / "perf" / "sim" / "v3"  # the recording the shipped smollm2-135m-cpu profile is fitted on
+
+
+def _numbers(value, path=""):
+    """Every number in a JSON value, by its path (the simulator's wall-clock speed left out)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _numbers(item, f"{path}/{key}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _numbers(item, f"{path}/{index}")
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        yield path, value
 
 
 @pytest.mark.slow
@@ -29,21 +42,23 @@ def test_shipped_profile_is_the_fit_of_the_shipped_evidence(tmp_path):
     fitted = profiles.load_profile(str(out))
     shipped = profiles.load_profile("smollm2-135m-cpu")
     assert fitted.coefficients == pytest.approx(shipped.coefficients, rel=1e-9)
-    assert set(shipped.coefficients) == {*profiles.BASE_TERMS, "multi_token"}
+    assert not shipped.modelled and shipped.coefficients["const"] > 0
 
     result = json.loads((tmp_path / "v.json").read_text())
+    committed = json.loads((EVIDENCE / "validate.json").read_text())
+    for key in ("cpu", "parity", "real_runs", "sim_error_vs_real_mean"):
+        computed = dict(_numbers(result[key]))
+        for path, value in _numbers(committed[key]):
+            if not path.endswith("wall_s"):
+                assert computed[path] == pytest.approx(value, rel=1e-9, abs=1e-12), f"{key}{path}"
     cpu = result["cpu"]
-    assert result["parity"]["fraction"] == 1.0
-    # The figures docs/simulator.md and the README quote (rounded there).
-    assert cpu["step_errors_vs_medians"]["decode_only"]["mean"] == pytest.approx(0.0504, abs=5e-4)
-    assert cpu["step_errors_vs_medians"]["mixed"]["mean"] == pytest.approx(0.0387, abs=5e-4)
-    assert [round(t["decode_only"], 3) for t in cpu["error_by_measurements"]] == [0.068, 0.049, 0.050]
-    residuals = cpu["decode_only_residuals"]
-    assert residuals["by_num_seqs"]["2"]["signed"] == pytest.approx(0.045, abs=1e-3)
-    assert len(residuals["by_series_abs"]) == 3
-    # No candidate shape cuts the CV error by the point a term needs to earn its place.
+    assert result["parity"]["fraction"] >= 0.99
+    assert len(cpu["error_by_measurements"]) == cpu["noise_heldout"]["measurements_per_step"]
+    assert sum(g["steps"] for g in cpu["decode_only_residuals"]["by_num_seqs"].values()) \
+        == cpu["step_errors_vs_medians"]["decode_only"]["steps"]
+    # Term selection is by CV: no candidate shape left out would have earned its place.
     shapes = cpu["candidate_shapes_cv_error"]
     assert min(shapes.values()) > shapes["profile's terms"] - profiles.EARN_PLACE
     for line in ("decode-only residuals vs the medians", "error vs medians of the first k measurements",
-                 "4-fold CV error on the training steps", "parity: 177/177"):
+                 "4-fold CV error on the training steps", f"parity: {result['parity']['same_composition']}/"):
         assert line in proc.stdout
