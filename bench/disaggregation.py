@@ -16,7 +16,7 @@ _bytes per transferred prompt token), the share of requests sent remote and the 
 prefill seconds; for every arm its engines' busy share (CPU seconds of the engine process per
 second of the arm) and the load average at its start and end. The arrival rate is set from a
 calibration on one replica (--utilization, default 0.6, of two replicas' capacity, requests
-alone) unless --rate is given, and is the same for both workloads. With 2000-token prompts at
+alone; for each workload its own mix) unless --rate / --short-rate are given. With 2000-token prompts at
 --long-share 0.25 the split is balanced: the prefill replica gets the long prefills, the decode
 replica the short prefills and all decoding, each about as busy as one aggregated replica. The
 router and the load generator are not pinned: they share the two cores with the engines, as the
@@ -138,15 +138,15 @@ def scrape(url: str) -> dict[str, float]:
     return samples
 
 
-def workload(args, long_share: float, seed: int, arm: int, rate: float,
-             stream: int = 0) -> list[tuple[float, list[int]]]:
+def workload(args, long_share: float, seed: int, arm: int, rate: float, stream: int,
+             count: int) -> list[tuple[float, list[int]]]:
     """(arrival offset in seconds, prompt token ids) per request: the same arrivals and lengths for
     every arm of a workload, token ids of the arm's own stream (an engine that served an earlier
     arm or workload must not find the prompts in its prefix cache: each (stream, arm) pair draws
     from its own generator; pass a different stream per workload); no two prompts share a prefix."""
     rng, tokens = random.Random(seed), random.Random(f"{seed}/{stream}/{arm}")
     at, out = 0.0, []
-    for _ in range(args.requests):
+    for _ in range(count):
         n = args.long_tokens if rng.random() < long_share else args.short_tokens
         out.append((at, [tokens.randint(*PROMPT_TOKEN_RANGE) for _ in range(n)]))
         at += rng.expovariate(rate)
@@ -352,6 +352,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--utilization", type=float, default=0.6,
                         help="without --rate: the arrival rate as this share of two replicas' capacity, from the "
                              "calibration of one long and one short request alone (default 0.6)")
+    parser.add_argument("--calibrated", type=float, nargs=2, metavar=("LONG_S", "SHORT_S"),
+                        help="skip the calibration: seconds of one long and one short request alone on one replica, "
+                             "as an earlier run printed (its 'calibration:' line)")
+    parser.add_argument("--short-rate", type=float,
+                        help="the short workload's arrivals per second (default: --utilization of two replicas' capacity for "
+                             "short requests; with --rate and no calibration, that rate)")
+    parser.add_argument("--short-requests", type=int, help="the short workload's requests per arm (default --requests)")
     parser.add_argument("--threshold", type=int, default=512, help="the router's --pd-threshold-tokens (default 512)")
     parser.add_argument("--workloads", default="mixed,short", help="comma-separated, of mixed and short (default both)")
     parser.add_argument("--fake-model", action="store_true",
@@ -382,17 +389,28 @@ def main(argv: list[str] | None = None) -> int:
             for name, url in engines.items():
                 wait_for(lambda url=url: _ok(f"{url}/ready"), 900, 0.5, what=f"engine {name} ready")
             MODEL[0] = httpx.get(f"{engines['both0']}/v1/models", timeout=30).json()["data"][0]["id"]
-            calibration = calibrate(engines["both0"], args) if args.rate is None else {"long_s": None, "short_s": None}
+            if args.calibrated:
+                calibration = {"long_s": args.calibrated[0], "short_s": args.calibrated[1], "from": "--calibrated"}
+            elif args.rate is None:
+                calibration = calibrate(engines["both0"], args)
+            else:
+                calibration = {"long_s": None, "short_s": None}
             if args.rate is None:
                 # Each request alone on one replica takes long_s or short_s: two replicas at
                 # --utilization of that capacity (batching serves a little more, so the engines run
                 # somewhat below it; each arm records its engines' measured busy share).
                 mean_s = args.long_share * calibration["long_s"] + (1 - args.long_share) * calibration["short_s"]
                 args.rate = args.utilization * 2 / mean_s
-            report["calibration"] = {**calibration, "rate_per_s": args.rate}
-            arms_total = 2 * ("mixed" in wanted) + 3 * ("short" in wanted)
-            print(f"calibration: {calibration}; rate {args.rate:.3f}/s; {arms_total} arms of {args.requests} "
-                  f"requests: about {arms_total * args.requests / args.rate / 60:.0f} min of arrivals", flush=True)
+            if args.short_rate is None:  # the same --utilization of the pair, on short requests
+                args.short_rate = (args.utilization * 2 / calibration["short_s"] if calibration["short_s"]
+                                   else args.rate)
+            args.short_requests = args.short_requests or args.requests
+            report["calibration"] = {**calibration, "rate_per_s": args.rate, "short_rate_per_s": args.short_rate}
+            report["args"].update(rate=args.rate, short_rate=args.short_rate, short_requests=args.short_requests)
+            minutes = (2 * args.requests / args.rate * ("mixed" in wanted)
+                       + 3 * args.short_requests / args.short_rate * ("short" in wanted)) / 60
+            print(f"calibration: {calibration}; rate {args.rate:.3f}/s (short workload {args.short_rate:.3f}/s): about "
+                  f"{minutes:.0f} min of arrivals", flush=True)
             aggregated = procs.router("router-agg", "--endpoints", f"{engines['both0']},{engines['both1']}")
             # A prefill slower than the router's default timeout (30 s) would fall back to local prefill;
             # here every remote prefill is waited for, so the arm measures disaggregation itself.
@@ -401,17 +419,17 @@ def main(argv: list[str] | None = None) -> int:
             forced = procs.router("router-pd0", *pd, "--pd-threshold-tokens", "0")
             agg_engines = {e: engines[e] for e in ("both0", "both1")}
             pd_engines = {e: engines[e] for e in ("prefill", "decode")}
-            plan = [("mixed", args.long_share, [("aggregated", aggregated, agg_engines, None, args.threshold),
+            plan = [("mixed", args.long_share, args.rate, args.requests, [("aggregated", aggregated, agg_engines, None, args.threshold),
                                                 ("disaggregated", disaggregated, pd_engines, "decode", args.threshold)]),
-                    ("short", 0.0, [("aggregated", aggregated, agg_engines, None, args.threshold),
+                    ("short", 0.0, args.short_rate, args.short_requests, [("aggregated", aggregated, agg_engines, None, args.threshold),
                                     ("disaggregated", disaggregated, pd_engines, "decode", args.threshold),
                                     ("disaggregated_threshold_0", forced, pd_engines, "decode", 0)])]
-            for stream, (workload_name, share, arms) in enumerate(plan):
+            for stream, (workload_name, share, rate, count, arms) in enumerate(plan):
                 if workload_name not in wanted:
                     continue
                 print(f"{workload_name} workload:", flush=True)
                 report["workloads"][workload_name] = {
-                    name: run_arm(name, url, workload(args, share, args.seed, i, args.rate, stream), args, arm_engines,
+                    name: run_arm(name, url, workload(args, share, args.seed, i, rate, stream, count), args, arm_engines,
                                   procs, decode, threshold)
                     for i, (name, url, arm_engines, decode, threshold) in enumerate(arms)}
         finally:
