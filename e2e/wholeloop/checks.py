@@ -72,7 +72,9 @@ def evaluate(result: dict) -> tuple[dict, list[Check]]:
                         + ", ".join(f"{d['fromReplicas']}->{d['toReplicas']} at t={_t(result, d['time']):.0f}s"
                                     for d in ups)))
 
-    # 2. No runaway: each scale-up within the formula, none while the previous one's pods load.
+    # 2. No runaway: each scale-up within the formula; none of the preemption rule's +1 (relative to
+    # the replicas, so it would compound) while the previous one's pods load. A waiting scale-up
+    # (absolute: total waiting / target, with the loading pods already in the replicas) may.
     problems = []
     for record in ups:
         match = _WAITING.search(record["message"])
@@ -87,7 +89,7 @@ def evaluate(result: dict) -> tuple[dict, list[Check]]:
                             f"target {target:g} asks {allowed}")
     ordered = sorted(ups + downs, key=lambda d: d["time"])
     for first, second in zip(ordered, ordered[1:], strict=False):
-        if first["action"] != "ScaleUp" or second["action"] != "ScaleUp":
+        if first["action"] != "ScaleUp" or second["action"] != "ScaleUp" or second["reason"] != "preemptions":
             continue
         t1, t2 = _t(result, first["time"]), _t(result, second["time"])
         if not any(t1 <= r["t"] <= t2 + 1.5 and r["replicas_ready"] >= first["toReplicas"] for r in rows):
@@ -97,8 +99,8 @@ def evaluate(result: dict) -> tuple[dict, list[Check]]:
     if over_max:
         problems.append(f"replicas above maxReplicas at t={over_max[:3]}")
     checks.append(Check("no_runaway_scale_up", not problems,
-                        "; ".join(problems) or f"{len(ups)} scale-ups, each within the formula, "
-                                                "none while earlier new pods were loading"))
+                        "; ".join(problems) or f"{len(ups)} scale-ups, each within the formula, no "
+                                                "preemption +1 while earlier new pods were loading"))
 
     # 3. KV retune: a replica under KV pressure got a lower max_num_seqs; its preemption rate fell.
     summary_retune = {"retuned_pod": None, "max_num_seqs_before": scenario["max_num_seqs"],

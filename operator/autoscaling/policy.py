@@ -299,25 +299,35 @@ def _replica_decision(settings, state, history, signals, measured, metrics, now)
         proposal, reason = _scale_down_floor(settings, state, history, signals, measured, proposal,
                                              reason, notes, now)
 
-    decision = _carry_out(settings, state, proposal, reason, notes, metrics, signals, now)
+    # The preemption rule's +1 is relative to the replicas asked for; the waiting rule's proposal is
+    # absolute (total waiting / target), so it passes while pods load (see _carry_out).
+    decision = _carry_out(settings, state, proposal, reason, notes, metrics, signals, now,
+                          relative=reason == "preemptions")
     return replace(decision, total_waiting=total_waiting, total_running=total_running,
                    preemptions_per_minute_per_replica=rate_per_replica)
 
 
 def _carry_out(settings: Settings, state: State, proposal: int, reason: str, notes: list[str],
-               metrics: MetricsStatus, signals: Sequence[PodSignal], now: float) -> Decision:
+               metrics: MetricsStatus, signals: Sequence[PodSignal], now: float, relative: bool = False) -> Decision:
     """A raw proposal through the machinery both pools share: stabilization windows, capacity
-    still loading, rate policies and replica bounds, in HPA's order."""
+    still loading, rate policies and replica bounds, in HPA's order.
+
+    Capacity still loading holds only a `relative` proposal (one computed from the replicas
+    themselves: the preemption rule's current + 1, the TTFT rule's replicas x p95 / target):
+    repeated while pods load, it would compound (2 -> 4 -> 8 -> 16). An absolute proposal
+    (total waiting or queued prompt tokens / target) is what the demand needs however many pods
+    are loading; `current` already counts them, so it scales up only past them (HPA and KPA keep
+    scaling on such proposals while pods start)."""
     current = state.replicas
     recommendation = Recommendation(now, proposal)
     desired, held_by = _stabilize(settings, state, proposal, now), None
     if desired != proposal:
         notes.append(f"proposal {proposal} stabilized to {desired}")
         held_by = "stabilization_window"
-    if desired > current:
+    if desired > current and relative:
         pending = _pending(settings, state, now)
         if pending:
-            notes.append(f"{pending}; no further scale-up until they are ready or "
+            notes.append(f"{pending}; no further {reason} scale-up until they are ready or "
                          f"{settings.cold_start_seconds:g} s pass")
             desired, held_by = current, "pending_replicas"
     limited, limited_reason = [], ""
@@ -684,5 +694,6 @@ def decide_prefill(settings: Settings, state: State, history: Mapping[str, Seque
         if coming and proposal < current:
             notes.append(f"pods loading or warming up: {', '.join(coming)}")
             proposal, reason = current, "scale_down_blocked_warming"
-    decision = _carry_out(bounded, state, proposal, reason, ["prefill pool", *notes], metrics, signals, now)
+    decision = _carry_out(bounded, state, proposal, reason, ["prefill pool", *notes], metrics, signals, now,
+                          relative=pool.signal == "TTFT")
     return replace(decision, signal_value=value, **extra)

@@ -78,10 +78,16 @@ CASES = [
      history(steady("a", waiting=11), steady("b", waiting=10)), 2, "within_tolerance"),
     ("runaway while loading: pods not ready yet count as capacity coming",
      FAST, State(4, (ready("a"), ready("b"), loading("c"), loading("d"))),
-     history(steady("a", waiting=60), steady("b", waiting=60)), 4, "pending_replicas"),
+     history(steady("a", waiting=20), steady("b", waiting=20)), 4, "within_tolerance"),
     ("runaway while loading: pods asked for but not created yet count too",
      FAST, State(4, (ready("a"), ready("b")), last_scale_up_at=NOW - 5),
-     history(steady("a", waiting=60), steady("b", waiting=60)), 4, "pending_replicas"),
+     history(steady("a", waiting=20), steady("b", waiting=20)), 4, "within_tolerance"),
+    ("while pods load, a queue that needs more than the replicas asked for still scales up (absolute)",
+     FAST, State(3, (ready("a"), ready("b"), loading("c"))),
+     history(steady("a", waiting=30), steady("b", waiting=30)), 6, "waiting_above_target"),
+    ("while pods load, the preemption rule's +1 (relative) waits for them",
+     FAST, State(3, (ready("a"), ready("b"), loading("c"))),
+     history(steady("a", 12, waiting=5, running=16), steady("b", 12, waiting=5, running=16)), 3, "pending_replicas"),
     ("a pod stuck loading past the cold-start timeout stops counting",
      FAST, State(3, (ready("a"), ready("b"), loading("c", age=700))),
      history(steady("a", waiting=30), steady("b", waiting=30)), 6, "waiting_above_target"),
@@ -228,9 +234,8 @@ def test_scaling_limited_is_reported_with_the_numbers():
 # ------------------------------------------------------------------ multi-tick: no runaway
 
 
-def test_no_runaway_scale_up_while_new_pods_load():
-    """Waiting keeps growing while new pods load (2 -> 4 -> 8 -> 16 elsewhere): here replicas
-    rise once, hold while the new pods load, and rise again only after they are ready."""
+def _loading_run(waiting_total, preemptions_per_minute: float = 0.0, ticks: int = 12):
+    """Ticks every 15 s; new pods take 90 s to load; `waiting_total(tick)` spread over the ready pods."""
     settings = replace(FAST, max_replicas=16, warmup_seconds=0)
     memory = fresh_memory(2, 0)
     replicas, created = 2, {"p0": -1000.0, "p1": -1000.0}
@@ -241,8 +246,9 @@ def test_no_runaway_scale_up_while_new_pods_load():
         pods = [PodInfo(n, c, c + (0 if c < 0 else load_seconds) if now - c >= load_seconds or c < 0 else None)
                 for n, c in created.items()]
         ready_pods = [p for p in pods if p.ready_at is not None]
-        waiting_each = (40 + 20 * tick) / len(ready_pods)  # demand grows while capacity loads
-        samples = [PodSample(p.name, now, waiting_each, 16, 0.5, 0, 16) for p in ready_pods]
+        waiting_each = waiting_total(tick) / len(ready_pods)
+        samples = [PodSample(p.name, now, waiting_each, 16, 0.5, preemptions_per_minute * now / 60, 16)
+                   for p in ready_pods]
         memory = record_samples(memory, samples, [p.name for p in pods], settings, now)
         decision = decide(settings, state_for(memory, replicas, pods), memory.history, now)
         memory = record_decision(memory, decision, settings, now, True, decision.seqs_changes)
@@ -250,12 +256,34 @@ def test_no_runaway_scale_up_while_new_pods_load():
             created[f"p{i}"] = now
         replicas = decision.desired_replicas
         trajectory.append((now, len(ready_pods), replicas, decision.reason))
-    ups = [t for t in trajectory if t[3] == "waiting_above_target"]
-    # The first scale-up, then nothing until the new pods are ready (90 s = 6 ticks later).
-    assert trajectory[0][2] == 4, trajectory
-    assert all(t[2] == 4 for t in trajectory[1:6]), trajectory
-    assert all(t[3] == "pending_replicas" for t in trajectory[1:6]), trajectory
-    assert len(ups) <= 3 and max(t[2] for t in trajectory) <= 16, trajectory
+    return trajectory
+
+
+def test_no_runaway_scale_up_while_new_pods_load():
+    """The same queue read again while new pods load asks for no more (2 -> 6, not 6 -> 18 ->
+    ...): the loading pods are in the replicas the absolute proposal is compared with."""
+    trajectory = _loading_run(lambda tick: 60)
+    assert [t[2] for t in trajectory] == [6] * 12, trajectory
+    assert all(t[3] == "within_tolerance" for t in trajectory[1:]), trajectory
+
+
+def test_a_growing_queue_is_followed_while_pods_load_never_beyond_it():
+    """Demand grows while capacity loads: replicas follow total waiting / target (HPA's absolute
+    proposal), each step no higher than the queue asks for at that tick."""
+    trajectory = _loading_run(lambda tick: 40 + 20 * tick)
+    assert trajectory[0][2] == 4 and trajectory[1][2] == 6 and trajectory[5][2] == 14, trajectory
+    assert all(t[2] <= max(16, -(-(40 + 20 * i) // 10)) for i, t in enumerate(trajectory)), trajectory
+    assert all(t[2] <= -(-(40 + 20 * i) // 10) for i, t in enumerate(trajectory) if t[2] > 2), trajectory
+
+
+def test_preemptions_add_one_replica_then_wait_for_it_to_load():
+    """The preemption rule's +1 is relative: repeated every tick while the new pod loads it would
+    compound, so it waits for the pod (90 s = 6 ticks) before adding another."""
+    trajectory = _loading_run(lambda tick: 4, preemptions_per_minute=30)
+    first = next(i for i, t in enumerate(trajectory) if t[3] == "preemptions")  # a rate needs two readings
+    assert trajectory[first][2] == 3, trajectory
+    assert all(t[2:] == (3, "pending_replicas") for t in trajectory[first + 1:first + 6]), trajectory
+    assert trajectory[first + 6][2:] == (4, "preemptions"), trajectory
 
 
 # -------------------------------------------------------------------------------- KV retune

@@ -109,8 +109,14 @@ def test_scale_up_rate_policy_and_pending_pods_limit_the_prefill_pool_too():
     assert limited.desired_replicas == 2 and limited.limited_reason == "ScaleUpLimit"
     spent = queued({"p0": 5000}, settings=one_per_minute, scale_events=(ScaleEvent(NOW - 30, 0, 1),))
     assert spent.desired_replicas == 1 and spent.reason == "rate_limited"
+    # While a pod loads, the absolute proposal (queued tokens / target) still scales up past it...
     pods = (ready("p0"), PodState("p1", created_at=NOW - 20))
-    pending = decide_prefill(FAST, State(2, pods), {"p0": [sample("p0", queued=9000)]}, NOW)
+    absolute = decide_prefill(FAST, State(2, pods), {"p0": [sample("p0", queued=5000)]}, NOW)
+    assert absolute.desired_replicas == 5 and absolute.reason == "queued_prompt_tokens_above_target"
+    # ...the TTFT rule's (relative: replicas x p95 / target) waits for it.
+    slow = cumulative([0, 0, 0, 10, 0, 0])
+    history = {"p0": [sample("p0", NOW - 30, buckets=cumulative([0] * 6)), sample("p0", buckets=slow)]}
+    pending = decide_prefill(FAST_TTFT, State(2, pods), history, NOW)
     assert pending.desired_replicas == 2 and pending.reason == "pending_replicas"
 
 

@@ -53,11 +53,14 @@ def test_orderly_scale_up_and_down_pass():
         assert checks[name].ok, checks[name].detail
 
 
-def test_scale_up_while_new_pods_load_or_past_the_formula_is_runaway():
-    loading = [scale(12, "ScaleUp", 1, 2, waiting=8), scale(16, "ScaleUp", 2, 3, waiting=12)]
+def test_a_preemption_scale_up_while_new_pods_load_or_one_past_the_formula_is_runaway():
     rows = [row(11, 1, 1), row(13, 2, 1, 2), row(15, 2, 1, 2), row(17, 3, 1, 3), row(30, 3, 3)]
+    loading = [scale(12, "ScaleUp", 1, 2, waiting=8), scale(16, "ScaleUp", 2, 3, waiting=4, reason="preemptions")]
     detail = by_name(evaluate(result(loading, rows))[1])["no_runaway_scale_up"]
     assert not detail.ok and "were not all ready" in detail.detail
+    # The waiting rule's proposal is absolute (the loading pod is in the 2 replicas): it may go on.
+    absolute = [scale(12, "ScaleUp", 1, 2, waiting=8), scale(16, "ScaleUp", 2, 3, waiting=12)]
+    assert by_name(evaluate(result(absolute, rows))[1])["no_runaway_scale_up"].ok
 
     past_formula = [scale(12, "ScaleUp", 1, 3, waiting=5)]  # ceil(5 / 4) = 2
     detail = by_name(evaluate(result(past_formula, [row(11, 1, 1), row(30, 3, 3)]))[1])["no_runaway_scale_up"]
