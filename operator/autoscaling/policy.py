@@ -694,6 +694,6 @@ def decide_prefill(settings: Settings, state: State, history: Mapping[str, Seque
         if coming and proposal < current:
             notes.append(f"pods loading or warming up: {', '.join(coming)}")
             proposal, reason = current, "scale_down_blocked_warming"
-    decision = _carry_out(bounded, state, proposal, reason, ["prefill pool", *notes], metrics, signals, now,
+    decision = _carry_out(bounded, state, proposal, reason, notes, metrics, signals, now,
                           relative=pool.signal == "TTFT")
     return replace(decision, signal_value=value, **extra)

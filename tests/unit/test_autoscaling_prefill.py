@@ -28,6 +28,7 @@ from iterserve.operator.autoscaling.policy import (
     histogram_quantile,
     windowed_ttft_quantile,
 )
+from iterserve.operator.autoscaling.report import Record, events_for
 from iterserve.operator.autoscaling.settings import PrefillSettings, Settings, settings_from_spec
 from iterserve.operator.models import InferenceServiceSpec
 
@@ -63,7 +64,9 @@ def test_queued_prompt_tokens_above_target_scale_the_prefill_pool_up_to_the_hpa_
     assert (decision.current_replicas, decision.desired_replicas, decision.direction) == (2, 5, "up")
     assert decision.reason == "queued_prompt_tokens_above_target" and decision.pool == "prefill"
     assert decision.signal == "QueuedPromptTokens" and decision.signal_value == 2050 and decision.signal_target == 1000
-    assert "prefill pool" in decision.message and "4100" in decision.message
+    assert "4100" in decision.message
+    applied = events_for(decision, Record(replicas_applied=True), name_pool=True)
+    assert [e.reason for e in applied] == ["ScaleUp"] and applied[0].message.startswith("prefill pool: ")
 
 
 def test_the_prefill_pool_has_its_own_bounds_not_the_decode_pools():
