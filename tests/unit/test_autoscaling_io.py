@@ -245,3 +245,65 @@ def test_only_pods_of_the_current_replica_set_are_trusted():
     assert [p["metadata"]["name"] for p in trusted] == ["own"]
     assert strangers == ["hash-mismatch", "foreign", "hand-made"]  # an older revision's pods are not strangers
     assert trusted_pods(pods, None, [current]) == ([], [])
+
+
+def test_the_hook_splits_a_disaggregated_services_pods_by_role_and_trusts_each_pool_through_its_deployment():
+    """Decode readings come from the engine Deployment's pods, prefill readings from NAME-prefill's;
+    a pod labelled prefill that neither Deployment owns is a stranger, read by no pool."""
+    import logging
+
+    from iterserve.operator.autoscaling.hook import AutoscalerHook
+    from iterserve.operator.handlers import TickContext
+    from iterserve.operator.validation import parse_spec
+
+    body = {"metadata": {"name": "llm", "namespace": "ns", "uid": "isvc"}}
+    revision = {"annotations": {"deployment.kubernetes.io/revision": "1"}}
+
+    def pod(name: str, owner: str | None, hash_: str, role: str) -> dict:
+        return _owned("ReplicaSet", name, f"uid-{name}", owner,
+                      labels={"pod-template-hash": hash_, "iterserve.dev/role": role})
+
+    objects = {"llm": {**_owned("InferenceService", "llm", "dep-d", "isvc", **revision), "kind": "Deployment"},
+               "llm-prefill": {**_owned("InferenceService", "llm-prefill", "dep-p", "isvc", **revision),
+                               "kind": "Deployment"}}
+    for obj in objects.values():
+        obj["metadata"]["ownerReferences"][0]["kind"] = "InferenceService"
+    replica_sets = [_owned("Deployment", "rs-d", "rs-d", "dep-d", labels={"pod-template-hash": "d"}, **revision),
+                    _owned("Deployment", "rs-p", "rs-p", "dep-p", labels={"pod-template-hash": "p"}, **revision)]
+    pods = [pod("decode-1", "rs-d", "d", "decode"), pod("prefill-1", "rs-p", "p", "prefill"),
+            pod("look-alike", None, "p", "prefill")]
+
+    class Kube:
+        def list_pods(self, namespace, selector):
+            return pods
+
+        def list_replica_sets(self, namespace, selector):
+            return replica_sets
+
+        def get(self, kind, namespace, name):
+            return objects.get(name) if kind == "Deployment" else None
+
+    class Ticks:
+        metrics = None
+        seen: dict = {}
+
+        def due(self, *args):
+            return True
+
+        async def tick(self, **kwargs):
+            self.seen.update(kwargs)
+            return "tick"
+
+    class Reconciler:
+        def reconcile(self, namespace, name, tick=None):
+            Ticks.seen["recorded"] = tick
+
+    spec = parse_spec({"model": {"uri": "m"}, "autoscaling": {},
+                       "disaggregation": {"enabled": True, "prefill": {"replicas": 2}}})
+    hook = AutoscalerHook(autoscaler=Ticks())
+    hook(TickContext("ns", "llm", body, spec, Reconciler(), Kube(), logging.getLogger("t")))
+    names = lambda listed: [p["metadata"]["name"] for p in listed]  # noqa: E731
+    assert names(Ticks.seen["pods"]) == ["decode-1"]
+    assert names(Ticks.seen["prefill_pods"]) == ["prefill-1"]
+    assert Ticks.seen["prefill_replicas"] == 2 and Ticks.seen["recorded"] == "tick"
+    assert hook._strangers[("ns", "llm")] == ["look-alike"]
