@@ -1,9 +1,11 @@
 """One decode step of the real model, timed: a tail step (few long sequences left) and a full-batch
-step (many short ones), for fp32 / int8 / int4 linears, and with the torch attention backend of an
-earlier commit (--baseline-rev) for the before/after comparison. Prints where the time goes
-(torch.profiler, top ops) for each.
+step (many short ones), for fp32 / int8 / int4 / w8a8 linears, optionally also with --compile
+(engine/model/compiled.py), and with the torch attention backend of an earlier commit
+(--baseline-rev) for the before/after comparison. Prints where the time goes (torch.profiler, top
+ops) for each.
 
-    python bench/step_profile.py --baseline-rev cb1c555~1 --json docs/perf/step_profile.json
+    python bench/step_profile.py --threads 1 --compile --json docs/perf/step_profile.json
+    python bench/step_profile.py --baseline-rev cb1c555~1 --modes none,int8
 """
 
 from __future__ import annotations
@@ -48,8 +50,10 @@ def step(model: LlamaModel, caches, seqs: int, context: int):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline-rev", help="also time the torch backend of this git revision (fp32)")
-    parser.add_argument("--modes", default="none,int8,int4")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--modes", default="none,int8,int4,w8a8", help="--quantization modes (default %(default)s)")
+    parser.add_argument("--compile", action="store_true", help="also time each mode with --compile")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: what `iterserve serve` uses on a 2-CPU machine)")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per case (the minimum is kept)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
@@ -60,7 +64,8 @@ def main(argv=None) -> int:
     num_blocks = max(s * -(-c // BLOCK) for s, c in SCENARIOS.values())
     caches = [(torch.randn(num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim) * 0.1,
                torch.randn(num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim) * 0.1) for _ in range(cfg.num_layers)]
-    cases = [(mode, "torch", get_backend("torch")) for mode in args.modes.split(",")]
+    cases = [(mode, variant, get_backend("torch")) for mode in args.modes.split(",")
+             for variant in (("torch", "torch+compile") if args.compile else ("torch",))]
     if args.baseline_rev:
         cases.insert(0, ("none", f"torch@{args.baseline_rev}", baseline_backend(args.baseline_rev)))
     results = []
@@ -68,6 +73,13 @@ def main(argv=None) -> int:
     for mode, backend_name, backend in cases:
         model = LlamaModel.from_weights(cfg, dict(loaded.weights), backend, torch.device("cpu"), torch.float32,
                                         max_positions=512, quantization=mode, q4_1=dict(loaded.q4_1))
+        compile_s = None
+        if backend_name.endswith("+compile"):
+            from iterserve.engine.model.compiled import compile_model
+
+            started = time.perf_counter()
+            compile_model(model)
+            compile_s = time.perf_counter() - started
         for scenario, (seqs, context) in SCENARIOS.items():
             with torch.inference_mode():
                 step(model, caches, seqs, context)
@@ -82,7 +94,7 @@ def main(argv=None) -> int:
                    sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:6]]
             row = {"quantization": mode, "backend": backend_name, "scenario": scenario, "seqs": seqs,
                    "context": context, "step_ms": best * 1e3, "tokens_per_s": seqs / best,
-                   "top_ops_ms": top, "load_average_1m": __import__("os").getloadavg()[0]}
+                   "top_ops_ms": top, "compile_s": compile_s, "load_average_1m": __import__("os").getloadavg()[0]}
             results.append(row)
             print(f"{mode:5} {backend_name:22} {scenario:5} {seqs:3} seqs x {context}: {best * 1e3:7.1f} ms "
                   f"({seqs / best:6.1f} tok/s)  top: " + ", ".join(f"{k} {v:.1f}" for k, v in top[:4]),
