@@ -53,6 +53,7 @@ class LoadSpec:
     api_key: str | None = None
     endpoints: Callable[[], Sequence[str]] | None = None  # base URLs to spread over; None: url
     on_result: Callable[[RequestResult], None] | None = None  # called as each request ends
+    extra_body: dict | None = None  # more request fields, for servers that need them (bench/peers.py: vLLM)
 
     def validate(self) -> None:
         if self.requests is None and self.duration is None:
@@ -152,6 +153,7 @@ async def _one_request(client, model, prompt, max_tokens, spec, result: RequestR
             "stream_options": {"include_usage": True}}
     if spec.ignore_eos:
         body["ignore_eos"] = True
+    body.update(spec.extra_body or {})
     result.start = time.perf_counter()
     result.prompt_tokens = len(prompt)
     result.endpoint = base
