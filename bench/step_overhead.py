@@ -98,6 +98,7 @@ def baseline_backend(rev: str):
     source = subprocess.run(["git", "show", f"{rev}:engine/attention/torch_backend.py"], check=True,
                             capture_output=True, text=True, cwd=Path(__file__).parent.parent).stdout
     module = types.ModuleType("baseline_torch_backend")
+    sys.modules[module.__name__] = module  # its dataclass looks its module up
     exec(compile(source, "baseline_torch_backend.py", "exec"), module.__dict__)  # noqa: S102
     return type("BaselineBackend", (Profiled, module.TorchBackend), {})()
 

@@ -56,13 +56,9 @@ class ModelRunner:
                                              max_positions=config.max_model_len, quantization=config.quantization,
                                              q4_1=loaded.q4_1)
         del loaded
-        if config.compile:
-            if self.device.type != "cpu":
-                raise ConfigError("--compile compiles the CPU path (inductor's C++ code); on CUDA the Triton "
-                                  "backend already runs fused kernels: drop --compile")
-            from iterserve.engine.model.compiled import compile_model
-
-            compile_model(self.model)  # compiles (or loads from the cache) now, not during the first requests
+        if config.compile and self.device.type != "cpu":
+            raise ConfigError("--compile compiles the CPU path (inductor's C++ code); on CUDA the Triton "
+                              "backend already runs fused kernels: drop --compile")
 
         kv_shape = (config.block_size, model_config.num_kv_heads, model_config.head_dim)
         bytes_per_block = 2 * model_config.num_layers * kv_shape[0] * kv_shape[1] * kv_shape[2] * self.dtype.itemsize
@@ -93,6 +89,10 @@ class ModelRunner:
             self.num_kv_blocks * config.block_size, self.num_kv_blocks * bytes_per_block / 2**20,
             self.num_cpu_blocks,
         )
+        if config.compile:
+            from iterserve.engine.model.compiled import compile_model
+
+            compile_model(self.model)  # compiles (or loads from the cache) now, not during the first requests
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[int | None]:
