@@ -32,9 +32,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CACHE_DIR = Path.home() / ".cache" / "iterserve" / "inductor"
-# Token counts compiled at start-up: 1 (a lone decode), a few decodes, and past the quantized
-# linears' dense_above switch (quant.py) so both of their branches are compiled.
-WARM_UP_TOKENS = (1, 4, 64)
+# Token counts compiled at start-up, one per shape class a step can fall in: 1 (a lone decode), a
+# few decodes (the quantized kernels, up to quant.py's dense_above), 17..32 (dense linears still
+# streaming the weight, llama.SMALL_ROWS) and more (prefill chunks, full batches).
+WARM_UP_TOKENS = (1, 4, 24, 64)
 
 
 def _first(model: LlamaModel, input_ids: torch.Tensor, layer: DecoderLayer, positions: torch.Tensor):
