@@ -145,9 +145,12 @@ def workload(args, long_share: float, seed: int, arm: int, rate: float, stream: 
     arm or workload must not find the prompts in its prefix cache: each (stream, arm) pair draws
     from its own generator; pass a different stream per workload); no two prompts share a prefix."""
     rng, tokens = random.Random(seed), random.Random(f"{seed}/{stream}/{arm}")
+    # Exactly round(long_share * count) long prompts, at seeded places (a coin per request drew 2
+    # long prompts of 24 at share 0.25 with seed 0).
+    long_at = set(rng.sample(range(count), round(long_share * count)))
     at, out = 0.0, []
-    for _ in range(count):
-        n = args.long_tokens if rng.random() < long_share else args.short_tokens
+    for i in range(count):
+        n = args.long_tokens if i in long_at else args.short_tokens
         out.append((at, [tokens.randint(*PROMPT_TOKEN_RANGE) for _ in range(n)]))
         at += rng.expovariate(rate)
     return out
@@ -344,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     common.add_common_args(parser)
     parser.add_argument("--long-tokens", type=int, help="long prompts' length (default 2000; quick: 700)")
     parser.add_argument("--short-tokens", type=int, help="short prompts' length (default 128; quick: 48)")
-    parser.add_argument("--long-share", type=float, default=0.25, help="share of long prompts in the mixed workload")
+    parser.add_argument("--long-share", type=float, default=0.25,
+                        help="share of long prompts in the mixed workload (exactly, rounded; default 0.25)")
     parser.add_argument("--requests", type=int, help="requests per arm (default 24; quick: 8)")
     parser.add_argument("--max-tokens", type=int, help="output tokens per request (default 32; quick: 16)")
     parser.add_argument("--rate", type=float, help="arrivals per second (default: --utilization of the calibrated "
