@@ -318,9 +318,9 @@ def calibrate(url: str, args) -> dict:
 def plot(report: dict, path: str) -> None:
     plt = common.pyplot()
     workloads = report["workloads"]
-    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.5), squeeze=False)
-    figures = [("TTFT p50", "ttft_s", "p50"), ("TTFT p90", "ttft_s", "p90"), ("ITL p90", "itl_s", "p90"),
-               ("ITL p99", "itl_s", "p99")]
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6.5 * len(workloads), 5.5), squeeze=False)
+    figures = [("TTFT p50", "ttft_s", "p50"), ("TTFT p90", "ttft_s", "p90"), ("short-prompt\nTTFT p90", "ttft_short_s", "p90"),
+               ("ITL p90", "itl_s", "p90"), ("ITL p99", "itl_s", "p99")]
     for ax, (workload_name, arms) in zip(axes[0], workloads.items(), strict=True):
         width = 0.8 / len(arms)
         for i, (arm, r) in enumerate(arms.items()):
@@ -334,7 +334,7 @@ def plot(report: dict, path: str) -> None:
         ax.set_yscale("log")
         ax.set_ylabel("seconds (log)")
         ax.set_title(f"{workload_name} prompts")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1)
     m = report["machine"]
     model = "the FAKE model (plumbing check)" if report["args"].get("fake_model") else "SmolLM2-135M"
     fig.suptitle(f"P/D disaggregation, {model}, one core per engine; {m['cpu_model']}, load "
