@@ -385,7 +385,9 @@ def main(argv: list[str] | None = None) -> int:
                     "workloads": {}}
     with tempfile.TemporaryDirectory(prefix="disagg-bench-") as tmp:
         procs = Procs(Path(tmp))
-        procs.engine_args = ["--fake-model"] if args.fake_model else []
+        # The fake model turns prefix caching off by default; on, as with the real model, the
+        # plumbing check sees the prefix cache hits a shared prompt would cause.
+        procs.engine_args = ["--fake-model", "--enable-prefix-caching"] if args.fake_model else []
         try:
             engines = {"both0": procs.engine("both0", 0), "both1": procs.engine("both1", 1),
                        "prefill": procs.engine("prefill", 0, "--role", "prefill"),
