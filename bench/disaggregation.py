@@ -23,7 +23,10 @@ router and the load generator are not pinned: they share the two cores with the 
 rest of this machine's work does.
 
     python bench/disaggregation.py --json docs/perf/disaggregation.json --plot docs/perf/disaggregation.png
+    # the committed run (~11 min on an idle 2-vCPU machine), reusing run 1's calibration:
+    python bench/disaggregation.py --calibrated 15.33 2.98 --utilization 0.8 --short-rate 0.403 --json ... --plot ...
     python bench/disaggregation.py --quick
+    python bench/disaggregation.py --fake-model --requests 8 --rate 2   # the plumbing only, in a minute
 """
 
 from __future__ import annotations
