@@ -87,6 +87,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-build", action="store_true", help="skip llama.cpp when no binary is found")
     parser.add_argument("--install-vllm", action="store_true", help="install vLLM CPU into its venv, then exit")
     parser.add_argument("--rate", type=float, default=1.0, help="online load: requests per second (default 1)")
+    parser.add_argument("--stop-starting-after", type=float, metavar="SECONDS",
+                        help="start no further system after this many seconds (the JSON says which were skipped; "
+                             "it is rewritten after every system, so a stopped run keeps what it measured)")
 
 
 def loads(quick: bool, rate: float) -> dict[str, LoadSpec]:
@@ -419,13 +422,19 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info()
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="iterserve-peers-") as tmp:
+        started = time.monotonic()
         for system in args.systems.split(","):
+            if args.stop_starting_after and time.monotonic() - started > args.stop_starting_after:
+                results[system] = {"skipped": f"not started: --stop-starting-after {args.stop_starting_after:.0f} s"}
+                print(f"{system}: skipped (--stop-starting-after)", file=sys.stderr, flush=True)
+                continue
             print(f"{system} ...", file=sys.stderr, flush=True)
             entry: dict = {}
             try:
                 server, entry = server_for(system, args, Path(tmp), gguf, max_len)
                 if server is not None:
                     entry["load_average_1m_at_start"] = os.getloadavg()[0]
+                    entry["started_at"] = time.strftime("%H:%M:%S")
                     with server:
                         entry["startup_s"] = server.startup_s
                         entry["loads"] = run_loads(server.url, specs, args.seed, entry.get("extra_body"))
@@ -433,19 +442,24 @@ def main(argv: list[str] | None = None) -> int:
                 entry["error"] = str(error)[-1500:]
                 print(f"  {system} failed: {entry['error']}", file=sys.stderr, flush=True)
             results[system] = entry
+            common.write_json(args.json, report_of(args, specs, max_len, gguf, info, results))  # so far
     info["load_average_at_end"] = list(os.getloadavg())
-    report = {"benchmark": "peers", "quick": args.quick, "threads": args.threads, "slots": args.slots,
-              "max_model_len": max_len, "model": str(gguf.name),
-              "loads": {k: {"requests": s.requests, "rate": None if s.rate == math.inf else s.rate,
-                            "output_dist": s.output_dist, "max_tokens": s.max_tokens, "prompt_len": s.prompt_len,
-                            "requested_output_tokens": requested_tokens(LoadSpec(**{**vars(s), "seed": args.seed}))}
-                        for k, s in specs.items()},
-              "machine": info, "systems": results, "ratios": ratios(results)}
+    report = report_of(args, specs, max_len, gguf, info, results)
     common.write_json(args.json, report)  # first: a table that cannot be printed must not lose the run
     print(table(report))
     if args.plot:
         plot(report, args.plot)
     return 0
+
+
+def report_of(args, specs: dict[str, LoadSpec], max_len: int, gguf: Path, info: dict, results: dict) -> dict:
+    return {"benchmark": "peers", "quick": args.quick, "threads": args.threads, "slots": args.slots,
+            "max_model_len": max_len, "model": str(gguf.name),
+            "loads": {k: {"requests": s.requests, "rate": None if s.rate == math.inf else s.rate,
+                          "output_dist": s.output_dist, "max_tokens": s.max_tokens, "prompt_len": s.prompt_len,
+                          "requested_output_tokens": requested_tokens(LoadSpec(**{**vars(s), "seed": args.seed}))}
+                      for k, s in specs.items()},
+            "machine": info, "systems": results, "ratios": ratios(results)}
 
 
 TARGET = 1.5  # issue 23: iterserve >= 1.5x the best peer's tok/s on the tail and throughput loads

@@ -1,9 +1,10 @@
-"""--quantization int8 / int4 against exact fp32 on the embedded SmolLM2-135M and the parity prompts.
+"""--quantization int8 / int4 / w8a8 against exact fp32 on the embedded SmolLM2-135M and the parity prompts.
 
 Teacher-forced: each prompt plus fp32's 28 greedy tokens goes through every model in one prefill;
 at each of those positions we compare the argmax (greedy agreement) and the logits (max |error|).
-Both the weight-only kernel path (few rows, as in a decode step) and the dense path (many rows, as
-in a prefill) are checked, since a quantized linear picks one by its row count.
+Both the one-row path (as in a decode step) and the many-row path (as in a prefill or a full
+batch) are checked, since int8/int4 linears pick a kernel by their row count (w8a8 quantizes each
+row on its own scale, so its two paths differ only by attention's rounding).
 """
 
 from __future__ import annotations
@@ -14,17 +15,18 @@ import torch
 from iterserve.engine.attention.backend import AttentionMetadata, get_backend
 from iterserve.engine.model.llama import LlamaModel
 from iterserve.engine.model.loader import load_model
-from iterserve.engine.model.quant import Int4Linear, Int8Linear, int4_from_dense
+from iterserve.engine.model.quant import Int4Linear, Int8Linear, W8A8Linear, int4_from_dense
 from iterserve.engine.model.registry import resolve_model_path
 from iterserve.engine.model.tokenizer import Tokenizer
 
 from .test_hf_parity import CHATS, MAX_NEW_TOKENS, RAW_PROMPTS
 
-# Conservative floors. The fp32 reference runs the dequantized Q4_1 weights, so int4 (the same
-# blocks, bf16 scales and activations) should agree almost everywhere; int8 re-quantizes them per
-# output channel. Not yet measured to completion on the shared 2-vCPU machine (it ran out of time
-# at load average ~20): the test prints the figures.
-MIN_AGREEMENT = {"int8": 0.85, "int4": 0.7}
+# Floors under what was measured on this machine (2026-12-01, the full test: 10 prompts x 28 tokens
+# x 2 paths = 560 positions): int8 546/560 (0.975), max logit error 2.26; int4 550/560 (0.982), 1.07;
+# w8a8 496/560 (0.886), 11.72 (activation rounding is most of that; with 7-bit activations: 0.755 /
+# 18.6). The fp32 reference runs the dequantized Q4_1 weights, so int4 (the same blocks) is closest.
+MIN_AGREEMENT = {"int8": 0.95, "int4": 0.95, "w8a8": 0.85}
+MAX_LOGIT_ERROR = {"int8": 4.0, "int4": 2.5, "w8a8": 15.0}
 
 
 def test_int8_and_int4_linears_match_their_dequantized_weights():
@@ -37,7 +39,7 @@ def test_int8_and_int4_linears_match_their_dequantized_weights():
         x = torch.randn(8, 64)
         dense = torch.nn.functional.linear(x, layer.dense)
         kernel = torch.cat([layer(x[i:i + 2]) for i in range(0, 8, 2)])
-        assert torch.allclose(layer(x), dense)
+        assert torch.allclose(layer(x), dense, atol=1e-4)  # 8 rows: W @ x.T, same products, other order
         assert (kernel - dense).abs().max() < 0.05 * dense.abs().max(), type(layer).__name__
     q = torch.randint(0, 16, (16, 64), dtype=torch.uint8)  # the kernel wants rows in multiples of 16
     d, m = torch.rand(16, 2) / 10, -torch.rand(16, 2)
@@ -83,7 +85,7 @@ def models():
     built = {mode: LlamaModel.from_weights(loaded.config, dict(loaded.weights), get_backend("torch"),
                                            torch.device("cpu"), torch.float32, max_positions=512,
                                            quantization=mode, q4_1=dict(loaded.q4_1))
-             for mode in ("none", "int8", "int4")}
+             for mode in ("none", *MIN_AGREEMENT)}
     tokenizer = Tokenizer.from_gguf(path)
     return built, RAW_PROMPTS + [tokenizer.apply_chat_template(c) for c in CHATS], tokenizer
 
@@ -94,7 +96,8 @@ def test_quantized_models_agree_with_fp32_on_the_parity_prompts(models):
     built, prompts, tokenizer = models
     reference = built["none"]
     assert isinstance(built["int4"].layers[0].qkv_proj, Int4Linear)  # the file's own Q4_1 blocks
-    stats = {mode: {"agree": 0, "total": 0, "max_logit_error": 0.0} for mode in ("int8", "int4")}
+    assert isinstance(built["w8a8"].layers[0].down_proj, W8A8Linear) and isinstance(built["w8a8"].lm_head, W8A8Linear)
+    stats = {mode: {"agree": 0, "total": 0, "max_logit_error": 0.0} for mode in MIN_AGREEMENT}
     for prompt in prompts:
         tokens = _greedy(reference, tokenizer.encode(prompt), MAX_NEW_TOKENS)
         n = len(tokens) - MAX_NEW_TOKENS - 1
@@ -110,3 +113,4 @@ def test_quantized_models_agree_with_fp32_on_the_parity_prompts(models):
         print(f"{mode}: greedy agreement {agreement:.3f} ({s['agree']}/{s['total']}), "
               f"max logit error {s['max_logit_error']:.2f}")
         assert agreement >= MIN_AGREEMENT[mode], (mode, agreement)
+        assert s["max_logit_error"] <= MAX_LOGIT_ERROR[mode], (mode, s["max_logit_error"])
