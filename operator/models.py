@@ -293,9 +293,12 @@ class PrefillPool(WireModel):
     scaling_signal: Literal["QueuedPromptTokens", "TTFT"] = Field(
         "QueuedPromptTokens", description=("What the prefill pool scales on: prompt tokens waiting per replica, or "
                                            "time to first token."))
-    target_queued_prompt_tokens: int = Field(8192, ge=1, description=(
-        "QueuedPromptTokens: prompt tokens not yet computed per prefill replica (the engines' "
-        "iterserve_scheduler_queued_prompt_tokens) the scaler aims for."))
+    target_queued_prompt_tokens: int = Field(
+        PdPolicy().max_prefill_queue * PdPolicy().threshold_tokens, ge=1, description=(
+            "QueuedPromptTokens: prompt tokens not yet computed per prefill replica (the engines' "
+            "iterserve_scheduler_queued_prompt_tokens) the scaler aims for. The default is maxPrefillQueue x "
+            "thresholdTokens at their defaults (4 x 512): the router queues at most maxPrefillQueue prompts on a "
+            "prefill replica, so a larger target is never reached and the decode pool takes the overflow."))
     target_ttft_seconds: float = Field(2.0, gt=0, description=(
         "TTFT: the p95 time to first token on the prefill pods over the last 60 s to keep under "
         "(replicas x p95 / target)."))

@@ -208,6 +208,17 @@ def test_settings_from_spec_carry_the_prefill_pool_only_with_disaggregation_on()
     spec = InferenceServiceSpec.model_validate({**base, "disaggregation": {"enabled": True, "prefill": {
         "minReplicas": 2, "maxReplicas": 5, "scalingSignal": "TTFT", "targetTtftSeconds": 1.5}}})
     settings = settings_from_spec(spec)
-    assert settings.prefill == PrefillSettings(2, 5, "TTFT", 8192, 1.5)
+    assert settings.prefill == PrefillSettings(2, 5, "TTFT", 2048, 1.5)
     assert (settings.prefill_pool().min_replicas, settings.prefill_pool().max_replicas) == (2, 5)
     assert (settings.min_replicas, settings.max_replicas) == (1, 4)
+
+
+def test_the_default_prefill_target_is_reachable_under_the_routers_default_queue_bound():
+    # The router queues at most max_prefill_queue prompts (each over threshold_tokens) on a prefill
+    # replica; a default target above what such a full queue holds would never scale the pool.
+    from iterserve.router.disagg import PdPolicy
+    router = PdPolicy()
+    target = InferenceServiceSpec.model_validate(
+        {"model": {"uri": "smollm2-135m"}, "disaggregation": {"enabled": True}}).disaggregation.prefill
+    full_queue_of_short_long_prompts = router.max_prefill_queue * (router.threshold_tokens + 1)
+    assert target.target_queued_prompt_tokens < full_queue_of_short_long_prompts
