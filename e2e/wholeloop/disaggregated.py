@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 from e2e.wholeloop.checks import Check, _same, _t
+from e2e.wholeloop.plot import plot_clients
 from e2e.wholeloop.timeline import RequestLog, Sampler, epoch
 from iterserve.devcluster.podrunner import local_runtime_scheduling
 from iterserve.engine.loadgen import LoadSpec, run_load
@@ -367,12 +368,7 @@ def plot(result: dict, summary: dict, path) -> None:
     waiting.set_ylabel("decode waiting", color="tab:blue")
     waiting.legend(loc="upper left", fontsize=7)
 
-    clients.plot(t, [r["request_rate"] for r in rows], color="tab:blue", label="completed req/s (5 s window)")
-    clients.set_ylabel("req/s")
-    ttft = clients.twinx()
-    ttft.plot(t, [r["ttft_p95_s"] for r in rows], color="tab:orange", label="p95 TTFT (s)")
-    ttft.set_ylabel("p95 TTFT (s)", color="tab:orange")
-    clients.set_xlabel("seconds since the InferenceService was applied")
+    plot_clients(clients, t, rows)
 
     for ax in axes:
         for phase, (start, end) in result["phases"].items():

@@ -51,12 +51,7 @@ def plot(result: dict, summary: dict, path: Path) -> None:
     kv_seqs.set_ylim(0, result["scenario"]["max_num_seqs"] + 1)
     preempt.set_ylabel("preemptions/min\n(20 s window)")
 
-    clients.plot(t, [r["request_rate"] for r in rows], color="tab:blue", label="completed req/s (5 s window)")
-    clients.set_ylabel("req/s")
-    ttft = clients.twinx()
-    ttft.plot(t, [r["ttft_p95_s"] for r in rows], color="tab:orange", label="p95 TTFT (s)")
-    ttft.set_ylabel("p95 TTFT (s)", color="tab:orange")
-    clients.set_xlabel("seconds since the InferenceService was applied")
+    plot_clients(clients, t, rows)
 
     for ax in axes:
         for phase, (start, end) in result["phases"].items():
@@ -80,3 +75,13 @@ def plot(result: dict, summary: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_clients(clients, t: list[float], rows: list[dict]) -> None:
+    """The clients' panel both whole-loop plots share: completed requests/s and p95 TTFT."""
+    clients.plot(t, [r["request_rate"] for r in rows], color="tab:blue", label="completed req/s (5 s window)")
+    clients.set_ylabel("req/s")
+    ttft = clients.twinx()
+    ttft.plot(t, [r["ttft_p95_s"] for r in rows], color="tab:orange", label="p95 TTFT (s)")
+    ttft.set_ylabel("p95 TTFT (s)", color="tab:orange")
+    clients.set_xlabel("seconds since the InferenceService was applied")
