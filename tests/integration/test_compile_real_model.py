@@ -14,29 +14,15 @@ import pytest
 import torch
 
 from iterserve.engine import LLM, SamplingParams
-from iterserve.engine.attention.backend import AttentionMetadata
 from iterserve.engine.model.compiled import CompiledForward
 from iterserve.engine.model.registry import resolve_model_path
 from iterserve.engine.model.tokenizer import Tokenizer
 
 from .test_hf_parity import CHATS, RAW_PROMPTS
+from .test_quantization import _logits
 
 NEW_TOKENS = 16
 MAX_LOGIT_ERROR = 1e-3  # logits span about +-20; fp32 reordering errors are ~1e-5
-
-
-def _logits(model, tokens: list[int], rows_per_call: int | None) -> torch.Tensor:
-    block_size, cfg = 16, model.config
-    blocks = -(-len(tokens) // block_size)
-    caches = [(torch.zeros(blocks, block_size, cfg.num_kv_heads, cfg.head_dim),
-               torch.zeros(blocks, block_size, cfg.num_kv_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
-    out, step = [], rows_per_call or len(tokens)
-    for start in range(0, len(tokens), step):
-        end = min(start + step, len(tokens))
-        meta = AttentionMetadata.build([end - start], [end], [list(range(blocks))], block_size)
-        out.append(model.compute_logits(model(torch.tensor(tokens[start:end]), torch.arange(start, end), caches,
-                                              meta)))
-    return torch.cat(out)
 
 
 @pytest.mark.slow
