@@ -41,14 +41,30 @@ def test_w8a8_is_close_to_the_fp32_product_row_by_row(weight):
 def test_w8a8_rows_do_not_depend_on_the_rest_of_the_batch(weight):
     layer = W8A8Linear(weight)
     x = torch.randn(12, 64)
-    alone = torch.cat([layer(x[i:i + 1]) for i in range(12)])
+    in_pairs = torch.cat([layer(x[i:i + 2]) for i in range(0, 12, 2)])
     together = layer(x)
     x_big = x.clone()
     x_big[0] *= 1000  # with fbgemm's per-batch activation scale this would coarsen every other row
     x_big[1] = x_big[1].abs()  # and a batch without negative values would shift the zero point
-    assert torch.equal(alone, together)
+    assert torch.equal(in_pairs, together)
     assert torch.equal(layer(x_big)[2:], together[2:])
     assert torch.equal(layer(torch.zeros(2, 64)), torch.zeros(2, 96))
+    assert torch.equal(layer(torch.zeros(1, 64)), torch.zeros(1, 96))
+
+
+def test_w8a8_one_row_is_rounded_at_least_as_finely_as_in_a_batch(weight):
+    """One row goes to fbgemm unscaled (its own [min, max] range): no worse than the batched path."""
+    layer = W8A8Linear(weight)
+    torch.manual_seed(1)
+    x = torch.randn(64, 64) + 0.5  # mostly positive rows: fbgemm's own range is much narrower than +-max
+    reference = F.linear(x, weight)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(64)])
+    batched = layer(x)
+    assert not torch.equal(alone, batched)  # the one-row path is really taken
+    err_alone, err_batched = (alone - reference).abs().mean(), (batched - reference).abs().mean()
+    assert err_alone <= err_batched, (err_alone, err_batched)
+    assert layer(x[:1] * 1e4).sub(F.linear(x[:1] * 1e4, weight)).abs().max() < 0.03 * 1e4 * x[0].abs().max() * \
+        weight.abs().sum(dim=1).max()
 
 
 def test_modes_build_their_linears_and_refuse_unknown_ones(weight):
