@@ -87,6 +87,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-build", action="store_true", help="skip llama.cpp when no binary is found")
     parser.add_argument("--install-vllm", action="store_true", help="install vLLM CPU into its venv, then exit")
     parser.add_argument("--rate", type=float, default=1.0, help="online load: requests per second (default 1)")
+    parser.add_argument("--step-logs", action="store_true",
+                        help="iterserve systems write --step-log; each load then records the engine's busy share "
+                             "(step time / load time) and its thread's CPU per step time (< 1: the engine thread "
+                             "waited for a core or the GIL)")
     parser.add_argument("--stop-starting-after", type=float, metavar="SECONDS",
                         help="start no further system after this many seconds (the JSON says which were skipped; "
                              "it is rewritten after every system, so a stopped run keeps what it measured)")
@@ -356,6 +360,8 @@ def server_for(system: str, args, tmp: Path, gguf: Path, max_len: int) -> tuple[
                    "--max-num-seqs", str(args.slots)]
         variant, thread_env = iterserve_variant(system)
         env.update(thread_env)
+        if args.step_logs:
+            command += ["--step-log", str(tmp / f"{system}.steps.jsonl")]
         if variant:
             command += ["--quantization", variant]
         if "compile" in system.split("@")[1:]:
@@ -391,7 +397,9 @@ def run_loads(url: str, specs: dict[str, LoadSpec], seed: int, extra_body: dict 
     for name, template in specs.items():
         spec = LoadSpec(**{**vars(template), "url": url, "seed": seed, "extra_body": extra_body})
         load_before = os.getloadavg()[0]
+        window = time.monotonic()
         report = asyncio.run(run_load(spec))
+        window = (window, time.monotonic())  # the engine's step log stamps steps with time.monotonic()
         expected = requested_tokens(spec)
         out[name] = {
             "completed": report["completed"], "failed": report["failed"], "errors": report["errors_by_status"],
@@ -402,10 +410,31 @@ def run_loads(url: str, specs: dict[str, LoadSpec], seed: int, extra_body: dict 
             "output_tokens_per_s": expected / report["duration_s"] if not report["failed"] else None,
             "ttft_s": report["ttft_s"], "itl_s": report["itl_s"], "e2e_s": report["e2e_s"],
             "load_average_1m": [load_before, os.getloadavg()[0]],
+            "window_monotonic_s": window,
         }
         print(f"  {name}: {out[name]['output_tokens_per_s'] or 0:.1f} tok/s in {report['duration_s']:.1f} s "
               f"(load {load_before:.1f})", file=sys.stderr, flush=True)
     return out
+
+
+def add_engine_stats(loads: dict, step_log: Path) -> None:
+    """Per load, from the server's --step-log: steps, the engine's busy share of the load's wall time,
+    and the engine thread's CPU time per step time (with one torch thread, what is missing from 1 is
+    time the engine thread was runnable but off its core, e.g. the HTTP loop holding the GIL)."""
+    import json
+
+    steps = [json.loads(line) for line in step_log.read_text().splitlines() if line.strip()]
+    for result in loads.values():
+        start, end = result["window_monotonic_s"]
+        inside = [s for s in steps if start <= s["time"] <= end]
+        busy = sum(s["duration_s"] for s in inside)
+        result["engine"] = {
+            "steps": len(inside), "busy_share": busy / (end - start),
+            "thread_cpu_per_step_time": sum(s["cpu_s"] for s in inside) / busy if busy else None,
+            "mean_step_ms": 1e3 * busy / len(inside) if inside else None,
+            "prefill_tokens": sum(s["prefill_tokens"] for s in inside),
+            "decode_tokens": sum(s["decode_tokens"] for s in inside),
+        }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -438,6 +467,14 @@ def main(argv: list[str] | None = None) -> int:
                     with server:
                         entry["startup_s"] = server.startup_s
                         entry["loads"] = run_loads(server.url, specs, args.seed, entry.get("extra_body"))
+                    steps = Path(tmp) / f"{system}.steps.jsonl"
+                    if steps.is_file():
+                        add_engine_stats(entry["loads"], steps)
+                        for name, result in entry["loads"].items():
+                            e = result["engine"]
+                            print(f"  {name} engine: {e['steps']} steps, busy {e['busy_share']:.0%} of the load's "
+                                  f"time, thread CPU / step time {e['thread_cpu_per_step_time'] or 0:.2f}, "
+                                  f"mean step {e['mean_step_ms'] or 0:.1f} ms", file=sys.stderr, flush=True)
             except (RuntimeError, subprocess.CalledProcessError, OSError, httpx.HTTPError) as error:
                 entry["error"] = str(error)[-1500:]
                 print(f"  {system} failed: {entry['error']}", file=sys.stderr, flush=True)

@@ -10,8 +10,9 @@ on the values):
   w8a8          `--quantization w8a8` (engine/model/quant.py W8A8Linear): fbgemm's dynamic int8 linear
                 with each row scaled to max |x| = 1 first and a [1, -1, 0...] row appended, so every
                 row is quantized on its own scale (batch-independent)
-  w8a8-fbgemm   torch.ops.quantized.linear_dynamic alone (activations quantized per TENSOR: one scale
-                for the whole batch): what w8a8's per-row scaling costs on top
+  w8a8-fbgemm   torch.ops.quantized.linear_dynamic alone, 8-bit activations (quantized per TENSOR: one
+                scale for the whole batch): what w8a8's per-row scaling costs on top; at 1 row it is
+                what w8a8 itself runs (one row needs no scaling)
   w8a8-intmm    per-row int8 activations through torch._int_mm (int8 x int8 -> int32), the obvious
                 alternative (10-60x slower than fp32 on this torch's CPU path: not in the default set)
   fp16-fbgemm   torch.ops.quantized.linear_dynamic_fp16: fp16 weight, fp32 activations
@@ -66,7 +67,7 @@ def build(kernel: str, weight: torch.Tensor):
         try:
             if kernel == "w8a8-fbgemm":
                 packed = W8A8Linear(weight).packed
-                return lambda x: torch.ops.quantized.linear_dynamic(x, packed, True)
+                return lambda x: torch.ops.quantized.linear_dynamic(x, packed, False)
             if kernel == "fp16-fbgemm":
                 packed = torch.ops.quantized.linear_prepack_fp16(weight, None)
                 return lambda x: torch.ops.quantized.linear_dynamic_fp16(x, packed)
