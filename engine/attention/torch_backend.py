@@ -1,5 +1,10 @@
 """Reference attention backend in plain torch: gathers each sequence's KV from its blocks.
 
+Decodes (one new token per sequence) on fp32 CPU tensors go instead through cpu_paged's kernel,
+which reads the blocks in place (2-4x faster than gather + SDPA, bench/cpu_attention.py); the
+gather + SDPA path below serves prefills, other dtypes and devices, machines without a C
+compiler, and `TorchBackend(paged_decode=False)`.
+
 What a step's attention needs besides q/k/v (which rows are decodes, their block tables grouped
 into length buckets, the prefills' causal masks) is worked out once per step (`_plan`) and reused
 by every layer, instead of being rebuilt in Python 30 times. The plan also spares each layer
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from iterserve.engine.attention import cpu_paged
 from iterserve.engine.attention.backend import AttentionBackend, AttentionMetadata
 
 # A decode bucket's shortest sequence has at least this share of its longest one's blocks.
@@ -25,14 +31,24 @@ BUCKET_FILL = 0.67
 class TorchBackend(AttentionBackend):
     name = "torch"
 
+    def __init__(self, paged_decode: bool = True):
+        self.paged_decode = paged_decode  # decodes through cpu_paged's kernel where it supports the layer
+
     def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
         num_blocks, block_size, heads, dim = k_cache.shape
         k_cache.view(num_blocks * block_size, heads, dim).index_copy_(0, meta.slot_mapping, key)
         v_cache.view(num_blocks * block_size, heads, dim).index_copy_(0, meta.slot_mapping, value)
 
     def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        plan = _plan(meta, k_cache.shape[1], query.device, query.dtype)  # built once per step, shared by every layer
+        paged = self.paged_decode and cpu_paged.supports(query, k_cache)
+        if paged:
+            query = query.contiguous()
+        plan = _plan(meta, k_cache.shape[1], query.device, query.dtype, paged)  # once per step, for every layer
         output = torch.empty_like(query)
+        if plan.paged_decodes is not None:
+            seqs, rows = plan.paged_decodes
+            cpu_paged.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, seqs, rows, scale,
+                                   output)
         gqa = query.shape[1] != k_cache.shape[2]
         _, block_size, heads, dim = k_cache.shape
         for rows, tables, mask in plan.decode_buckets:
@@ -88,17 +104,23 @@ class _Plan:
     decode_buckets: list
     # (q_start, q_end, blocks [n], seq_len, causal mask [q_len, seq_len] | None, is_causal): and lone decodes
     prefills: list
+    # (sequence indices [n], query rows [n]) of every decode, for cpu_paged's kernel; None on the SDPA path
+    paged_decodes: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-def _plan(meta: AttentionMetadata, block_size: int, device, dtype: torch.dtype) -> _Plan:
-    cached = meta.__dict__.get("_torch_plan")
+def _plan(meta: AttentionMetadata, block_size: int, device, dtype: torch.dtype, paged: bool = False) -> _Plan:
+    key = "_torch_plan_paged" if paged else "_torch_plan"
+    cached = meta.__dict__.get(key)
     if cached is not None:
         return cached
     starts = meta.query_start_loc.tolist() if meta.num_seqs else [0]
     tables = meta.block_tables.long()
-    decodes, prefills = [], []
+    decodes, prefills, paged_seqs = [], [], []
     batched_decodes = sum(n == 1 for n in meta.query_lens_list) > 1  # a lone decode goes the prefill way
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list, strict=True)):
+        if q_len == 1 and paged:
+            paged_seqs.append(i)
+            continue
         if q_len == 1 and batched_decodes:
             decodes.append((seq_len, i))
             continue
@@ -132,5 +154,8 @@ def _plan(meta: AttentionMetadata, block_size: int, device, dtype: torch.dtype) 
         rows = None if every_row else torch.tensor(row_list, device=device)
         buckets.append((rows, tables[index, :width].contiguous(), mask))
     plan = _Plan(buckets, prefills)
-    meta.__dict__["_torch_plan"] = plan
+    if paged_seqs:
+        plan.paged_decodes = (torch.tensor(paged_seqs, dtype=torch.int64),
+                              torch.tensor([starts[i] for i in paged_seqs], dtype=torch.int64))
+    meta.__dict__[key] = plan
     return plan

@@ -1,7 +1,8 @@
 """The torch attention backend's per-step plan against a naive per-sequence attention: every path
 the plan takes (a bucket of every decode row, several buckets, decodes mixed with prefills, a lone
 decode without a mask, a prompt's first chunk through SDPA's causal kernel, a later chunk with an
-explicit mask), over scattered paged blocks."""
+explicit mask), over scattered paged blocks; decodes both through cpu_paged's kernel and through
+gather + SDPA."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def naive(query, k_cache, v_cache, query_lens, seq_lens, tables, scale):
     ([5, 1, 1], [30, 17, 2]),  # a later chunk (explicit mask) next to decodes
     ([1, 9, 1, 4], [11, 9, 26, 4]),  # decodes around two first chunks
 ])
-def test_plan_matches_naive_attention(query_lens, seq_lens):
+@pytest.mark.parametrize("paged", [True, False], ids=["paged-decode", "sdpa-decode"])
+def test_plan_matches_naive_attention(query_lens, seq_lens, paged):
     gen = torch.Generator().manual_seed(sum(seq_lens))
     num_blocks = 64
     k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=gen)
@@ -49,8 +51,8 @@ def test_plan_matches_naive_attention(query_lens, seq_lens):
         used += count
     query = torch.randn(sum(query_lens), HEADS, DIM, generator=gen)
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK)
-    got = TorchBackend().attend(query, k_cache, v_cache, meta, DIM**-0.5)
+    got = TorchBackend(paged_decode=paged).attend(query, k_cache, v_cache, meta, DIM**-0.5)
     want = naive(query, k_cache, v_cache, query_lens, seq_lens, tables, DIM**-0.5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # The plan is built once per step: a second layer reuses it and gets the same answer.
-    torch.testing.assert_close(TorchBackend().attend(query, k_cache, v_cache, meta, DIM**-0.5), got)
+    torch.testing.assert_close(TorchBackend(paged_decode=paged).attend(query, k_cache, v_cache, meta, DIM**-0.5), got)

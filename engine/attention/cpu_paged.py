@@ -1,0 +1,247 @@
+"""Paged decode attention for CPUs: a small C kernel that reads each sequence's KV blocks in place.
+
+In: fp32 queries [T, heads, head_dim] (the decode rows among them), the layer's k/v caches in the
+layout of backend.py, block tables and sequence lengths. Out: the decode rows of the attention
+output, written in place. Per (sequence, KV head) the kernel walks the block table once for the
+keys (the group's query heads share each key row: GQA without repeating KV) and once for the
+values, with an exact two-pass fp32 softmax in between, so nothing is gathered into a padded
+batch and no mask is built. torch has no eager op that reads through a block table: its
+reference path copies every decode's blocks (`index_select`) before SDPA, which at 64 sequences
+costs as much as the attention itself.
+
+The source is compiled once per machine with the system C compiler (the one torch.compile also
+needs) into ~/.cache/iterserve/cpu_attention, keyed by source, compiler and instruction-set
+flags, and loaded with ctypes (which releases the GIL during the call). Without a compiler,
+`load()` returns None and the torch backend keeps its gather + SDPA path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MAX_HEADS, MAX_HEAD_DIM = 64, 256  # query heads and head_dim the kernel's stack buffer holds
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VECTOR 1
+#endif
+
+#define MAX_HEADS 64
+#define MAX_HEAD_DIM 256
+
+#ifdef VECTOR
+static inline float hsum(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
+}
+
+/* Cephes' expf (about 1 ulp), 8 lanes; inputs are <= 0 here, clamped at -87 so 2^n stays normal. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+#ifdef VECTOR
+    if (n % 16 == 0) {
+        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+        for (int64_t d = 0; d < n; d += 16) {
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
+            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
+        }
+        return hsum(_mm256_add_ps(s0, s1));
+    }
+#endif
+    float s = 0.0f;
+    for (int64_t d = 0; d < n; d++) s += a[d] * b[d];
+    return s;
+}
+
+/* s[0..n) = exp(s - top), returns their sum. */
+static inline float exp_sum(float *s, int64_t n, float top) {
+    int64_t p = 0;
+    float sum = 0.0f;
+#ifdef VECTOR
+    __m256 total = _mm256_setzero_ps(), shift = _mm256_set1_ps(top);
+    for (; p + 8 <= n; p += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + p), shift));
+        _mm256_storeu_ps(s + p, e);
+        total = _mm256_add_ps(total, e);
+    }
+    sum = hsum(total);
+#endif
+    for (; p < n; p++) { s[p] = expf(s[p] - top); sum += s[p]; }
+    return sum;
+}
+
+/* acc[0..n) += w * v[0..n) */
+static inline void axpy(float *acc, float w, const float *v, int64_t n) {
+    int64_t d = 0;
+#ifdef VECTOR
+    __m256 weight = _mm256_set1_ps(w);
+    for (; d + 8 <= n; d += 8)
+        _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + d), _mm256_loadu_ps(acc + d)));
+#endif
+    for (; d < n; d++) acc[d] += w * v[d];
+}
+
+int paged_decode_attention(
+    const float *query, int64_t query_row_stride, const float *k_cache, const float *v_cache,
+    const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+    const int64_t *seqs, const int64_t *rows, int64_t count, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t block_size, float scale, float *out, int64_t out_row_stride)
+{
+    const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
+    if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM) return -2;
+    int64_t max_len = 1;
+    for (int64_t i = 0; i < count; i++) if (seq_lens[seqs[i]] > max_len) max_len = seq_lens[seqs[i]];
+    float *scores = malloc(sizeof(float) * num_heads * max_len);
+    if (!scores) return -1;
+    float acc[MAX_HEADS * MAX_HEAD_DIM], inv_sum[MAX_HEADS];
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t len = seq_lens[seqs[i]];
+        const int32_t *table = block_tables + seqs[i] * table_stride;
+        const float *q = query + rows[i] * query_row_stride;
+        /* Keys, token by token (each token's row holds every KV head: read whole, in block order):
+           score[hq][p] = q_hq . k_p[hq / group] * scale, so a KV head's key serves its whole group. */
+        for (int64_t p = 0; p < len; p++) {
+            const float *key = k_cache + ((int64_t)table[p / block_size] * block_size + p % block_size) * token_stride;
+            for (int64_t hq = 0; hq < num_heads; hq++)
+                scores[hq * len + p] = dot(q + hq * head_dim, key + (hq / group) * head_dim, head_dim) * scale;
+        }
+        /* Softmax over the whole sequence in fp32: subtract the max, exponentiate, normalise at the end. */
+        for (int64_t hq = 0; hq < num_heads; hq++) {
+            float *s = scores + hq * len, top = s[0];
+            for (int64_t p = 1; p < len; p++) top = s[p] > top ? s[p] : top;
+            inv_sum[hq] = 1.0f / exp_sum(s, len, top);
+        }
+        for (int64_t d = 0; d < num_heads * head_dim; d++) acc[d] = 0.0f;
+        /* Values, token by token: acc[hq] += p[hq] * v_p[hq / group]. */
+        for (int64_t p = 0; p < len; p++) {
+            const float *value = v_cache + ((int64_t)table[p / block_size] * block_size + p % block_size) * token_stride;
+            for (int64_t hq = 0; hq < num_heads; hq++)
+                axpy(acc + hq * head_dim, scores[hq * len + p], value + (hq / group) * head_dim, head_dim);
+        }
+        float *o = out + rows[i] * out_row_stride;
+        for (int64_t hq = 0; hq < num_heads; hq++)
+            for (int64_t d = 0; d < head_dim; d++) o[hq * head_dim + d] = acc[hq * head_dim + d] * inv_sum[hq];
+    }
+    free(scores);
+    return 0;
+}
+"""
+
+# Reassociation lets the dot products and the accumulation vectorise; no -ffast-math, which
+# would assume finite values and, linked into a shared object, may flush denormals process-wide.
+_BASE_FLAGS = ["-O3", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+               "-fno-signed-zeros"]
+
+
+def _isa_flags() -> list[str]:
+    # Never -march=native: the cache directory can outlive the machine (VMs change CPUs between runs).
+    return ["-mavx2", "-mfma"] if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else []
+
+
+def _cache_dir() -> Path:
+    preferred = Path.home() / ".cache" / "iterserve" / "cpu_attention"
+    try:
+        preferred.mkdir(parents=True, exist_ok=True)
+        if os.access(preferred, os.W_OK):
+            return preferred
+    except OSError:
+        pass
+    fallback = Path(tempfile.gettempdir()) / f"iterserve-cpu-attention-{os.getuid()}"
+    fallback.mkdir(parents=True, exist_ok=True)
+    return fallback
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel, built on first use; None where no C compiler works (logged once)."""
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found: CPU decode attention gathers KV blocks (torch SDPA path)")
+        return None
+    flags = _BASE_FLAGS + _isa_flags()
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+        key = hashlib.sha256("\0".join([_SOURCE, compiler, version, *flags]).encode()).hexdigest()[:16]
+        directory = _cache_dir()
+        library = directory / f"paged_decode_{key}.so"
+        if not library.exists():
+            source = directory / f"paged_decode_{key}.{os.getpid()}.c"
+            partial = directory / f"paged_decode_{key}.{os.getpid()}.so"
+            source.write_text(_SOURCE)
+            try:
+                subprocess.run([compiler, *flags, str(source), "-o", str(partial), "-lm"], check=True,
+                               capture_output=True, text=True, timeout=120)
+                os.replace(partial, library)  # atomic: concurrent engines never load a half-written file
+            finally:
+                source.unlink(missing_ok=True)
+                partial.unlink(missing_ok=True)
+        lib = ctypes.CDLL(str(library))
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", "") or error
+        logger.warning("CPU paged decode attention unavailable (%s): using the torch SDPA path", detail)
+        return None
+    fn = lib.paged_decode_attention
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the kernel can serve this layer: fp32 on CPU, contiguous caches, shapes it holds."""
+    heads, kv_heads, dim = query.shape[1], k_cache.shape[2], k_cache.shape[3]
+    return (query.device.type == "cpu" and query.dtype == torch.float32 and k_cache.dtype == torch.float32
+            and k_cache.is_contiguous() and heads % kv_heads == 0 and heads <= MAX_HEADS
+            and dim <= MAX_HEAD_DIM and load() is not None)
+
+
+def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, seqs: torch.Tensor, rows: torch.Tensor, scale: float,
+                 out: torch.Tensor) -> None:
+    """out[rows[i]] = attention of query[rows[i]] over sequence seqs[i]'s first seq_lens[seqs[i]] cached
+    tokens. query/out [T, heads, head_dim] fp32 with contiguous rows; block_tables int32 [S, width],
+    seq_lens int32 [S], seqs/rows int64 [n]; all contiguous on the CPU (`supports` says when)."""
+    lib = load()
+    heads, dim = query.shape[1], query.shape[2]
+    assert query.stride(2) == 1 and query.stride(1) == dim and out.stride(2) == 1 and out.stride(1) == dim
+    assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and v_cache.is_contiguous()
+    assert seqs.dtype == torch.int64 and rows.dtype == torch.int64 and block_tables.is_contiguous()
+    status = lib.paged_decode_attention(
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), seq_lens.data_ptr(), seqs.data_ptr(), rows.data_ptr(), seqs.numel(), heads,
+        k_cache.shape[2], dim, k_cache.shape[1], scale, out.data_ptr(), out.stride(0))
+    if status != 0:
+        raise RuntimeError(f"paged_decode_attention failed with status {status}")
