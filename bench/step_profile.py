@@ -34,6 +34,7 @@ def baseline_backend(rev: str):
     source = subprocess.run(["git", "show", f"{rev}:engine/attention/torch_backend.py"], check=True,
                             capture_output=True, text=True, cwd=Path(__file__).parent.parent).stdout
     module = types.ModuleType("baseline_torch_backend")
+    sys.modules[module.__name__] = module  # dataclasses resolve string annotations through sys.modules
     exec(compile(source, "baseline_torch_backend.py", "exec"), module.__dict__)  # noqa: S102
     return module.TorchBackend()
 
@@ -50,6 +51,8 @@ def step(model: LlamaModel, caches, seqs: int, context: int):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline-rev", help="also time the torch backend of this git revision (fp32)")
+    parser.add_argument("--baseline-modes", default="none",
+                        help="--quantization modes timed with --baseline-rev's backend (default %(default)s)")
     parser.add_argument("--modes", default="none,int8,int4,w8a8", help="--quantization modes (default %(default)s)")
     parser.add_argument("--compile", action="store_true", help="also time each mode with --compile")
     parser.add_argument("--threads", type=int, default=1,
@@ -67,7 +70,8 @@ def main(argv=None) -> int:
     cases = [(mode, variant, get_backend("torch")) for mode in args.modes.split(",")
              for variant in (("torch", "torch+compile") if args.compile else ("torch",))]
     if args.baseline_rev:
-        cases.insert(0, ("none", f"torch@{args.baseline_rev}", baseline_backend(args.baseline_rev)))
+        cases[:0] = [(mode, f"torch@{args.baseline_rev}", baseline_backend(args.baseline_rev))
+                     for mode in args.baseline_modes.split(",")]
     results = []
     info = common.machine(args.threads)
     for mode, backend_name, backend in cases:
