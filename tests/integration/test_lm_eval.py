@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import textwrap
+from contextlib import contextmanager
 
 import pytest
 
@@ -116,24 +117,39 @@ def _env() -> dict[str, str]:
             "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def evaluate(python, model: str, model_args: str, tasks, out) -> dict:
-    run = subprocess.run([str(python), "-c", DRIVER, model, model_args, str(tasks), str(out)], env=_env(),
-                         capture_output=True, text=True, timeout=1500)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(out.read_text())
+@contextmanager
+def evaluation(python, model: str, model_args: str, tasks, out):
+    """The harness in a process of its own; yields a call that waits for it and returns its results."""
+    log = out.with_suffix(".log")
+    with open(log, "wb") as output:
+        run = subprocess.Popen([str(python), "-c", DRIVER, model, model_args, str(tasks), str(out)], env=_env(),
+                               stdout=output, stderr=subprocess.STDOUT)
+
+        def results() -> dict:
+            assert run.wait(1500) == 0, log.read_text(errors="replace")[-4000:]
+            return json.loads(out.read_text())
+
+        try:
+            yield results
+        finally:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
 
 
 def test_lm_eval_scores_the_server_as_it_scores_the_hf_model(python, tasks, hf_tokenizer, tmp_path):
-    log = tmp_path / "server.log"
-    with running_server(["--max-model-len", "512", "--device", "cpu"], log_path=log,
-                        env={"OMP_NUM_THREADS": "1"}, ready_timeout=300) as server:
-        served = evaluate(python, "local-completions",
-                          f"model=smollm2-135m,base_url={server.url}/v1/completions,tokenizer_backend=huggingface,"
-                          f"tokenizer={hf_tokenizer},num_concurrent=1,max_retries=1,max_length=512",
-                          tasks, tmp_path / "served.json")
+    # The HF eval (one core) runs while the server is scored (the server on the other core).
     path = resolve_model_path(None)[0]
-    local = evaluate(python, "hf", f"pretrained={path.parent},gguf_file={path.name},tokenizer={hf_tokenizer},"
-                                   "dtype=float32", tasks, tmp_path / "hf.json")
+    with evaluation(python, "hf", f"pretrained={path.parent},gguf_file={path.name},tokenizer={hf_tokenizer},"
+                                  "dtype=float32", tasks, tmp_path / "hf.json") as hf_results:
+        with running_server(["--max-model-len", "512", "--device", "cpu"], log_path=tmp_path / "server.log",
+                            env={"OMP_NUM_THREADS": "1"}, ready_timeout=300) as server, \
+             evaluation(python, "local-completions",
+                        f"model=smollm2-135m,base_url={server.url}/v1/completions,tokenizer_backend=huggingface,"
+                        f"tokenizer={hf_tokenizer},num_concurrent=1,max_retries=1,max_length=512",
+                        tasks, tmp_path / "served.json") as served_results:
+            served = served_results()
+        local = hf_results()
     print(json.dumps({"served": served["results"], "hf": local["results"]}, indent=1))
     for task, metric in (("iterserve_mc", "acc,none"), ("iterserve_gen", "exact_match,none")):
         assert served["results"][task][metric] == local["results"][task][metric], task
