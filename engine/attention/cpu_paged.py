@@ -2,10 +2,13 @@
 
 In: fp32 queries [T, heads, head_dim] (the decode rows among them), the layer's k/v caches in the
 layout of backend.py, block tables and sequence lengths. Out: the decode rows of the attention
-output, written in place. Per (sequence, KV head) the kernel walks the block table once for the
-keys (the group's query heads share each key row: GQA without repeating KV) and once for the
-values, with an exact two-pass fp32 softmax in between, so nothing is gathered into a padded
-batch and no mask is built. torch has no eager op that reads through a block table: its
+output, written in place. Per sequence the kernel walks the block table once for the keys (token
+rows in block order; a KV head's key serves its whole group of query heads: GQA without
+repeating KV) and once for the values, with an exact two-pass fp32 softmax in between, so
+nothing is gathered into a padded batch and no mask is built. With torch.get_num_threads() > 1
+and at least 1024 cached tokens in all, the decodes are split into that many contiguous shares
+of about equal token counts, one pthread each (the caller's thread takes the first). torch has
+no eager op that reads through a block table: its
 reference path copies every decode's blocks (`index_select`) before SDPA, which at 64 sequences
 costs as much as the attention itself.
 
@@ -35,6 +38,7 @@ MAX_HEADS, MAX_HEAD_DIM = 64, 256  # query heads and head_dim the kernel's stack
 
 _SOURCE = r"""
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #if defined(__AVX2__) && defined(__FMA__)
@@ -44,6 +48,8 @@ _SOURCE = r"""
 
 #define MAX_HEADS 64
 #define MAX_HEAD_DIM 256
+#define MAX_THREADS 64
+#define MIN_PARALLEL_TOKENS 1024 /* below this many cached tokens in all, one thread: starting more costs more */
 
 #ifdef VECTOR
 static inline float hsum(__m256 v) {
@@ -114,29 +120,36 @@ static inline void axpy(float *acc, float w, const float *v, int64_t n) {
     for (; d < n; d++) acc[d] += w * v[d];
 }
 
-int paged_decode_attention(
-    const float *query, int64_t query_row_stride, const float *k_cache, const float *v_cache,
-    const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
-    const int64_t *seqs, const int64_t *rows, int64_t count, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t block_size, float scale, float *out, int64_t out_row_stride)
-{
-    const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
-    if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM) return -2;
+typedef struct {
+    const float *query, *k_cache, *v_cache;
+    const int32_t *block_tables, *seq_lens;
+    const int64_t *seqs, *rows;
+    int64_t query_row_stride, table_stride, num_heads, num_kv_heads, head_dim, block_size, out_row_stride;
+    float scale;
+    float *out;
+    int64_t begin, end; /* this worker's share: decodes begin..end-1 */
+    int status;
+} Work;
+
+static void *attend_range(void *arg) {
+    Work *w = arg;
+    const int64_t num_heads = w->num_heads, head_dim = w->head_dim, block_size = w->block_size;
+    const int64_t group = num_heads / w->num_kv_heads, token_stride = w->num_kv_heads * head_dim;
     int64_t max_len = 1;
-    for (int64_t i = 0; i < count; i++) if (seq_lens[seqs[i]] > max_len) max_len = seq_lens[seqs[i]];
+    for (int64_t i = w->begin; i < w->end; i++) if (w->seq_lens[w->seqs[i]] > max_len) max_len = w->seq_lens[w->seqs[i]];
     float *scores = malloc(sizeof(float) * num_heads * max_len);
-    if (!scores) return -1;
+    if (!scores) { w->status = -1; return NULL; }
     float acc[MAX_HEADS * MAX_HEAD_DIM], inv_sum[MAX_HEADS];
-    for (int64_t i = 0; i < count; i++) {
-        const int64_t len = seq_lens[seqs[i]];
-        const int32_t *table = block_tables + seqs[i] * table_stride;
-        const float *q = query + rows[i] * query_row_stride;
+    for (int64_t i = w->begin; i < w->end; i++) {
+        const int64_t len = w->seq_lens[w->seqs[i]];
+        const int32_t *table = w->block_tables + w->seqs[i] * w->table_stride;
+        const float *q = w->query + w->rows[i] * w->query_row_stride;
         /* Keys, token by token (each token's row holds every KV head: read whole, in block order):
            score[hq][p] = q_hq . k_p[hq / group] * scale, so a KV head's key serves its whole group. */
         for (int64_t p = 0; p < len; p++) {
-            const float *key = k_cache + ((int64_t)table[p / block_size] * block_size + p % block_size) * token_stride;
+            const float *key = w->k_cache + ((int64_t)table[p / block_size] * block_size + p % block_size) * token_stride;
             for (int64_t hq = 0; hq < num_heads; hq++)
-                scores[hq * len + p] = dot(q + hq * head_dim, key + (hq / group) * head_dim, head_dim) * scale;
+                scores[hq * len + p] = dot(q + hq * head_dim, key + (hq / group) * head_dim, head_dim) * w->scale;
         }
         /* Softmax over the whole sequence in fp32: subtract the max, exponentiate, normalise at the end. */
         for (int64_t hq = 0; hq < num_heads; hq++) {
@@ -147,22 +160,62 @@ int paged_decode_attention(
         for (int64_t d = 0; d < num_heads * head_dim; d++) acc[d] = 0.0f;
         /* Values, token by token: acc[hq] += p[hq] * v_p[hq / group]. */
         for (int64_t p = 0; p < len; p++) {
-            const float *value = v_cache + ((int64_t)table[p / block_size] * block_size + p % block_size) * token_stride;
+            const float *value = w->v_cache + ((int64_t)table[p / block_size] * block_size + p % block_size) * token_stride;
             for (int64_t hq = 0; hq < num_heads; hq++)
                 axpy(acc + hq * head_dim, scores[hq * len + p], value + (hq / group) * head_dim, head_dim);
         }
-        float *o = out + rows[i] * out_row_stride;
+        float *o = w->out + w->rows[i] * w->out_row_stride;
         for (int64_t hq = 0; hq < num_heads; hq++)
             for (int64_t d = 0; d < head_dim; d++) o[hq * head_dim + d] = acc[hq * head_dim + d] * inv_sum[hq];
     }
     free(scores);
-    return 0;
+    w->status = 0;
+    return NULL;
+}
+
+int paged_decode_attention(
+    const float *query, int64_t query_row_stride, const float *k_cache, const float *v_cache,
+    const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+    const int64_t *seqs, const int64_t *rows, int64_t count, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t block_size, float scale, float *out, int64_t out_row_stride, int64_t threads)
+{
+    if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || num_heads % num_kv_heads) return -2;
+    Work base = {query, k_cache, v_cache, block_tables, seq_lens, seqs, rows, query_row_stride, table_stride,
+                 num_heads, num_kv_heads, head_dim, block_size, out_row_stride, scale, out, 0, count, 0};
+    int64_t total = 0;
+    for (int64_t i = 0; i < count; i++) total += seq_lens[seqs[i]];
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > count) threads = count;
+    if (threads < 2 || total < MIN_PARALLEL_TOKENS) { attend_range(&base); return base.status; }
+    /* Contiguous shares of about total / threads cached tokens each; worker 0 is this thread. */
+    Work parts[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0}, status = 0;
+    int64_t next = 0, done = 0;
+    for (int64_t t = 0; t < threads; t++) {
+        parts[t] = base;
+        parts[t].begin = next;
+        const int64_t goal = total * (t + 1) / threads;
+        while (next < count && (t == threads - 1 || next == parts[t].begin || done + seq_lens[seqs[next]] <= goal))
+            done += seq_lens[seqs[next++]];
+        parts[t].end = next;
+    }
+    for (int64_t t = 1; t < threads; t++) {
+        started[t] = pthread_create(&ids[t], NULL, attend_range, &parts[t]) == 0;
+        if (!started[t]) attend_range(&parts[t]);
+    }
+    attend_range(&parts[0]);
+    for (int64_t t = 0; t < threads; t++) {
+        if (started[t]) pthread_join(ids[t], NULL);
+        if (parts[t].status) status = parts[t].status;
+    }
+    return status;
 }
 """
 
 # Reassociation lets the dot products and the accumulation vectorise; no -ffast-math, which
 # would assume finite values and, linked into a shared object, may flush denormals process-wide.
-_BASE_FLAGS = ["-O3", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+_BASE_FLAGS = ["-O3", "-shared", "-fPIC", "-pthread", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
                "-fno-signed-zeros"]
 
 
@@ -215,7 +268,8 @@ def load() -> ctypes.CDLL | None:
         return None
     fn = lib.paged_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64]
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64,
+                   i64]
     fn.restype = ctypes.c_int
     return lib
 
@@ -242,6 +296,6 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     status = lib.paged_decode_attention(
         query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), seq_lens.data_ptr(), seqs.data_ptr(), rows.data_ptr(), seqs.numel(), heads,
-        k_cache.shape[2], dim, k_cache.shape[1], scale, out.data_ptr(), out.stride(0))
+        k_cache.shape[2], dim, k_cache.shape[1], scale, out.data_ptr(), out.stride(0), torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"paged_decode_attention failed with status {status}")
