@@ -53,14 +53,9 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def reference_tokens(prompts, one_thread):
-    """transformers' greedy tokens for each prompt on its own (loaded once, then dropped)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = resolve_model_path(None)[0]
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    model.eval()
+def reference_tokens(prompts, one_thread, hf_smollm):
+    """transformers' greedy tokens for each prompt on its own."""
+    model, tokenizer = hf_smollm
     tokens = []
     with torch.inference_mode():
         for prompt in prompts:
@@ -68,7 +63,6 @@ def reference_tokens(prompts, one_thread):
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  max_new_tokens=MAX_NEW_TOKENS, pad_token_id=tokenizer.eos_token_id)
             tokens.append(out[0, ids.shape[1]:].tolist())
-    del model
     return tokens
 
 

@@ -8,33 +8,37 @@ import httpx
 import pytest
 import torch
 
-from iterserve.engine.model.registry import resolve_model_path
-from tests.server_fixture import running_server
+from tests.server_fixture import ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the model loads twice (server, HF)
 PROMPT = "List three colours of the rainbow:\n1. Red\n2."
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def started(tmp_path_factory):
+    """The server process, loading its model meanwhile (hf loads the other copy on the other core)."""
     log = tmp_path_factory.mktemp("real-model") / "server.log"
-    with running_server(["--max-model-len", "512", "--max-num-seqs", "8", "--device", "cpu"], log_path=log,
-                        env={"OMP_NUM_THREADS": "1"}, ready_timeout=300) as server:
+    server = ServerProcess(["--max-model-len", "512", "--max-num-seqs", "8", "--device", "cpu"],
+                           {"OMP_NUM_THREADS": "1"}, log)
+    try:
         yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")
-def hf():
-    """transformers' model and tokenizer on the same GGUF file (loaded once per module)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def server(started):
+    started.wait_ready(300)
+    return started
 
+
+@pytest.fixture(scope="module")
+def hf(started, hf_smollm):
+    """transformers' model and tokenizer on the same GGUF file (tests/hf_fixture.py: loaded once per
+    session; if not yet, while the server loads: the tests that use both ask for hf first)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
-    path = resolve_model_path(None)[0]
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    model.eval()
-    yield model, tokenizer
+    yield hf_smollm
     torch.set_num_threads(previous)
 
 
@@ -49,7 +53,7 @@ def tokens_of(server, text: str) -> list[int]:
     return httpx.post(f"{server.url}/tokenize", json={"prompt": text}).json()["tokens"]
 
 
-def test_repetition_penalty_matches_transformers_generate(server, hf):
+def test_repetition_penalty_matches_transformers_generate(hf, server):
     model, tokenizer = hf
     ids = torch.tensor([tokenizer.encode(PROMPT)])
     with torch.inference_mode():
@@ -82,7 +86,7 @@ def test_frequency_presence_bias_and_min_tokens_change_the_output(server):
 LOGPROB_PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time, there was a"]
 
 
-def test_logprobs_equal_transformers_log_softmax_for_prompt_and_generated_tokens(server, hf):
+def test_logprobs_equal_transformers_log_softmax_for_prompt_and_generated_tokens(hf, server):
     model, tokenizer = hf
     for prompt in LOGPROB_PROMPTS:
         ids = tokenizer.encode(prompt)
