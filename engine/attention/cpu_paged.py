@@ -293,9 +293,10 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert query.stride(2) == 1 and query.stride(1) == dim and out.stride(2) == 1 and out.stride(1) == dim
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and v_cache.is_contiguous()
     assert seqs.dtype == torch.int64 and rows.dtype == torch.int64 and block_tables.is_contiguous()
-    status = lib.paged_decode_attention(
-        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        block_tables.stride(0), seq_lens.data_ptr(), seqs.data_ptr(), rows.data_ptr(), seqs.numel(), heads,
-        k_cache.shape[2], dim, k_cache.shape[1], scale, out.data_ptr(), out.stride(0), torch.get_num_threads())
+    with torch.profiler.record_function("cpu_paged::decode_attention"):  # visible in bench/step_profile.py
+        status = lib.paged_decode_attention(
+            query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            block_tables.stride(0), seq_lens.data_ptr(), seqs.data_ptr(), rows.data_ptr(), seqs.numel(), heads,
+            k_cache.shape[2], dim, k_cache.shape[1], scale, out.data_ptr(), out.stride(0), torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"paged_decode_attention failed with status {status}")
