@@ -14,6 +14,7 @@ from iterserve.engine.logprobs import record_prompt_logprobs
 from iterserve.engine.model.llama import LlamaModel
 from iterserve.engine.model.loader import load_model
 from iterserve.engine.model.registry import resolve_model_path
+from iterserve.engine.model.threads import apply_step_threads
 from iterserve.engine.model.tokenizer import Tokenizer
 from iterserve.engine.sampler import Sampler
 from iterserve.engine.scheduler import SchedulerOutput
@@ -123,6 +124,7 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
         device = self.device
+        apply_step_threads(len(input_ids))  # --threads auto: more threads for a bigger step (CPU server only)
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, device)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=device),
                             torch.tensor(positions, dtype=torch.long, device=device), self.kv_caches, meta)

@@ -6,13 +6,21 @@ same process between and during steps, and every time one of them takes a core, 
 parallel region waits at its barrier for the thread that lost its core. Measured with
 `bench/peers.py` on a 2-vCPU machine shared with other work, the same int8 server ran the tail
 load at 3.0 tok/s with one compute thread and 0.5 tok/s with torch's default two (README,
-performance section). So the default is one core fewer than the process may use (at least one);
-OMP_NUM_THREADS, when set, is obeyed as is.
+performance section). So small steps leave one of the process's cores to that work (at least one
+thread); OMP_NUM_THREADS, when set, is obeyed as is.
 
 Idle OpenMP workers also spin for a while after each parallel region (libgomp's default), taking
 the core the HTTP loop needs between steps; `OMP_WAIT_POLICY=PASSIVE` makes them sleep (the same
 run: 5.0 vs 3.1 tok/s tail with one thread). libgomp reads it once, when torch loads it, so
 `prefer_passive_wait()` must run before torch is imported; a value already set is kept.
+
+With `--threads auto` (the default) the count is chosen per engine step: a step of at least
+BIG_STEP_TOKENS tokens (prefill chunks, full decode batches) is compute-bound and takes every usable
+CPU, a smaller one keeps one core free. Measured on the 2-vCPU EPYC with `--quantization w8a8`, load
+~1 (README, performance section): 2 threads against 1 made a 128-token prefill 1.87x and a 512-token
+one 1.59x faster, 32-64 decodes 1.15-1.18x, but 2-4 decodes 0.88x (a few rows' linears are too short
+to split, and the HTTP loop then shares the cores). `--threads N` or OMP_NUM_THREADS=N fix N for
+every step.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -42,8 +51,48 @@ def usable_cpus() -> int:
 
 
 def default_compute_threads(cpus: int) -> int:
-    """One core left to the server's Python work, at least one thread."""
+    """One core left to the server's Python work, at least one thread (steps below BIG_STEP_TOKENS)."""
     return max(1, cpus - 1)
+
+
+# Steps with at least this many tokens use every usable CPU under --threads auto (see the docstring).
+BIG_STEP_TOKENS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class StepThreads:
+    """torch's intra-op threads for one engine step: `big` from BIG_STEP_TOKENS tokens on, else `small`."""
+
+    small: int
+    big: int
+
+    def for_tokens(self, tokens: int) -> int:
+        return self.big if tokens >= BIG_STEP_TOKENS else self.small
+
+    def describe(self) -> str:
+        if self.small == self.big:
+            return f"{self.big} on every step"
+        return f"{self.big} on steps of >= {BIG_STEP_TOKENS} tokens, {self.small} on smaller ones"
+
+
+def choose_step_threads(requested: str, cpus: int, omp_num_threads: int | None) -> tuple[StepThreads, str]:
+    """(policy, why) for `--threads requested` ("auto" or a count) on `cpus` usable CPUs, where
+    omp_num_threads is torch's count when OMP_NUM_THREADS is set (None otherwise)."""
+    if requested != "auto":
+        try:
+            n = int(requested)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(f"--threads must be auto or a positive integer; got {requested!r}")
+        return StepThreads(n, n), f"--threads {n}"
+    if omp_num_threads is not None:
+        return StepThreads(omp_num_threads, omp_num_threads), f"OMP_NUM_THREADS={omp_num_threads}"
+    return StepThreads(default_compute_threads(cpus), cpus), "--threads auto"
+
+
+_policy: StepThreads | None = None  # set by configure_serving_threads: torch's thread pool is process-wide too
+_current = 0
 
 
 def prefer_passive_wait() -> bool:
@@ -54,19 +103,30 @@ def prefer_passive_wait() -> bool:
     return "torch" not in sys.modules
 
 
-def configure_serving_threads() -> int:
-    """Set torch's intra-op threads for a CPU server (call before the model runs); returns them."""
+def configure_serving_threads(requested: str = "auto") -> StepThreads:
+    """Choose torch's threads for a CPU server (call before the model runs) and log the choice;
+    the model runner then applies it to each step (apply_step_threads)."""
+    global _policy
     import torch
 
-    explicit = os.environ.get("OMP_NUM_THREADS")
     cpus = usable_cpus()
-    if explicit:
-        threads = torch.get_num_threads()
-        logger.info("CPU compute threads: %d (OMP_NUM_THREADS=%s; %d usable CPUs)", threads, explicit, cpus)
-        return threads
-    threads = default_compute_threads(cpus)
-    torch.set_num_threads(threads)
-    logger.info("CPU compute threads: %d of %d usable CPUs (one left to the HTTP loop and tokenization; "
-                "set OMP_NUM_THREADS to choose); OMP_WAIT_POLICY=%s", threads, cpus,
+    omp = torch.get_num_threads() if os.environ.get("OMP_NUM_THREADS") else None
+    policy, why = choose_step_threads(requested, cpus, omp)
+    _policy = policy
+    apply_step_threads(BIG_STEP_TOKENS)  # the larger count until the first step (model load, warm-up)
+    logger.info("CPU compute threads (%s, %d usable CPUs): %s; OMP_WAIT_POLICY=%s", why, cpus, policy.describe(),
                 os.environ.get("OMP_WAIT_POLICY", "unset"))
-    return threads
+    return policy
+
+
+def apply_step_threads(tokens: int) -> None:
+    """Before a step of `tokens` tokens: torch's thread count for it (no-op unless a server chose a policy)."""
+    global _current
+    if _policy is None:
+        return
+    threads = _policy.for_tokens(tokens)
+    if threads != _current:
+        import torch
+
+        torch.set_num_threads(threads)
+        _current = threads

@@ -55,6 +55,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                        help="CPU: torch.compile the decoder's dense work between attentions (inductor C++ "
                             "code, fused norms/rotary/SiLU); compiles at start-up, cached in "
                             "~/.cache/iterserve/inductor (see README Performance for what it gains)")
+    model.add_argument("--threads", default="auto",
+                       help="CPU: torch compute threads, auto or a count (default auto: every usable CPU on "
+                            "steps of >= 32 tokens, one fewer on smaller ones; OMP_NUM_THREADS, when set, "
+                            "fixes the count instead)")
     model.add_argument("--seed", type=int, default=0)
 
     http = parser.add_argument_group("HTTP")
@@ -213,7 +217,11 @@ def run(args: argparse.Namespace) -> int:
         from iterserve.engine.model_runner import pick_device
 
         if pick_device(config.device).type == "cpu":
-            configure_serving_threads()  # compute threads leave a core to the HTTP loop (engine/model/threads.py)
+            try:
+                configure_serving_threads(args.threads)  # per step: engine/model/threads.py
+            except ValueError as error:
+                print(f"iterserve serve: {error}", file=sys.stderr)
+                return 2
 
     options = ServerOptions(
         config=config,
