@@ -7,8 +7,9 @@ scattered block tables, for batches 1..64 x contexts 16..512 (all sequences the 
 mixed-length batches (lengths drawn uniformly, as under continuous batching). Each timing walks
 --layers separate KV caches, as a step walks the model's layers, so the KV is not read from a warm
 cache; the per-layer time is reported (min and median of --repeats, the two paths interleaved),
-with the largest difference between their outputs. Records the CPU model, its SIMD flags and the
-load average.
+with the largest difference between their outputs. --kernel-threads N also times the kernel
+splitting the decodes over N pthreads (the backend runs it on one). Records the CPU model, its
+SIMD flags and the load average.
 
     python bench/cpu_attention.py --json docs/perf/cpu_attention.json
     python bench/cpu_attention.py --quick
@@ -65,6 +66,20 @@ def make_case(seq_lens: list[int], layers: int, seed: int):
     return query, caches, metas
 
 
+class KernelThreads:
+    """cpu_paged's kernel called directly with `threads` pthreads (every row a decode, in order)."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+
+    def attend(self, query, k_cache, v_cache, meta, scale):
+        out = torch.empty_like(query)
+        index = torch.arange(meta.num_seqs)
+        cpu_paged.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, index, index, scale, out,
+                               threads=self.threads)
+        return out
+
+
 def time_layers(backend, query, caches, meta, scale) -> float:
     start = time.perf_counter()
     for k_cache, v_cache in caches:
@@ -78,6 +93,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--layers", type=int, default=8, help="separate KV caches walked per timing (default 8)")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--kernel-threads", type=int, default=1,
+                        help="also time the kernel split over this many pthreads (default 1: not timed)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     common.set_threads(args.threads)
@@ -97,13 +114,18 @@ def main(argv=None) -> int:
         print("cpu_paged's kernel is unavailable (no C compiler?): nothing to compare", file=sys.stderr)
         return 1
     paths = {"gather_sdpa": TorchBackend(paged_decode=False), "paged_kernel": TorchBackend()}
+    threaded = f"paged_kernel_{args.kernel_threads}_threads"
+    if args.kernel_threads > 1:
+        paths[threaded] = KernelThreads(args.kernel_threads)
     scale = HEAD_DIM**-0.5
     rows, results = [], []
     with torch.inference_mode():
         for label, seq_lens in cases:
             query, caches, metas = make_case(seq_lens, args.layers, seed=len(seq_lens) * 1000 + sum(seq_lens))
-            outputs = [backend.attend(query, *caches[0], meta, scale) for backend, meta in zip(paths.values(), metas, strict=True)]
-            error = (outputs[0] - outputs[1]).abs().max().item()
+            metas += metas[1:2] * (len(paths) - 2)  # the threaded kernel builds no plan
+            outputs = [backend.attend(query, *caches[0], meta, scale)
+                       for backend, meta in zip(paths.values(), metas, strict=True)]
+            error = max((out - outputs[0]).abs().max().item() for out in outputs[1:])
             times: dict[str, list[float]] = {name: [] for name in paths}
             for _ in range(repeats):
                 for (name, backend), meta in zip(paths.items(), metas, strict=True):
@@ -116,14 +138,19 @@ def main(argv=None) -> int:
             results.append(entry)
             rows.append([label, entry["gather_sdpa_ms"]["min"], entry["gather_sdpa_ms"]["median"],
                          entry["paged_kernel_ms"]["min"], entry["paged_kernel_ms"]["median"],
-                         entry["speedup_min"], entry["speedup_median"], error])
+                         entry["speedup_min"], entry["speedup_median"], error]
+                        + ([entry[f"{threaded}_ms"]["min"], entry[f"{threaded}_ms"]["median"]]
+                           if args.kernel_threads > 1 else []))
             print(f"{label} done", file=sys.stderr, flush=True)
     print(common.format_table(["seqs x context", "gather+SDPA min ms", "median", "paged kernel min ms", "median",
-                               "speedup (min)", "(median)", "max |diff|"], rows))
+                               "speedup (min)", "(median)", "max |diff|"]
+                              + ([f"kernel {args.kernel_threads} threads min ms", "median"]
+                                 if args.kernel_threads > 1 else []), rows))
     machine = common.finish_machine(info)
     print(f"{machine['cpu_model']} {' '.join(machine['cpu_flags'])}; per layer, {args.threads} thread(s); "
           f"load average (1 min) {machine['load_average_at_start'][0]:.1f} -> {machine['load_average_at_end'][0]:.1f}")
     common.write_json(args.json, {"benchmark": "cpu_attention", "threads": args.threads, "layers": args.layers,
+                                  "kernel_threads": args.kernel_threads,
                                   "repeats": repeats, "shape": {"heads": HEADS, "kv_heads": KV_HEADS,
                                                                 "head_dim": HEAD_DIM, "block_size": BLOCK},
                                   "machine": machine, "results": results})

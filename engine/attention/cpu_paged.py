@@ -5,9 +5,11 @@ layout of backend.py, block tables and sequence lengths. Out: the decode rows of
 output, written in place. Per sequence the kernel walks the block table once for the keys (token
 rows in block order; a KV head's key serves its whole group of query heads: GQA without
 repeating KV) and once for the values, with an exact two-pass fp32 softmax in between, so
-nothing is gathered into a padded batch and no mask is built. With torch.get_num_threads() > 1
-and at least 1024 cached tokens in all, the decodes are split into that many contiguous shares
-of about equal token counts, one pthread each (the caller's thread takes the first). torch has
+nothing is gathered into a padded batch and no mask is built. `threads` > 1 (with at least 1024
+cached tokens in all) splits the decodes into that many contiguous shares of about equal token
+counts, one pthread each (the caller's thread takes the first); the torch backend passes 1: on
+this 2-vCPU machine two threads were 1.25-1.5x slower at 64 x 64 and no faster at 64 x 256
+(bench/cpu_attention.py --kernel-threads 2), whatever torch's own thread count. torch has
 no eager op that reads through a block table: its
 reference path copies every decode's blocks (`index_select`) before SDPA, which at 64 sequences
 costs as much as the attention itself.
@@ -284,7 +286,7 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, seqs: torch.Tensor, rows: torch.Tensor, scale: float,
-                 out: torch.Tensor) -> None:
+                 out: torch.Tensor, threads: int = 1) -> None:
     """out[rows[i]] = attention of query[rows[i]] over sequence seqs[i]'s first seq_lens[seqs[i]] cached
     tokens. query/out [T, heads, head_dim] fp32 with contiguous rows; block_tables int32 [S, width],
     seq_lens int32 [S], seqs/rows int64 [n]; all contiguous on the CPU (`supports` says when)."""
@@ -297,6 +299,6 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         status = lib.paged_decode_attention(
             query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), seq_lens.data_ptr(), seqs.data_ptr(), rows.data_ptr(), seqs.numel(), heads,
-            k_cache.shape[2], dim, k_cache.shape[1], scale, out.data_ptr(), out.stride(0), torch.get_num_threads())
+            k_cache.shape[2], dim, k_cache.shape[1], scale, out.data_ptr(), out.stride(0), threads)
     if status != 0:
         raise RuntimeError(f"paged_decode_attention failed with status {status}")

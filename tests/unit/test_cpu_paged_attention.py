@@ -121,17 +121,15 @@ def test_bf16_falls_back_to_sdpa():
 
 
 def test_threads_split_the_decodes():
-    """With 2 torch threads and over 1024 cached tokens the kernel splits the decodes between threads:
-    every share's rows still land in their own places."""
+    """threads=2 over more than 1024 cached tokens splits the decodes between two pthreads: every
+    share's rows still land in their own places."""
     seq_lens = [300, 7, 129, 250, 16, 411, 64, 1]
     k_cache, v_cache, tables, gen = paged_layout(seq_lens, 9, 3, 64, seed=11)
     query = torch.randn(len(seq_lens), 9, 64, generator=gen)
     meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, BLOCK)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        got = TorchBackend().attend(query, k_cache, v_cache, meta, 0.125)
-    finally:
-        torch.set_num_threads(threads)
+    got = torch.full_like(query, float("nan"))
+    index = torch.arange(len(seq_lens))
+    cpu_paged.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, index, index, 0.125, got,
+                           threads=2)
     torch.testing.assert_close(got, naive(query, k_cache, v_cache, [1] * len(seq_lens), seq_lens, tables, 0.125),
                                atol=2e-5, rtol=1e-5)
