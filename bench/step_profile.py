@@ -6,11 +6,17 @@ ops) for each.
 
     python bench/step_profile.py --threads 1 --compile --json docs/perf/step_profile.json
     python bench/step_profile.py --baseline-rev cb1c555~1 --modes none,int8
+    python bench/step_profile.py --modes w8a8 --thread-sweep --json docs/perf/step_threads.json
+
+--thread-sweep instead times each mode's decode steps (1..64 sequences at 128 tokens of context) and
+one-prompt prefills (128, 512 tokens) with 1 and 2 torch threads, alternating, best of each: what
+`--threads auto` (engine/model/threads.py) bases its per-step choice on.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -58,6 +64,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: what `iterserve serve` uses on a 2-CPU machine)")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per case (the minimum is kept)")
+    parser.add_argument("--thread-sweep", action="store_true", help="1 vs 2 threads over step sizes (see above)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -74,6 +81,8 @@ def main(argv=None) -> int:
                      for mode in args.baseline_modes.split(",")]
     results = []
     info = common.machine(args.threads)
+    if args.thread_sweep:
+        return thread_sweep(args, loaded, info)
     for mode, backend_name, backend in cases:
         model = LlamaModel.from_weights(cfg, dict(loaded.weights), backend, torch.device("cpu"), torch.float32,
                                         max_positions=512, quantization=mode, q4_1=dict(loaded.q4_1))
@@ -98,13 +107,54 @@ def main(argv=None) -> int:
                    sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:6]]
             row = {"quantization": mode, "backend": backend_name, "scenario": scenario, "seqs": seqs,
                    "context": context, "step_ms": best * 1e3, "tokens_per_s": seqs / best,
-                   "top_ops_ms": top, "compile_s": compile_s, "load_average_1m": __import__("os").getloadavg()[0]}
+                   "top_ops_ms": top, "compile_s": compile_s, "load_average_1m": os.getloadavg()[0]}
             results.append(row)
             print(f"{mode:5} {backend_name:22} {scenario:5} {seqs:3} seqs x {context}: {best * 1e3:7.1f} ms "
                   f"({seqs / best:6.1f} tok/s)  top: " + ", ".join(f"{k} {v:.1f}" for k, v in top[:4]),
                   flush=True)
         del model
     common.write_json(args.json, {"benchmark": "step_profile", "machine": common.finish_machine(info),
+                                  "results": results})
+    return 0
+
+
+SWEEP = (1, 2, 4, 8, 16, 32, 64, "prefill 128", "prefill 512")
+
+
+def sweep_case(model: LlamaModel, caches, case) -> torch.Tensor:
+    """A decode step of `case` sequences at 128 tokens, or a "prefill N" of one N-token prompt."""
+    if isinstance(case, int):
+        return step(model, caches, case, 128)
+    n = int(case.split()[1])
+    meta = AttentionMetadata.build([n], [n], [list(range(-(-n // BLOCK)))], BLOCK)
+    return model.compute_logits(model(torch.randint(100, 250, (n,)), torch.arange(n), caches, meta)[-1:])
+
+
+def thread_sweep(args, loaded, info) -> int:
+    cfg = loaded.config
+    caches = [(torch.randn(64 * 8 + 32, BLOCK, cfg.num_kv_heads, cfg.head_dim) * 0.1,
+               torch.randn(64 * 8 + 32, BLOCK, cfg.num_kv_heads, cfg.head_dim) * 0.1) for _ in range(cfg.num_layers)]
+    results = []
+    for mode in args.modes.split(","):
+        model = LlamaModel.from_weights(cfg, dict(loaded.weights), get_backend("torch"), torch.device("cpu"),
+                                        torch.float32, max_positions=512, quantization=mode, q4_1=dict(loaded.q4_1))
+        for case in SWEEP:
+            best = {1: float("inf"), 2: float("inf")}
+            with torch.inference_mode():
+                for threads in (1, 2) * max(2, args.repeats // 2):
+                    torch.set_num_threads(threads)
+                    sweep_case(model, caches, case)
+                    started = time.perf_counter()
+                    sweep_case(model, caches, case)
+                    best[threads] = min(best[threads], time.perf_counter() - started)
+            results.append({"quantization": mode, "case": case if isinstance(case, str) else f"decode {case} x 128",
+                            "t1_ms": best[1] * 1e3, "t2_ms": best[2] * 1e3, "speedup_t2": best[1] / best[2],
+                            "load_average_1m": os.getloadavg()[0]})
+            r = results[-1]
+            print(f"{mode:5} {r['case']:14}: 1 thread {r['t1_ms']:7.1f} ms, 2 threads {r['t2_ms']:7.1f} ms "
+                  f"({r['speedup_t2']:.2f}x)", flush=True)
+        del model
+    common.write_json(args.json, {"benchmark": "step_profile --thread-sweep", "machine": common.finish_machine(info),
                                   "results": results})
     return 0
 
