@@ -74,7 +74,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--systems", default="llama.cpp,vllm,iterserve",
                         help="comma-separated, in run order (default %(default)s); iterserve variants: "
                              "iterserve, iterserve-int8, iterserve-int4, iterserve-w8a8 (--quantization), each "
-                             "optionally followed by @t<N> (N torch threads), @passive (OMP_WAIT_POLICY=PASSIVE) "
+                             "optionally followed by @t<N> (N torch threads), @passive (OMP_WAIT_POLICY=PASSIVE), @spin "
+                             "(GOMP_SPINCOUNT: a short spin before an idle OpenMP worker sleeps) "
                              "and/or @compile (--compile), e.g. iterserve-w8a8@compile; "
                              "llama.cpp@t<N> / vllm@t<N>: that peer with N threads instead of --threads")
     parser.add_argument("--loads", default="tail,throughput,online", help="default %(default)s")
@@ -374,11 +375,15 @@ def server_for(system: str, args, tmp: Path, gguf: Path, max_len: int) -> tuple[
     raise SystemExit(f"unknown system {system!r}")
 
 
+SPIN_COUNT = "30000"
+
+
 def iterserve_variant(system: str) -> tuple[str, dict]:
-    """'iterserve[-int8|-int4|-w8a8][@t<N>][@passive][@compile]' -> (quantization, environment): @t<N>
-    runs the server with N torch (OpenMP) threads, @passive sets OMP_WAIT_POLICY=PASSIVE (idle OpenMP
-    workers sleep instead of spinning, leaving the core to the HTTP loop); @compile (--compile) is
-    added to the command by server_for."""
+    """'iterserve[-int8|-int4|-w8a8][@t<N>][@passive][@spin][@compile]' -> (quantization, environment):
+    @t<N> runs the server with N torch (OpenMP) threads, @passive sets OMP_WAIT_POLICY=PASSIVE (idle
+    OpenMP workers sleep instead of spinning, leaving the core to the HTTP loop), @spin sets
+    GOMP_SPINCOUNT=SPIN_COUNT (a short spin before that sleep); @compile (--compile) is added to the
+    command by server_for."""
     name, *options = system.split("@")
     env = {}
     for option in options:
@@ -386,8 +391,13 @@ def iterserve_variant(system: str) -> tuple[str, dict]:
             env["OMP_NUM_THREADS"] = option[1:]
         elif option == "passive":
             env["OMP_WAIT_POLICY"] = "PASSIVE"
+        elif option == "spin":
+            # libgomp: an idle worker spins this many rounds (~0.3 ms) before it sleeps, even under PASSIVE,
+            # so back-to-back parallel ops within a step skip the futex wake-up; between steps it sleeps.
+            env["GOMP_SPINCOUNT"] = SPIN_COUNT
         elif option != "compile":
-            raise SystemExit(f"unknown iterserve option @{option} in {system!r}; use @t<N>, @passive or @compile")
+            raise SystemExit(f"unknown iterserve option @{option} in {system!r}; use @t<N>, @passive, @spin "
+                             "or @compile")
     return name.removeprefix("iterserve").lstrip("-"), env
 
 
