@@ -43,7 +43,7 @@ SERVE_FLAGS = {
     "--no-chunked-prefill": False, "--long-prefill-token-threshold": True, "--preemption-mode": True,
     "--scheduling": True, "--attention-backend": True, "--kv-cache-memory": True, "--num-kv-blocks": True,
     "--block-size": True, "--swap-space": True, "--enable-prefix-caching": False, "--no-enable-prefix-caching": False,
-    "--max-request-body": True, "--quantization": True, "--max-logprobs": True,
+    "--max-request-body": True, "--quantization": True, "--threads": True, "--max-logprobs": True,
     "--compile": False,
     "--role": True, "--kv-transfer-port": True, "--kv-transfer-host": True, "--kv-advertise-host": True,
     "--kv-lease-seconds": True, "--kv-transfer-timeout": True, "--kv-failure-policy": True,
