@@ -14,7 +14,8 @@ from iterserve.engine.logprobs import record_prompt_logprobs
 from iterserve.engine.model.llama import LlamaModel
 from iterserve.engine.model.loader import load_model
 from iterserve.engine.model.registry import resolve_model_path
-from iterserve.engine.model.threads import apply_step_threads
+from iterserve.engine.model.split_step import StepSplit, chunk_cost, original_order
+from iterserve.engine.model.threads import apply_split_threads, apply_step_threads, split_steps
 from iterserve.engine.model.tokenizer import Tokenizer
 from iterserve.engine.sampler import Sampler
 from iterserve.engine.scheduler import SchedulerOutput
@@ -90,6 +91,11 @@ class ModelRunner:
             self.num_kv_blocks * config.block_size, self.num_kv_blocks * bytes_per_block / 2**20,
             self.num_cpu_blocks,
         )
+        # --threads auto on a CPU server: big multi-sequence steps run as two 1-thread halves.
+        self.split = StepSplit() if split_steps() and self.device.type == "cpu" and not config.compile else None
+        if self.split is not None:
+            logger.info("CPU steps of >= %d tokens run as two 1-thread halves of the batch (split execution)",
+                        self.split.min_tokens)
         if config.compile:
             from iterserve.engine.model.compiled import compile_model
 
@@ -106,13 +112,30 @@ class ModelRunner:
         chunks = out.chunks
         if not chunks:
             return []
+        total = sum(chunk.num_tokens for chunk in chunks)
+        groups = None
+        if self.split is not None:
+            groups = self.split.plan([chunk_cost(c.start, c.num_tokens, c.sample) for c in chunks], total)
+        if groups is None:
+            apply_step_threads(total)  # --threads auto: more threads for a bigger step (CPU server only)
+            hidden, logits = self._forward(chunks)
+            self._record_prompt_logprobs(chunks, hidden)
+        else:
+            logits = self.forward_split(chunks, groups)
+        if logits is None:
+            return [None] * len(chunks)
+        tokens = iter(self.sampler.sample(logits, [chunk.seq for chunk in chunks if chunk.sample]))
+        return [next(tokens) if chunk.sample else None for chunk in chunks]
+
+    def _forward(self, chunks) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model over these chunks as one flat batch: (hidden states of every row, logits of the
+        sampled chunks' last rows in chunk order, or None when no chunk samples)."""
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
         block_tables: list[list[int]] = []
         sample_rows: list[int] = []
-        sample_seqs = []
         for chunk in chunks:
             seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
             input_ids += seq.token_slice(start, end)
@@ -122,18 +145,35 @@ class ModelRunner:
             block_tables.append(seq.block_table)
             if chunk.sample:
                 sample_rows.append(len(input_ids) - 1)
-                sample_seqs.append(seq)
         device = self.device
-        apply_step_threads(len(input_ids))  # --threads auto: more threads for a bigger step (CPU server only)
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, device)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=device),
                             torch.tensor(positions, dtype=torch.long, device=device), self.kv_caches, meta)
-        self._record_prompt_logprobs(chunks, hidden)
-        if not sample_seqs:
-            return [None] * len(chunks)
+        if not sample_rows:
+            return hidden, None
         rows = hidden[torch.tensor(sample_rows, device=device)] if len(sample_rows) < len(input_ids) else hidden
-        tokens = iter(self.sampler.sample(self.model.compute_logits(rows), sample_seqs))
-        return [next(tokens) if chunk.sample else None for chunk in chunks]
+        return hidden, self.model.compute_logits(rows)
+
+    @torch.inference_mode()
+    def forward_split(self, chunks, groups: tuple[list[int], list[int]]) -> torch.Tensor | None:
+        """The model over two groups of the chunks at once (engine/model/split_step.py), one torch
+        thread each; returns the sampled rows' logits in chunk order, exactly as _forward would.
+
+        Safe to run concurrently: each group writes only its own sequences' KV slots (a block is
+        written by the one sequence that owns it; prefix-cache blocks shared between sequences are
+        full, hence only read), and no group reads a slot the other writes this step, because a
+        sequence's chunks all sit in one group (one chunk per sequence per step)."""
+        apply_split_threads()
+        parts = [[chunks[i] for i in group] for group in groups]
+        results = self.split.run([lambda part=part: self._forward(part) for part in parts])
+        for part, (hidden, _) in zip(parts, results, strict=True):
+            self._record_prompt_logprobs(part, hidden)
+        logits = [group_logits for _, group_logits in results if group_logits is not None]
+        if not logits:
+            return None
+        order = original_order(groups, [chunk.sample for chunk in chunks])
+        joined = torch.cat(logits) if len(logits) > 1 else logits[0]
+        return joined.index_select(0, torch.tensor(order, device=joined.device))
 
     def _record_prompt_logprobs(self, chunks, hidden: torch.Tensor) -> None:
         """Prompt logprobs (engine/logprobs.py) for the prompt chunks of requests that asked for them."""

@@ -21,6 +21,11 @@ CPU, a smaller one keeps one core free. Measured on the 2-vCPU EPYC with `--quan
 one 1.59x faster, 32-64 decodes 1.15-1.18x, but 2-4 decodes 0.88x (a few rows' linears are too short
 to split, and the HTTP loop then shares the cores). `--threads N` or OMP_NUM_THREADS=N fix N for
 every step.
+
+`--threads auto` on two or more CPUs also splits big steps of several sequences (prefill chunks of
+many prompts, full decode batches) into two halves run at once, one thread each, which needs no
+OpenMP synchronisation inside the step (engine/model/split_step.py; the model runner decides per
+step). `--threads N` and OMP_NUM_THREADS keep one call per step.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class StepThreads:
 
     small: int
     big: int
+    split: bool = False  # big multi-sequence steps as two 1-thread halves (engine/model/split_step.py)
 
     def for_tokens(self, tokens: int) -> int:
         return self.big if tokens >= BIG_STEP_TOKENS else self.small
@@ -72,7 +78,8 @@ class StepThreads:
     def describe(self) -> str:
         if self.small == self.big:
             return f"{self.big} on every step"
-        return f"{self.big} on steps of >= {BIG_STEP_TOKENS} tokens, {self.small} on smaller ones"
+        split = "; big steps of several sequences split in two 1-thread halves" if self.split else ""
+        return f"{self.big} on steps of >= {BIG_STEP_TOKENS} tokens, {self.small} on smaller ones{split}"
 
 
 def choose_step_threads(requested: str, cpus: int, omp_num_threads: int | None) -> tuple[StepThreads, str]:
@@ -88,7 +95,7 @@ def choose_step_threads(requested: str, cpus: int, omp_num_threads: int | None) 
         return StepThreads(n, n), f"--threads {n}"
     if omp_num_threads is not None:
         return StepThreads(omp_num_threads, omp_num_threads), f"OMP_NUM_THREADS={omp_num_threads}"
-    return StepThreads(default_compute_threads(cpus), cpus), "--threads auto"
+    return StepThreads(default_compute_threads(cpus), cpus, split=cpus >= 2), "--threads auto"
 
 
 _policy: StepThreads | None = None  # set by configure_serving_threads: torch's thread pool is process-wide too
@@ -117,6 +124,21 @@ def configure_serving_threads(requested: str = "auto") -> StepThreads:
     logger.info("CPU compute threads (%s, %d usable CPUs): %s; OMP_WAIT_POLICY=%s", why, cpus, policy.describe(),
                 os.environ.get("OMP_WAIT_POLICY", "unset"))
     return policy
+
+
+def split_steps() -> bool:
+    """Whether the serving policy runs big steps split in two (--threads auto on >= 2 CPUs)."""
+    return _policy is not None and _policy.split
+
+
+def apply_split_threads() -> None:
+    """Before a split step: one torch thread in the calling thread too (the workers set their own)."""
+    global _current
+    if _current != 1:
+        import torch
+
+        torch.set_num_threads(1)
+        _current = 1
 
 
 def apply_step_threads(tokens: int) -> None:

@@ -57,7 +57,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                             "~/.cache/iterserve/inductor (see README Performance for what it gains)")
     model.add_argument("--threads", default="auto",
                        help="CPU: torch compute threads, auto or a count (default auto: every usable CPU on "
-                            "steps of >= 32 tokens, one fewer on smaller ones; OMP_NUM_THREADS, when set, "
+                            "steps of >= 32 tokens, one fewer on smaller ones, and big steps of several "
+                            "sequences run as two 1-thread halves at once; OMP_NUM_THREADS, when set, "
                             "fixes the count instead)")
     model.add_argument("--seed", type=int, default=0)
 

@@ -55,11 +55,12 @@ def test_default_leaves_one_core():
 
 def test_step_threads_policy_table():
     choose = threads.choose_step_threads
-    assert choose("auto", 2, None) == (threads.StepThreads(1, 2), "--threads auto")
+    assert choose("auto", 2, None) == (threads.StepThreads(1, 2, split=True), "--threads auto")
     assert choose("auto", 1, None)[0] == threads.StepThreads(1, 1)
-    assert choose("auto", 16, None)[0] == threads.StepThreads(15, 16)
+    assert choose("auto", 16, None)[0] == threads.StepThreads(15, 16, split=True)
     assert choose("auto", 2, 1) == (threads.StepThreads(1, 1), "OMP_NUM_THREADS=1")  # the user's variable wins
     assert choose("3", 2, 1) == (threads.StepThreads(3, 3), "--threads 3")  # over which the flag wins
+    assert not choose("2", 2, None)[0].split and not choose("auto", 2, 2)[0].split  # a fixed count: one call
     for bad in ("0", "-1", "two"):
         with pytest.raises(ValueError, match="--threads must be auto or a positive integer"):
             choose(bad, 2, None)
