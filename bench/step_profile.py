@@ -11,6 +11,15 @@ ops) for each.
 --thread-sweep instead times each mode's decode steps (1..64 sequences at 128 tokens of context) and
 one-prompt prefills (128, 512 tokens) with 1 and 2 torch threads, alternating, best of each: what
 `--threads auto` (engine/model/threads.py) bases its per-step choice on.
+
+--split-sweep times steps of several sequences (decodes of 4..64 sequences at 128 tokens of context,
+prefills of 2..16 prompts of 32 tokens, a mixed step, one 512-token prompt) three ways, alternating:
+one call on 1 thread, one call on 2 threads, and split execution (engine/model/split_step.py: two
+cost-balanced groups at once, 1 thread each), best of each; what the split threshold is based on.
+libgomp reads OMP_WAIT_POLICY when torch loads: run it as `iterserve serve` does, with
+OMP_WAIT_POLICY=PASSIVE (the JSON records the policy).
+
+    OMP_WAIT_POLICY=PASSIVE python bench/step_profile.py --modes w8a8 --split-sweep --json docs/perf/step_split.json
 """
 
 from __future__ import annotations
@@ -65,6 +74,8 @@ def main(argv=None) -> int:
                         help="torch threads (default 1: what `iterserve serve` uses on a 2-CPU machine)")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per case (the minimum is kept)")
     parser.add_argument("--thread-sweep", action="store_true", help="1 vs 2 threads over step sizes (see above)")
+    parser.add_argument("--split-sweep", action="store_true",
+                        help="split execution vs one call on 1 and 2 threads over step sizes (see above)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -83,6 +94,8 @@ def main(argv=None) -> int:
     info = common.machine(args.threads)
     if args.thread_sweep:
         return thread_sweep(args, loaded, info)
+    if args.split_sweep:
+        return split_sweep(args, loaded, info)
     for mode, backend_name, backend in cases:
         model = LlamaModel.from_weights(cfg, dict(loaded.weights), backend, torch.device("cpu"), torch.float32,
                                         max_positions=512, quantization=mode, q4_1=dict(loaded.q4_1))
@@ -158,6 +171,88 @@ def thread_sweep(args, loaded, info) -> int:
                                   "results": results})
     return 0
 
+
+# (name, chunks as (first position, tokens)): every chunk samples its last row, as a step's last chunks do.
+SPLIT_CASES = [(f"decode {n} x 128", [(127, 1)] * n) for n in (4, 16, 32, 48, 64)] + [
+    (f"prefill {n} x 32", [(0, 32)] * n) for n in (2, 4, 8, 16)] + [
+    ("prefill 8 x 32 + decode 32 x 128", [(0, 32)] * 8 + [(127, 1)] * 32),
+    ("prefill 1 x 512", [(0, 512)]),
+]
+
+
+def chunks_step(model: LlamaModel, caches, chunks, first_block: int = 0) -> torch.Tensor:
+    """Model + LM head over chunks [(start, tokens)], each sequence in its own blocks from first_block
+    on, as the model runner builds a step; logits of each chunk's last row."""
+    ids, positions, query_lens, seq_lens, tables, last = [], [], [], [], [], []
+    block = first_block
+    for start, n in chunks:
+        blocks = -(-(start + n) // BLOCK)
+        tables.append(list(range(block, block + blocks)))
+        block += blocks
+        ids += [100 + (start + i) % 150 for i in range(n)]
+        positions += range(start, start + n)
+        query_lens.append(n)
+        seq_lens.append(start + n)
+        last.append(len(ids) - 1)
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK)
+    hidden = model(torch.tensor(ids), torch.tensor(positions), caches, meta)
+    return model.compute_logits(hidden[torch.tensor(last)])
+
+
+def time_split_case(model: LlamaModel, caches, split, chunks, repeats: int):
+    """Best times (s) of one call on 1 and 2 threads and of split execution (None when the engine's
+    plan would not split), alternating; and the groups' sizes."""
+    from iterserve.engine.model.split_step import chunk_cost, plan_split
+
+    groups = plan_split([chunk_cost(start, n, True) for start, n in chunks])
+    variants = {"t1": lambda: chunks_step(model, caches, chunks), "t2": lambda: chunks_step(model, caches, chunks)}
+    if groups is not None:  # the second group's blocks after the first's: disjoint, as in the engine
+        first, second = ([chunks[i] for i in group] for group in groups)
+        offset = sum(-(-(start + n) // BLOCK) for start, n in first)
+        parts = (lambda: chunks_step(model, caches, first), lambda: chunks_step(model, caches, second, offset))
+        variants["split"] = lambda: split.run(parts)
+    best = dict.fromkeys(("t1", "t2", "split"), float("inf"))
+    with torch.inference_mode():
+        for _ in range(max(2, repeats)):
+            for variant, run in variants.items():
+                torch.set_num_threads(2 if variant == "t2" else 1)
+                run()
+                started = time.perf_counter()
+                run()
+                best[variant] = min(best[variant], time.perf_counter() - started)
+    return best["t1"], best["t2"], best["split"] if groups else None, [len(g) for g in groups] if groups else None
+
+
+def split_sweep(args, loaded, info) -> int:
+    from iterserve.engine.model.split_step import SPLIT_MIN_TOKENS, StepSplit
+
+    cfg = loaded.config
+    caches = [(torch.randn(64 * 8 + 64, BLOCK, cfg.num_kv_heads, cfg.head_dim) * 0.1,
+               torch.randn(64 * 8 + 64, BLOCK, cfg.num_kv_heads, cfg.head_dim) * 0.1) for _ in range(cfg.num_layers)]
+    split = StepSplit(min_tokens=1)
+    results = []
+    for mode in args.modes.split(","):
+        model = LlamaModel.from_weights(cfg, dict(loaded.weights), get_backend("torch"), torch.device("cpu"),
+                                        torch.float32, max_positions=640, quantization=mode, q4_1=dict(loaded.q4_1))
+        for name, chunks in SPLIT_CASES:
+            t1, t2, parts, groups = time_split_case(model, caches, split, chunks, args.repeats)
+            tokens = sum(n for _, n in chunks)
+            row = {"quantization": mode, "case": name, "tokens": tokens, "t1_ms": t1 * 1e3, "t2_ms": t2 * 1e3,
+                   "split_ms": parts * 1e3 if parts else None, "groups": groups,
+                   "split_vs_t2": t2 / parts if parts else None, "split_vs_t1": t1 / parts if parts else None,
+                   "split_in_serve": bool(parts) and tokens >= SPLIT_MIN_TOKENS, "load_average_1m": os.getloadavg()[0]}
+            results.append(row)
+            split_text = (f"split {row['split_ms']:7.1f} ms ({row['split_vs_t2']:.2f}x vs 2 threads"
+                          f"{', serve splits it' if row['split_in_serve'] else ''})" if parts else "split: not split")
+            print(f"{mode:5} {name:32}: 1 thread {row['t1_ms']:7.1f} ms, 2 threads {row['t2_ms']:7.1f} ms, "
+                  + split_text, flush=True)
+        del model
+    split.close()
+    info = common.finish_machine(info)
+    info["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "unset")
+    info["gomp_spincount"] = os.environ.get("GOMP_SPINCOUNT", "unset")
+    common.write_json(args.json, {"benchmark": "step_profile --split-sweep", "machine": info, "results": results})
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())
