@@ -49,7 +49,7 @@ class DisaggregatedScenario:
     short_max_tokens: int = 128
     light_rate: float = 0.5  # per kind (long and short) after the load, until both pools are at min
     light_max_tokens: int = 16
-    settle_seconds: float = 6
+    settle_seconds: float = 5  # one light chunk at min replicas
     light_max_seconds: float = 150
     threshold_tokens: int = 512
     # Decode pool (spec.replicas, spec.autoscaling)

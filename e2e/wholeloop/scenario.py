@@ -57,8 +57,9 @@ class Scenario:
         # The CI run. The KV retune's last step comes ~8 s into the load (scale-ups at +0 and +13 s,
         # docs/perf/whole_loop_alerts.json); the preemption rate after it is measured from that
         # step +8 s for up to 40 s and needs at least 10 s of load: 50 s of load leave a retune
-        # as late as +32 s room.
-        return cls(heavy_seconds=50)
+        # as late as +32 s room. Nothing is checked in the idle phase, and at min replicas one
+        # light chunk (5 s) of load is enough to see that the scale-down has settled.
+        return cls(heavy_seconds=50, idle_seconds=3, settle_seconds=5)
 
     @classmethod
     def real(cls, quick: bool = False) -> Scenario:

@@ -16,6 +16,7 @@ import pytest
 
 from iterserve.engine.model.registry import resolve_model_path
 from tests.client_venv import client_python
+from tests.hf_fixture import reference_folder
 from tests.server_fixture import running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -102,14 +103,10 @@ def tasks(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(tmp_path_factory, python):
-    """The GGUF's tokenizer saved as an HF tokenizer folder: the harness tokenizes with it on both sides."""
-    folder = tmp_path_factory.mktemp("hf-tokenizer")
-    path = resolve_model_path(None)[0]
-    subprocess.run([str(python), "-c", "import sys; from transformers import AutoTokenizer; "
-                    "AutoTokenizer.from_pretrained(sys.argv[1], gguf_file=sys.argv[2]).save_pretrained(sys.argv[3])",
-                    str(path.parent), path.name, str(folder)], check=True, env=_env())
-    return folder
+def hf_reference():
+    """transformers' conversion of the embedded GGUF as an ordinary model + tokenizer folder (cached
+    across sessions, tests/hf_fixture.py): the harness's HF model, and the tokenizer it uses on both sides."""
+    return reference_folder(resolve_model_path(None)[0])
 
 
 def _env() -> dict[str, str]:
@@ -137,16 +134,15 @@ def evaluation(python, model: str, model_args: str, tasks, out):
                 run.wait()
 
 
-def test_lm_eval_scores_the_server_as_it_scores_the_hf_model(python, tasks, hf_tokenizer, tmp_path):
+def test_lm_eval_scores_the_server_as_it_scores_the_hf_model(python, tasks, hf_reference, tmp_path):
     # The HF eval (one core) runs while the server is scored (the server on the other core).
-    path = resolve_model_path(None)[0]
-    with evaluation(python, "hf", f"pretrained={path.parent},gguf_file={path.name},tokenizer={hf_tokenizer},"
-                                  "dtype=float32", tasks, tmp_path / "hf.json") as hf_results:
+    with evaluation(python, "hf", f"pretrained={hf_reference},tokenizer={hf_reference},dtype=float32",
+                    tasks, tmp_path / "hf.json") as hf_results:
         with running_server(["--max-model-len", "512", "--device", "cpu"], log_path=tmp_path / "server.log",
                             env={"OMP_NUM_THREADS": "1"}, ready_timeout=300) as server, \
              evaluation(python, "local-completions",
                         f"model=smollm2-135m,base_url={server.url}/v1/completions,tokenizer_backend=huggingface,"
-                        f"tokenizer={hf_tokenizer},num_concurrent=1,max_retries=1,max_length=512",
+                        f"tokenizer={hf_reference},num_concurrent=1,max_retries=1,max_length=512",
                         tasks, tmp_path / "served.json") as served_results:
             served = served_results()
         local = hf_results()

@@ -2,10 +2,11 @@
 
 Teacher-forced: each prompt plus fp32's 28 greedy tokens (the ten prompts decoded as one batch)
 goes through every model; at each of those 28 positions we compare the argmax (greedy agreement)
-and the logits (max |error|) with fp32's. Both the one-row path (as in a decode step: the prompt prefilled in one call, then one
-token per call) and the many-row path (everything in one prefill, as in a full batch) are checked,
-since int8/int4 linears pick a kernel by their row count (w8a8 quantizes each row on its own
-scale, so its two paths differ only by attention's rounding).
+and the logits (max |error|) with fp32's. Both the decode path (as in decode steps: the ten prompts
+prefilled, then one token of each per call, ten rows, at most DENSE_ABOVE) and the many-row path
+(each sequence in one prefill, as in a full batch) are checked, since int8/int4 linears pick a
+kernel by their row count (w8a8 quantizes each row on its own scale, so its two paths differ only
+by attention's rounding); one prompt also decodes alone, one row per call (w8a8's one-row path).
 """
 
 from __future__ import annotations
@@ -24,13 +25,11 @@ from iterserve.engine.model.tokenizer import Tokenizer
 
 from .test_hf_parity import CHATS, MAX_NEW_TOKENS, RAW_PROMPTS
 
-# Floors under what was measured on this machine (2026-12-01, the full test: 10 prompts x 28 tokens
-# x 2 paths = 560 positions): int8 546/560 (0.975), max logit error 2.26; int4 550/560 (0.982), 1.07;
-# w8a8 496/560 (0.886), 11.72 (activation rounding is most of that; with 7-bit activations: 0.755 /
-# 18.6). The fp32 reference runs the dequantized Q4_1 weights, so int4 (the same blocks) is closest.
-# Since the reference's greedy tokens come from one batch and the one-row path starts after a
-# prefilled prompt (13:37, same 560 positions): int8 546/560, 2.26; int4 548/560, 0.99; w8a8
-# 493/560 (0.880), 11.72.
+# Floors under what was measured on this machine (2026-12-01; 10 prompts x 28 positions through the
+# dense prefill and the ten-row decode, plus one prompt's 28 one-row decodes = 588 positions):
+# int8 573/588 (0.974), max logit error 2.26; int4 574/588 (0.976), 0.99; w8a8 518/588 (0.881),
+# 11.72 (activation rounding is most of that; with 7-bit activations, earlier: 0.755 / 18.6). The
+# fp32 reference runs the dequantized Q4_1 weights, so int4 (the same blocks) is closest.
 MIN_AGREEMENT = {"int8": 0.95, "int4": 0.95, "w8a8": 0.85}
 MAX_LOGIT_ERROR = {"int8": 4.0, "int4": 2.5, "w8a8": 15.0}
 
@@ -67,6 +66,31 @@ def _logits(model: LlamaModel, tokens: list[int], rows_per_call: int | None, pre
         hidden = model(torch.tensor(tokens[start:end]), torch.arange(start, end), caches, meta)
         out.append(model.compute_logits(hidden))
     return torch.cat(out)
+
+
+def _decode_logits(model: LlamaModel, sequences: list[list[int]], prefills: list[int]) -> list[torch.Tensor]:
+    """Per sequence, the logits at its positions prefill.. : the sequences' first `prefill` tokens in
+    one call, then one token of every sequence per call (a decode step of len(sequences) rows).
+    Every sequence must have the same number of tokens after its prefill."""
+    block_size, cfg = 16, model.config
+    decodes = {len(seq) - n for seq, n in zip(sequences, prefills, strict=True)}
+    assert len(decodes) == 1, decodes
+    per_seq = -(-max(map(len, sequences)) // block_size)
+    blocks = per_seq * len(sequences)
+    caches = [(torch.zeros(blocks, block_size, cfg.num_kv_heads, cfg.head_dim),
+               torch.zeros(blocks, block_size, cfg.num_kv_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(sequences))]
+    meta = AttentionMetadata.build(prefills, prefills, tables, block_size)
+    model(torch.tensor([t for seq, n in zip(sequences, prefills, strict=True) for t in seq[:n]]),
+          torch.tensor([p for n in prefills for p in range(n)]), caches, meta)
+    out = []
+    for step in range(decodes.pop()):
+        lengths = [n + step + 1 for n in prefills]
+        meta = AttentionMetadata.build([1] * len(sequences), lengths, tables, block_size)
+        hidden = model(torch.tensor([seq[n - 1] for seq, n in zip(sequences, lengths, strict=True)]),
+                       torch.tensor([n - 1 for n in lengths]), caches, meta)
+        out.append(model.compute_logits(hidden))
+    return list(torch.stack(out, dim=1))
 
 
 def _greedy(model: LlamaModel, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -114,19 +138,24 @@ def test_quantized_models_agree_with_fp32_on_the_parity_prompts(models):
     assert isinstance(built["int4"].layers[0].qkv_proj, Int4Linear)  # the file's own Q4_1 blocks
     assert isinstance(built["w8a8"].layers[0].down_proj, W8A8Linear) and isinstance(built["w8a8"].lm_head, W8A8Linear)
     stats = {mode: {"agree": 0, "total": 0, "max_logit_error": 0.0} for mode in MIN_AGREEMENT}
-    for sequence in _greedy(reference, [tokenizer.encode(prompt) for prompt in prompts], MAX_NEW_TOKENS):
-        # The last token's logits predict nothing compared here: the 28 positions are n..n+27.
-        tokens = sequence[:-1]
-        n = len(tokens) - MAX_NEW_TOKENS
-        ref = _logits(reference, tokens, None)[n:]
-        for mode, s in stats.items():
-            # One dense prefill; the prompt but its last token prefilled, then one row per call
-            # from the last prompt token on (the kernel path, at every compared position).
-            for rows in (None, 1):
-                got = _logits(built[mode], tokens, rows, prefill=n if rows else 0)[n:]
-                s["agree"] += int((got.argmax(-1) == ref.argmax(-1)).sum())
-                s["total"] += ref.shape[0]
-                s["max_logit_error"] = max(s["max_logit_error"], float((got - ref).abs().max()))
+
+    def compare(mode: str, got: torch.Tensor, ref: torch.Tensor) -> None:
+        s = stats[mode]
+        s["agree"] += int((got.argmax(-1) == ref.argmax(-1)).sum())
+        s["total"] += ref.shape[0]
+        s["max_logit_error"] = max(s["max_logit_error"], float((got - ref).abs().max()))
+
+    # The last token's logits predict nothing compared here: the 28 positions are n..n+27.
+    sequences = [seq[:-1] for seq in _greedy(reference, [tokenizer.encode(prompt) for prompt in prompts],
+                                             MAX_NEW_TOKENS)]
+    prefills = [len(tokens) - MAX_NEW_TOKENS for tokens in sequences]
+    refs = [_logits(reference, tokens, None)[n:] for tokens, n in zip(sequences, prefills, strict=True)]
+    for mode in stats:
+        for tokens, n, ref in zip(sequences, prefills, refs, strict=True):
+            compare(mode, _logits(built[mode], tokens, None)[n:], ref)  # one dense prefill
+        for got, ref in zip(_decode_logits(built[mode], sequences, prefills), refs, strict=True):
+            compare(mode, got, ref)  # ten rows per call from each last prompt token on
+        compare(mode, _logits(built[mode], sequences[0], 1, prefill=prefills[0])[prefills[0]:], refs[0])  # one row
     for mode, s in stats.items():
         agreement = s["agree"] / s["total"]
         print(f"{mode}: greedy agreement {agreement:.3f} ({s['agree']}/{s['total']}), "

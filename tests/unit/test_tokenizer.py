@@ -38,9 +38,9 @@ def ours(smollm_path):
 
 @pytest.fixture(scope="module")
 def hf(smollm_path):
-    from transformers import AutoTokenizer
+    from tests.hf_fixture import hf_tokenizer
 
-    return AutoTokenizer.from_pretrained(str(smollm_path.parent), gguf_file=smollm_path.name)
+    return hf_tokenizer(smollm_path)  # transformers' conversion of the GGUF, cached across sessions
 
 
 @pytest.mark.slow
