@@ -173,7 +173,7 @@ def thread_sweep(args, loaded, info) -> int:
 
 
 # (name, chunks as (first position, tokens)): every chunk samples its last row, as a step's last chunks do.
-SPLIT_CASES = [(f"decode {n} x 128", [(127, 1)] * n) for n in (4, 16, 32, 48, 64)] + [
+SPLIT_CASES = [(f"decode {n} x 128", [(127, 1)] * n) for n in (4, 16, 24, 32, 48, 64)] + [
     (f"prefill {n} x 32", [(0, 32)] * n) for n in (2, 4, 8, 16)] + [
     ("prefill 8 x 32 + decode 32 x 128", [(0, 32)] * 8 + [(127, 1)] * 32),
     ("prefill 1 x 512", [(0, 512)]),

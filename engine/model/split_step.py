@@ -10,10 +10,12 @@ the step's chunk order before the sampler sees them.
 Why: one model call with two OpenMP threads synchronises the team at every op (hundreds per
 step), and under OMP_WAIT_POLICY=PASSIVE each sync is a futex wake-up of a sleeping worker. Two
 half batches on one thread each need no sync at all (torch ops and the ctypes attention kernel
-release the GIL). On the 2-vCPU AMD EPYC (w8a8, bench/step_profile.py --split-sweep, README): a
-64-sequence decode step 1.1x faster than one call on 2 spinning threads, more against 2 PASSIVE
-ones; small steps lose (16 decodes 0.76x), so only steps of at least `min_tokens` tokens split,
-and a step whose heaviest chunk is most of its work (one long prefill) keeps intra-op threads.
+release the GIL). On the 2-vCPU AMD EPYC, w8a8, OMP_WAIT_POLICY=PASSIVE as served, load ~0
+(bench/step_profile.py --split-sweep, docs/perf/step_split.json): split against one call on 2
+threads, decodes at 128 tokens of context: 64 sequences 171 vs 223 ms (1.31x), 48 1.43x, 32 1.18x,
+but 24 0.94x, 16 0.96x, 4 0.58x; prefills of 16 prompts x 32 tokens 591 vs 701 ms (1.19x), 8
+prompts + 32 decodes 1.26x. So steps of at least `min_tokens` tokens split, and a step whose
+heaviest chunk is most of its work (one long prefill) keeps intra-op threads.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from typing import TypeVar
 
 import torch
 
-# Steps with fewer tokens run as one call (measured on the 2-vCPU EPYC: see the module docstring).
-SPLIT_MIN_TOKENS = 48
+# Steps with fewer tokens run as one call (24 decodes: 0.94x, 32: 1.18x; see the module docstring).
+SPLIT_MIN_TOKENS = 32
 # A split whose heavier group has more than this share of the step's cost gains too little.
 MAX_GROUP_SHARE = 0.7
 # One token's query against one cached token (30 layers x 9 heads x 64 dims, q.k and p.v) costs
