@@ -12,7 +12,11 @@ thread); OMP_NUM_THREADS, when set, is obeyed as is.
 Idle OpenMP workers also spin for a while after each parallel region (libgomp's default), taking
 the core the HTTP loop needs between steps; `OMP_WAIT_POLICY=PASSIVE` makes them sleep (the same
 run: 5.0 vs 3.1 tok/s tail with one thread). libgomp reads it once, when torch loads it, so
-`prefer_passive_wait()` must run before torch is imported; a value already set is kept.
+`prefer_passive_wait()` must run before torch is imported; a value already set is kept. With split
+execution (below) big steps use no OpenMP team at all, and the served loads measured PASSIVE,
+PASSIVE + GOMP_SPINCOUNT=300000 and libgomp's default (spin, then sleep) within their run-to-run
+noise (w8a8, alternating runs: tail 75.2 / 81.1 / 72.5 tok/s, throughput 201.0 / 202.0 / 196.4;
+docs/perf/step_split_served.json), so PASSIVE stays the default.
 
 With `--threads auto` (the default) the count is chosen per engine step: a step of at least
 BIG_STEP_TOKENS tokens (prefill chunks, full decode batches) is compute-bound and takes every usable
