@@ -3,7 +3,8 @@
 transformers converts the GGUF in Python (dequantizing every Q4_1 block, building the BPE from the
 GGUF's vocabulary), about 55 s on the CI's cores. `reference_folder()` saves what it builds once, as
 an ordinary transformers folder (config.json, model.safetensors, generation and tokenizer files)
-under ~/.cache/iterserve/hf-reference, keyed by the GGUF file and the transformers version; later
+under ~/.cache/iterserve/hf-reference, keyed by the GGUF's content (sha256) and the transformers
+version (not its path or mtime: a fresh venv reinstalls the same file with a new mtime); later
 loads take a few seconds, in this process or in another (lm-evaluation-harness's `pretrained=`).
 The files are transformers' own conversion of the GGUF, so the reference is the same; delete the
 folder to rebuild it.
@@ -14,6 +15,7 @@ found it, so the modules cannot affect each other."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -33,8 +35,11 @@ def reference_folder(gguf: Path) -> Path:
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    stat = gguf.stat()
-    folder = CACHE_DIR / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}-transformers-{transformers.__version__}"
+    digest = hashlib.sha256()
+    with open(gguf, "rb") as file:
+        while chunk := file.read(1 << 24):
+            digest.update(chunk)
+    folder = CACHE_DIR / f"{gguf.stem}-{digest.hexdigest()[:16]}-transformers-{transformers.__version__}"
     if (folder / "DONE").exists():
         return folder
     previous = torch.get_num_threads()
