@@ -7,12 +7,11 @@ on the values):
   fp32          F.linear with the fp32 weight (MKL sgemm): the exact-parity reference
   int8-wo       torch._weight_int8pack_mm: int8 weight, per-channel scales, bf16 activations
   int4-wo       torch._weight_int4pack_mm_for_cpu: Q4_1-style 32-weight groups, bf16 activations
-  w8a8          `--quantization w8a8` (engine/model/quant.py W8A8Linear): fbgemm's dynamic int8 linear
-                with each row scaled to max |x| = 1 first and a [1, -1, 0...] row appended, so every
-                row is quantized on its own scale (batch-independent)
-  w8a8-fbgemm   torch.ops.quantized.linear_dynamic alone, 8-bit activations (quantized per TENSOR: one
-                scale for the whole batch): what w8a8's per-row scaling costs on top; at 1 row it is
-                what w8a8 itself runs (one row needs no scaling)
+  w8a8          `--quantization w8a8` (engine/model/quant.py W8A8Linear): iterserve's C kernel
+                (engine/model/cpu_w8a8.py), every row quantized on its own scale (batch-independent),
+                on as many threads as torch has
+  w8a8-fbgemm   torch.ops.quantized.linear_dynamic, fbgemm's dynamic int8 linear (8-bit activations
+                quantized per TENSOR: one scale for the whole batch), what w8a8 ran before its own kernel
   w8a8-intmm    per-row int8 activations through torch._int_mm (int8 x int8 -> int32), the obvious
                 alternative (10-60x slower than fp32 on this torch's CPU path: not in the default set)
   fp16-fbgemm   torch.ops.quantized.linear_dynamic_fp16: fp16 weight, fp32 activations
@@ -66,7 +65,10 @@ def build(kernel: str, weight: torch.Tensor):
         warnings.simplefilter("ignore")
         try:
             if kernel == "w8a8-fbgemm":
-                packed = W8A8Linear(weight).packed
+                layer = W8A8Linear(weight)
+                q = torch._make_per_channel_quantized_tensor(layer.qweight, layer.wscale.double(),
+                                                             torch.zeros(len(layer.wscale), dtype=torch.long), 0)
+                packed = torch.ops.quantized.linear_prepack(q, None)
                 return lambda x: torch.ops.quantized.linear_dynamic(x, packed, False)
             if kernel == "fp16-fbgemm":
                 packed = torch.ops.quantized.linear_prepack_fp16(weight, None)

@@ -14,25 +14,20 @@ no eager op that reads through a block table: its
 reference path copies every decode's blocks (`index_select`) before SDPA, which at 64 sequences
 costs as much as the attention itself.
 
-The source is compiled once per machine with the system C compiler (the one torch.compile also
-needs) into ~/.cache/iterserve/cpu_attention, keyed by source, compiler and instruction-set
-flags, and loaded with ctypes (which releases the GIL during the call). Without a compiler,
-`load()` returns None and the torch backend keeps its gather + SDPA path.
+The source is compiled once per machine (engine/native.py) and loaded with ctypes, which
+releases the GIL during the call. Without a compiler, `load()` returns None and the torch
+backend keeps its gather + SDPA path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
+
+from iterserve.engine import native
 
 logger = logging.getLogger(__name__)
 
@@ -215,58 +210,12 @@ int paged_decode_attention(
 }
 """
 
-# Reassociation lets the dot products and the accumulation vectorise; no -ffast-math, which
-# would assume finite values and, linked into a shared object, may flush denormals process-wide.
-_BASE_FLAGS = ["-O3", "-shared", "-fPIC", "-pthread", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
-               "-fno-signed-zeros"]
-
-
-def _isa_flags() -> list[str]:
-    # Never -march=native: the cache directory can outlive the machine (VMs change CPUs between runs).
-    return ["-mavx2", "-mfma"] if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else []
-
-
-def _cache_dir() -> Path:
-    preferred = Path.home() / ".cache" / "iterserve" / "cpu_attention"
-    try:
-        preferred.mkdir(parents=True, exist_ok=True)
-        if os.access(preferred, os.W_OK):
-            return preferred
-    except OSError:
-        pass
-    fallback = Path(tempfile.gettempdir()) / f"iterserve-cpu-attention-{os.getuid()}"
-    fallback.mkdir(parents=True, exist_ok=True)
-    return fallback
-
-
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use; None where no C compiler works (logged once)."""
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        logger.warning("no C compiler found: CPU decode attention gathers KV blocks (torch SDPA path)")
-        return None
-    flags = _BASE_FLAGS + _isa_flags()
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join([_SOURCE, compiler, version, *flags]).encode()).hexdigest()[:16]
-        directory = _cache_dir()
-        library = directory / f"paged_decode_{key}.so"
-        if not library.exists():
-            source = directory / f"paged_decode_{key}.{os.getpid()}.c"
-            partial = directory / f"paged_decode_{key}.{os.getpid()}.so"
-            source.write_text(_SOURCE)
-            try:
-                subprocess.run([compiler, *flags, str(source), "-o", str(partial), "-lm"], check=True,
-                               capture_output=True, text=True, timeout=120)
-                os.replace(partial, library)  # atomic: concurrent engines never load a half-written file
-            finally:
-                source.unlink(missing_ok=True)
-                partial.unlink(missing_ok=True)
-        lib = ctypes.CDLL(str(library))
-    except (OSError, subprocess.SubprocessError) as error:
-        detail = getattr(error, "stderr", "") or error
-        logger.warning("CPU paged decode attention unavailable (%s): using the torch SDPA path", detail)
+    lib = native.build("paged_decode", _SOURCE)
+    if lib is None:
+        logger.warning("CPU decode attention gathers KV blocks (torch SDPA path)")
         return None
     fn = lib.paged_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

@@ -17,19 +17,17 @@ fp32 without --quantization stays the exact-parity mode.
 
 from __future__ import annotations
 
-import functools
 import os
-import warnings
-import weakref
 
 import torch
 import torch.nn.functional as F
+
+from iterserve.engine.model import cpu_w8a8
 
 MODES = ("none", "int8", "int4", "w8a8")
 Q4_GROUP = 32
 # Rows above which a quantized linear uses the dequantized fp32 weight (see the module docstring).
 DENSE_ABOVE = int(os.environ.get("ITERSERVE_QUANT_DENSE_ABOVE", "16"))
-W8A8_WEIGHT_MAX = 63  # w8a8 weights in -63..63 (see W8A8Linear)
 STREAM_ROWS = 32  # dense path: up to this many rows as W @ x.T (see QuantLinear.__call__)
 
 
@@ -94,42 +92,25 @@ class Int4Linear(QuantLinear):
 
 
 class W8A8Linear(QuantLinear):
-    """int8 weights times int8 activations (`--quantization w8a8`), through fbgemm's dynamic int8
-    linear (`torch.ops.quantized.linear_dynamic`: activations quantized on the fly, int32
-    accumulation, AVX2 u8 x s8 kernels). It is faster than fp32 sgemm at every row count measured
-    (bench/quant_linear.py), from one decode row (it reads a quarter of the bytes) to full batches
-    (it computes with 8-bit integer lanes).
+    """int8 weights times int8 activations (`--quantization w8a8`) on iterserve's own CPU kernel
+    (engine/model/cpu_w8a8.py): each activation row is quantized on its own range (127 steps of
+    its max |value|), the products are summed in exact int32, and only then scaled back, so a
+    row's result never depends on the other rows of its batch, at any batch size or thread count.
+    It reads a quarter of fp32's bytes (decode steps of few sequences are bound by reading the
+    weights) and computes with 8-bit integer lanes (full batches are bound by compute).
 
-    fbgemm quantizes the activations with ONE scale for the whole batch (over its min..max), so one
-    large row would coarsen every other row, and a row's result would depend on its batch. Each row
-    is therefore divided by its own max |value| first and the result multiplied back (exact: the
-    linear has no bias), and one constant row [1, -1, 0, ...] is added, so the batch's range is
-    always exactly [-1, 1]: every row is quantized with the same step, 2/255 of its own max |value|
-    (uint8 with a zero point), and a row's result never depends on the other rows of a batch. A
-    single row (a decode step with one sequence) skips the scaling: fbgemm's own range for it,
-    [min(x, 0), max(x, 0)], is at most as wide, so it is rounded at least as finely (its result
-    can differ from the same row's in a batch by that rounding, as fp32's gemv and gemm differ). Weights:
-    per-output-channel symmetric, within +-63 (W8A8_WEIGHT_MAX): AVX2's u8 x s8 multiply sums pairs
-    into 16 bits with saturation, and 2 x 255 x 64 is the most that fits; fbgemm's other remedy,
-    `reduce_range` (7-bit activations), doubles the activation rounding, which dominates the error
-    (measured on the real model: mean relative error per linear 3-4% this way, 4-6% with
-    reduce_range). No fp32 copy of the weight is kept."""
+    Weights: per-output-channel symmetric, within +-63 (cpu_w8a8.WEIGHT_MAX): AVX2's u8 x s8
+    multiply sums pairs into 16 bits with saturation, and 2 x 255 x 63 is the most that fits
+    (halving the activations' range instead doubles their rounding, which dominates the error).
+    No fp32 copy of the weight is kept. Without the kernel (no C compiler, no AVX2) the same
+    arithmetic runs in torch ops (cpu_w8a8.reference), bit for bit, slowly."""
 
     kind = "w8a8"
 
     def __init__(self, weight: torch.Tensor):
-        weight = weight.float()
-        out_features, in_features = weight.shape
-        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / W8A8_WEIGHT_MAX
-        self.qweight = torch.round(weight / scales[:, None]).clamp(-W8A8_WEIGHT_MAX, W8A8_WEIGHT_MAX).to(
-            torch.int8).contiguous()
-        self.wscale = scales
+        self.qweight, self.wscale, self.wsum = cpu_w8a8.quantize_weight(weight)
         self.shape = self.qweight.shape
-        self.packed = _fbgemm_prepack(self.qweight, scales)
-        # torch.compile cannot pass fbgemm's packed weight (a TorchScript object) through a graph: the
-        # compiled path calls the custom op below with qweight, which finds the packed weight here.
-        _PACKED[self.qweight.data_ptr()] = self.packed
-        weakref.finalize(self, _PACKED.pop, self.qweight.data_ptr(), None)
+        self.fast = cpu_w8a8.supported(self.shape[1])
 
     @property
     def dense(self) -> torch.Tensor:
@@ -138,62 +119,26 @@ class W8A8Linear(QuantLinear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return torch.ops.iterserve.w8a8_linear(x, self.qweight)
-        return _w8a8(x, self.packed)
+            return torch.ops.iterserve.w8a8_linear(x, self.qweight, self.wscale, self.wsum)
+        return _w8a8(x, self.qweight, self.wscale, self.wsum, self.fast)
 
 
-_PACKED: dict[int, object] = {}  # W8A8Linear.qweight.data_ptr() -> its fbgemm packed weight
-
-
-@functools.cache
-def _sentinel(in_features: int) -> torch.Tensor:
-    row = torch.zeros(in_features)
-    row[0], row[min(1, in_features - 1)] = 1.0, -1.0
-    return row
-
-
-def _w8a8(x: torch.Tensor, packed) -> torch.Tensor:
-    """fbgemm's dynamic int8 linear with each row quantized on its own range (see W8A8Linear)."""
-    rows, in_features = x.shape
-    if rows == 1:
-        # One row already gets a range of its own from fbgemm ([min(x, 0), max(x, 0)]: no coarser
-        # than the +-max|x| of the batched path below), which saves ~6 small ops (~0.06 ms per linear,
-        # bench/quant_linear.py: w8a8 vs w8a8-fbgemm at 1 row).
-        return torch.ops.quantized.linear_dynamic(x.float(), packed, False).to(x.dtype)
-    # abs().amax(): linalg.vector_norm(ord=inf) took 5-10x longer at 64 rows (26 ms of a 355 ms step).
-    row_max = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30)
-    scaled = torch.cat([_sentinel(in_features)[None], x / row_max])
-    out = torch.ops.quantized.linear_dynamic(scaled, packed, False)[1:]  # reduce_range off: 8-bit x
-    return out.mul_(row_max).to(x.dtype)
+def _w8a8(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, wsum: torch.Tensor,
+          fast: bool) -> torch.Tensor:
+    if not fast:
+        return cpu_w8a8.reference(x, qweight, wscale).to(x.dtype)
+    x32 = x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
+    return cpu_w8a8.linear(x32, qweight, wscale, wsum, cpu_w8a8.kernel_threads()).to(x.dtype)
 
 
 @torch.library.custom_op("iterserve::w8a8_linear", mutates_args=())
-def _w8a8_op(x: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
-    return _w8a8(x, _PACKED[qweight.data_ptr()]).clone()
+def _w8a8_op(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, wsum: torch.Tensor) -> torch.Tensor:
+    return _w8a8(x, qweight, wscale, wsum, cpu_w8a8.supported(qweight.shape[1]))
 
 
 @_w8a8_op.register_fake
-def _(x: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, wsum: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], qweight.shape[0]))
-
-
-def _fbgemm_prepack(qweight: torch.Tensor, scales: torch.Tensor):
-    """fbgemm's packed int8 weight (per-channel scales) for torch.ops.quantized.linear_dynamic."""
-    engine = torch.backends.quantized.engine
-    try:
-        torch.backends.quantized.engine = "fbgemm"
-        with warnings.catch_warnings():
-            # torch marks quantized tensors as deprecated (in favour of torchao); this is only the
-            # packing format the fbgemm kernel takes, built once at load.
-            warnings.simplefilter("ignore", UserWarning)
-            q = torch._make_per_channel_quantized_tensor(qweight, scales.double(),
-                                                         torch.zeros(len(scales), dtype=torch.long), 0)
-            return torch.ops.quantized.linear_prepack(q, None)
-    except (RuntimeError, AttributeError) as error:
-        raise ValueError(f"--quantization w8a8 needs torch's fbgemm int8 kernels (an x86-64 CPU build of torch); "
-                         f"this torch has none ({error}); use --quantization int8") from error
-    finally:
-        torch.backends.quantized.engine = engine
 
 
 def int4_from_dense(weight: torch.Tensor, dense_above: int = DENSE_ABOVE) -> Int4Linear:

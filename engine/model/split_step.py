@@ -28,6 +28,8 @@ from typing import TypeVar
 
 import torch
 
+from iterserve.engine.model import cpu_w8a8
+
 # Steps with fewer tokens run as one call (24 decodes: 0.94x, 32: 1.18x; see the module docstring).
 SPLIT_MIN_TOKENS = 32
 # A split whose heavier group has more than this share of the step's cost gains too little.
@@ -112,5 +114,6 @@ def _one_thread(fn: Callable[[], T]) -> T:
     # torch's thread count is per OS thread (OpenMP's ICV): set it here, not only in the caller.
     if torch.get_num_threads() != 1:
         torch.set_num_threads(1)
+    cpu_w8a8.one_thread_on_this_thread()
     with torch.inference_mode():
         return fn()

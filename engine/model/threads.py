@@ -120,10 +120,16 @@ def configure_serving_threads(requested: str = "auto") -> StepThreads:
     global _policy
     import torch
 
+    # imported here, not at module level: it imports torch (see prefer_passive_wait)
+    from iterserve.engine.model import cpu_w8a8
+
     cpus = usable_cpus()
     omp = torch.get_num_threads() if os.environ.get("OMP_NUM_THREADS") else None
     policy, why = choose_step_threads(requested, cpus, omp)
     _policy = policy
+    # The C kernels' own threads (w8a8 linears) cost no OpenMP sync: every step outside split
+    # execution's halves gets all of the policy's CPUs there.
+    cpu_w8a8.set_threads(policy.big)
     apply_step_threads(BIG_STEP_TOKENS)  # the larger count until the first step (model load, warm-up)
     logger.info("CPU compute threads (%s, %d usable CPUs): %s; OMP_WAIT_POLICY=%s", why, cpus, policy.describe(),
                 os.environ.get("OMP_WAIT_POLICY", "unset"))

@@ -1,11 +1,15 @@
-"""The w8a8 linear (engine/model/quant.py): int8 weights x per-row int8 activations."""
+"""The w8a8 linear (engine/model/quant.py, its kernel engine/model/cpu_w8a8.py): int8 weights x per-row
+int8 activations."""
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from iterserve.engine.model import cpu_w8a8
 from iterserve.engine.model.quant import (
     MODES,
     Int4Linear,
@@ -30,7 +34,7 @@ def test_w8a8_is_close_to_the_fp32_product_row_by_row(weight):
     x[4] *= 1e-4
     got, reference = layer(x), F.linear(x, weight)
     assert got.dtype == torch.float32 and got.shape == (20, 96)
-    # Per row: activations rounded to 2/255 of the row's max |x|, weights to 1/63 of the channel's max.
+    # Per row: activations rounded to 1/127 of the row's max |x|, weights to 1/63 of the channel's max.
     for row in range(20):
         bound = 0.03 * x[row].abs().max() * weight.abs().sum(dim=1).max()
         assert (got[row] - reference[row]).abs().max() < bound, row
@@ -44,7 +48,7 @@ def test_w8a8_rows_do_not_depend_on_the_rest_of_the_batch(weight):
     in_pairs = torch.cat([layer(x[i:i + 2]) for i in range(0, 12, 2)])
     together = layer(x)
     x_big = x.clone()
-    x_big[0] *= 1000  # with fbgemm's per-batch activation scale this would coarsen every other row
+    x_big[0] *= 1000  # with one activation scale per batch this would coarsen every other row
     x_big[1] = x_big[1].abs()  # and a batch without negative values would shift the zero point
     assert torch.equal(in_pairs, together)
     assert torch.equal(layer(x_big)[2:], together[2:])
@@ -52,19 +56,71 @@ def test_w8a8_rows_do_not_depend_on_the_rest_of_the_batch(weight):
     assert torch.equal(layer(torch.zeros(1, 64)), torch.zeros(1, 96))
 
 
-def test_w8a8_one_row_is_rounded_at_least_as_finely_as_in_a_batch(weight):
-    """One row goes to fbgemm unscaled (its own [min, max] range): no worse than the batched path."""
+def test_w8a8_one_row_alone_equals_the_same_row_in_a_batch(weight):
     layer = W8A8Linear(weight)
     torch.manual_seed(1)
-    x = torch.randn(64, 64) + 0.5  # mostly positive rows: fbgemm's own range is much narrower than +-max
-    reference = F.linear(x, weight)
-    alone = torch.cat([layer(x[i:i + 1]) for i in range(64)])
-    batched = layer(x)
-    assert not torch.equal(alone, batched)  # the one-row path is really taken
-    err_alone, err_batched = (alone - reference).abs().mean(), (batched - reference).abs().mean()
-    assert err_alone <= err_batched, (err_alone, err_batched)
-    assert layer(x[:1] * 1e4).sub(F.linear(x[:1] * 1e4, weight)).abs().max() < 0.03 * 1e4 * x[0].abs().max() * \
-        weight.abs().sum(dim=1).max()
+    x = torch.randn(37, 64) + 0.5
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(37)])
+    assert torch.equal(alone, layer(x))
+
+
+@pytest.mark.skipif(cpu_w8a8.load() is None, reason="needs AVX2 and a C compiler")
+@pytest.mark.parametrize("in_features", [32, 64, 576, 1536])
+def test_the_kernel_matches_its_torch_reference_bit_for_bit(in_features):
+    torch.manual_seed(in_features)
+    weight = torch.randn(203, in_features) / 8  # 203: tails of every output tiling (4, 2, 1)
+    qweight, wscale, wsum = cpu_w8a8.quantize_weight(weight)
+    for rows in (1, 2, 3, 4, 5, 7, 9, 64, 66):
+        x = torch.randn(rows, in_features) * torch.rand(rows, 1) * 5
+        x[0, : in_features // 2] = 0.0
+        if rows > 2:
+            x[1] = 0.0  # an all-zero row: result 0
+            x[2] *= 1e-35  # below MIN_AMAX
+        reference = cpu_w8a8.reference(x, qweight, wscale)
+        for threads in (1, 2, 3):
+            got = cpu_w8a8.linear(x, qweight, wscale, wsum, threads)
+            assert torch.equal(got, reference), (rows, threads, (got - reference).abs().max())
+    assert torch.equal(cpu_w8a8.linear(torch.zeros(3, in_features), qweight, wscale, wsum, 2), torch.zeros(3, 203))
+    wide = torch.randn(5, in_features * 2)
+    strided = wide[:, :in_features]  # rows one stride apart, as a view of a wider tensor
+    assert torch.equal(cpu_w8a8.linear(strided, qweight, wscale, wsum, 1), cpu_w8a8.reference(strided, qweight, wscale))
+
+
+@pytest.mark.skipif(cpu_w8a8.load() is None, reason="needs AVX2 and a C compiler")
+def test_the_kernel_turns_a_row_with_nan_or_inf_into_nan_and_leaves_the_others():
+    torch.manual_seed(3)
+    qweight, wscale, wsum = cpu_w8a8.quantize_weight(torch.randn(70, 64))
+    x = torch.randn(4, 64)
+    x[1, 5], x[2, 60] = float("nan"), float("inf")
+    got = cpu_w8a8.linear(x, qweight, wscale, wsum, 2)
+    assert got[1].isnan().all() and got[2].isnan().all()
+    assert torch.equal(got[[0, 3]], cpu_w8a8.reference(x[[0, 3]], qweight, wscale))
+
+
+@pytest.mark.skipif(cpu_w8a8.load() is None, reason="needs AVX2 and a C compiler")
+def test_concurrent_callers_each_get_their_own_rows():
+    """Split execution calls the kernel from two threads at once; a second parallel caller finds
+    the pool busy and runs on its own thread."""
+    torch.manual_seed(4)
+    qweight, wscale, wsum = cpu_w8a8.quantize_weight(torch.randn(1024, 576) / 8)
+    inputs = [torch.randn(3, 576) for _ in range(8)]
+    expected = [cpu_w8a8.reference(x, qweight, wscale) for x in inputs]
+
+    def work(i):
+        return all(torch.equal(cpu_w8a8.linear(inputs[i], qweight, wscale, wsum, 2), expected[i]) for _ in range(30))
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(work, range(8)))
+
+
+def test_a_width_the_kernel_cannot_take_runs_the_reference():
+    torch.manual_seed(5)
+    weight = torch.randn(40, 48)  # 48: not a multiple of 32
+    layer = W8A8Linear(weight)
+    assert not layer.fast
+    x = torch.randn(6, 48)
+    assert torch.equal(layer(x), cpu_w8a8.reference(x, layer.qweight, layer.wscale))
+    assert (layer(x) - F.linear(x, weight)).abs().max() < 0.05 * x.abs().max() * weight.abs().sum(dim=1).max()
 
 
 def test_modes_build_their_linears_and_refuse_unknown_ones(weight):

@@ -1,0 +1,76 @@
+"""Small C kernels for CPUs, compiled once per machine and loaded with ctypes.
+
+`build(name, source)` compiles `source` with the system C compiler (the one torch.compile also
+needs) into ~/.cache/iterserve/native, keyed by source, compiler and instruction-set flags, and
+returns the loaded library, or None where no compiler works (the caller logs its fallback). A
+ctypes call releases the GIL, so a kernel runs while other Python threads go on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Reassociation lets the dot products and the accumulation vectorise; no -ffast-math, which
+# would assume finite values and, linked into a shared object, may flush denormals process-wide.
+BASE_FLAGS = ["-O3", "-shared", "-fPIC", "-pthread", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+              "-fno-signed-zeros"]
+
+
+def isa_flags() -> list[str]:
+    # Never -march=native: the cache directory can outlive the machine (VMs change CPUs between runs).
+    return ["-mavx2", "-mfma"] if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else []
+
+
+def cache_dir() -> Path:
+    preferred = Path.home() / ".cache" / "iterserve" / "native"
+    try:
+        preferred.mkdir(parents=True, exist_ok=True)
+        if os.access(preferred, os.W_OK):
+            return preferred
+    except OSError:
+        pass
+    fallback = Path(tempfile.gettempdir()) / f"iterserve-native-{os.getuid()}"
+    fallback.mkdir(parents=True, exist_ok=True)
+    return fallback
+
+
+def build(name: str, source: str, flags: list[str] | None = None) -> ctypes.CDLL | None:
+    """The library compiled from source (cached); None, with a warning naming why, where it cannot
+    be built here."""
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found (set CC or install gcc): the %s kernel is unavailable", name)
+        return None
+    flags = BASE_FLAGS + isa_flags() + list(flags or [])
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+        key = hashlib.sha256("\0".join([source, compiler, version, *flags]).encode()).hexdigest()[:16]
+        directory = cache_dir()
+        library = directory / f"{name}_{key}.so"
+        if not library.exists():
+            source_file = directory / f"{name}_{key}.{os.getpid()}.c"
+            partial = directory / f"{name}_{key}.{os.getpid()}.so"
+            source_file.write_text(source)
+            try:
+                subprocess.run([compiler, *flags, str(source_file), "-o", str(partial), "-lm"], check=True,
+                               capture_output=True, text=True, timeout=120)
+                os.replace(partial, library)  # atomic: concurrent engines never load a half-written file
+            finally:
+                source_file.unlink(missing_ok=True)
+                partial.unlink(missing_ok=True)
+        return ctypes.CDLL(str(library))
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", "") or error
+        logger.warning("the %s kernel did not build (%s)", name, detail)
+        return None
