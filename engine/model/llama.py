@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from iterserve.engine.attention.backend import AttentionBackend, AttentionMetadata
+from iterserve.engine.model import cpu_fused
 from iterserve.engine.model.loader import ModelConfig
 from iterserve.engine.model.quant import Int4Linear, QuantLinear, quantize_dense, quantize_lm_head
 
@@ -70,6 +71,8 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         self.quantization = quantization
         self.compiled = None  # a CompiledForward (compiled.py) once compile() ran
+        # quantized CPU models run their small ops as fused C kernels (cpu_fused.py)
+        self.fused = backend.name == "torch" and cpu_fused.supports(self)
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor], backend: AttentionBackend,
@@ -126,6 +129,8 @@ class LlamaModel:
         dense work between two attentions runs as one compiled graph; attention stays its boundary."""
         if self.compiled is not None:
             return self.compiled.forward(input_ids, positions, kv_caches, meta)
+        if self.fused and kv_caches[0][0].dtype == torch.float32:
+            return cpu_fused.forward(self, input_ids, positions, kv_caches, meta)
         backend = self.backend
         hidden, residual = F.embedding(input_ids, self.embed_tokens), None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
