@@ -119,7 +119,7 @@ static inline __attribute__((always_inline)) void tile(const share_t* s, int64_t
                                                        const int NR) {
     const int64_t k = s->k;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i acc[4][4];
+    __m256i acc[MR][NR];
     for (int r = 0; r < MR; r++)
         for (int c = 0; c < NR; c++) acc[r][c] = _mm256_setzero_si256();
     const uint8_t* q = s->q + m * k;
@@ -127,7 +127,7 @@ static inline __attribute__((always_inline)) void tile(const share_t* s, int64_t
     /* the weight is read once, in order: fetch PREFETCH_TILES tiles ahead, NR * 32 bytes per step */
     const int8_t* ahead = w + PREFETCH_TILES * NR * k;
     for (int64_t i = 0; i < k; i += 32) {
-        __m256i b[4];
+        __m256i b[NR];
         for (int c = 0; c < NR; c += 2) _mm_prefetch((const char*)(ahead + (i * NR) + c * 32), _MM_HINT_T0);
         for (int c = 0; c < NR; c++) b[c] = _mm256_loadu_si256((const __m256i*)(w + c * k + i));
         for (int r = 0; r < MR; r++) {
@@ -145,22 +145,59 @@ static inline __attribute__((always_inline)) void tile(const share_t* s, int64_t
     }
 }
 
-#define ROWS(NR)                                                        \
-    for (; m + 4 <= s->m_rows; m += 4) tile(s, m, n, 4, NR);            \
-    switch (s->m_rows - m) {                                            \
-        case 3: tile(s, m, n, 3, NR); break;                            \
-        case 2: tile(s, m, n, 2, NR); break;                            \
-        case 1: tile(s, m, n, 1, NR); break;                            \
+/* 4 rows x 2 channels written out: the generic tile spills accumulators at this size. */
+static inline __attribute__((always_inline)) void tile42(const share_t* s, int64_t m, int64_t n) {
+    const int64_t k = s->k;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
+    const uint8_t* q = s->q + m * k;
+    const int8_t* w = s->w + n * k;
+    const int8_t* ahead = w + PREFETCH_TILES * 2 * k;
+    for (int64_t i = 0; i < k; i += 32) {
+        _mm_prefetch((const char*)(ahead + 2 * i), _MM_HINT_T0);
+        const __m256i b0 = _mm256_loadu_si256((const __m256i*)(w + i));
+        const __m256i b1 = _mm256_loadu_si256((const __m256i*)(w + k + i));
+        __m256i a = _mm256_loadu_si256((const __m256i*)(q + i));
+        c00 = _mm256_add_epi32(c00, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b0), ones));
+        c01 = _mm256_add_epi32(c01, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b1), ones));
+        a = _mm256_loadu_si256((const __m256i*)(q + k + i));
+        c10 = _mm256_add_epi32(c10, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b0), ones));
+        c11 = _mm256_add_epi32(c11, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b1), ones));
+        a = _mm256_loadu_si256((const __m256i*)(q + 2 * k + i));
+        c20 = _mm256_add_epi32(c20, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b0), ones));
+        c21 = _mm256_add_epi32(c21, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b1), ones));
+        a = _mm256_loadu_si256((const __m256i*)(q + 3 * k + i));
+        c30 = _mm256_add_epi32(c30, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b0), ones));
+        c31 = _mm256_add_epi32(c31, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b1), ones));
     }
+    const __m256i acc[4][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}};
+    for (int r = 0; r < 4; r++) {
+        float* y = s->y + (m + r) * s->ldy + n;
+        for (int c = 0; c < 2; c++) {
+            const int32_t dot = hsum_epi32(acc[r][c]) - 128 * s->wsum[n + c];
+            y[c] = (float)dot * (s->xscale[m + r] * s->wscale[n + c]);
+        }
+    }
+}
 
 static void run_share(const share_t* s) {
-    int64_t n = s->n_begin;
-    if (s->m_rows <= 2) {
-        for (; n + 4 <= s->n_end; n += 4) { int64_t m = 0; ROWS(4) }
+    int64_t n = s->n_begin, m;
+    if (s->m_rows <= 2) { /* decode steps of one or two sequences: read the weight once, 4 channels at a time */
+        for (; n + 4 <= s->n_end; n += 4) {
+            if (s->m_rows == 2) tile(s, 0, n, 2, 4); else tile(s, 0, n, 1, 4);
+        }
     } else {
-        for (; n + 2 <= s->n_end; n += 2) { int64_t m = 0; ROWS(2) }
+        for (; n + 2 <= s->n_end; n += 2) {
+            for (m = 0; m + 4 <= s->m_rows; m += 4) tile42(s, m, n);
+            switch (s->m_rows - m) {
+                case 3: tile(s, m, n, 3, 2); break;
+                case 2: tile(s, m, n, 2, 2); break;
+                case 1: tile(s, m, n, 1, 2); break;
+            }
+        }
     }
-    for (; n < s->n_end; n++) { int64_t m = 0; ROWS(1) }
+    for (; n < s->n_end; n++)
+        for (m = 0; m < s->m_rows; m++) tile(s, m, n, 1, 1);
 }
 
 /* The pool: workers wait for pool_generation to change, run their share, count down pool_pending. */
