@@ -371,7 +371,7 @@ def server_for(system: str, args, tmp: Path, gguf: Path, max_len: int) -> tuple[
             "command": command[1:], "env": thread_env,
             "weights": {"": "fp32 (dequantized GGUF)", "int8": "int8 weight-only",
                         "int4": "Q4_1 blocks as int4",
-                        "w8a8": "int8 weights x per-row int8 activations (fbgemm)"}.get(variant, variant)}
+                        "w8a8": "int8 weights x per-row int8 activations (iterserve AVX2 kernel)"}.get(variant, variant)}
     raise SystemExit(f"unknown system {system!r}")
 
 

@@ -22,10 +22,12 @@ PROBE = (  # the order `iterserve serve` uses: wait policy before torch loads, t
     "import torch\n"
     "got = configure_serving_threads(os.environ.get('PROBE_THREADS', 'auto'))\n"
     "at_start = torch.get_num_threads()\n"
+    "from iterserve.engine.model import cpu_w8a8\n"
     "apply_step_threads(2)\n"  # a decode step with two sequences
     "small = torch.get_num_threads()\n"
     "apply_step_threads(512)\n"  # a prefill chunk
     "print(json.dumps({'returned': [got.small, got.big], 'torch': at_start, 'small_step': small,\n"
+    "                  'kernel': cpu_w8a8.kernel_threads(),\n"
     "                  'big_step': torch.get_num_threads(), 'cpus': usable_cpus(), 'early': early,\n"
     "                  'wait': os.environ.get('OMP_WAIT_POLICY')}))\n"
 )
@@ -75,13 +77,14 @@ def test_server_default_uses_every_cpu_on_big_steps_and_one_fewer_on_small_ones(
     assert cpus == threads.usable_cpus()
     assert result["returned"] == [max(1, cpus - 1), cpus]
     assert result["torch"] == result["big_step"] == cpus and result["small_step"] == max(1, cpus - 1)
+    assert result["kernel"] == cpus  # the w8a8 kernel's own pool: every CPU on every step outside a split
     assert "--threads auto" in log and "on steps of >= 32 tokens" in log or cpus == 1
     assert result["early"] and result["wait"] == "PASSIVE"
 
 
 def test_threads_flag_fixes_the_count_for_every_step():
     result, log = probe("1", flag="1")  # the flag wins over OMP_NUM_THREADS
-    assert result["returned"] == [1, 1] and result["small_step"] == result["big_step"] == 1
+    assert result["returned"] == [1, 1] and result["small_step"] == result["big_step"] == 1 == result["kernel"]
     assert "--threads 1" in log and "1 on every step" in log
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from iterserve.engine.model import cpu_w8a8
 from iterserve.engine.model.split_step import (
     MAX_GROUP_SHARE,
     StepSplit,
@@ -74,12 +75,16 @@ def test_step_split_runs_both_at_once_on_one_torch_thread_each():
 
     def work(tag):
         barrier.wait()
-        return tag, torch.get_num_threads(), torch.is_inference_mode_enabled(), threading.current_thread().name
+        return (tag, torch.get_num_threads(), torch.is_inference_mode_enabled(), threading.current_thread().name,
+                cpu_w8a8.kernel_threads())
 
+    cpu_w8a8.set_threads(2)  # as a server does: its kernels on every CPU outside a split
     try:
         results = split.run([lambda: work("a"), lambda: work("b")])
     finally:
         split.close()
+        cpu_w8a8.set_threads(None)
     assert [r[0] for r in results] == ["a", "b"]
     assert all(r[1] == 1 and r[2] for r in results)
+    assert all(r[4] == 1 for r in results)  # the w8a8 kernel too: each half has one core
     assert results[0][3] != results[1][3] and all(r[3].startswith("iterserve-split") for r in results)
