@@ -229,7 +229,17 @@ static void* worker_main(void* arg) {
     return NULL;
 }
 
+/* A forked child has none of the parent's workers: start over (else a call would wait for them). */
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool_lock, NULL);
+    pool_workers = 0;
+    atomic_store(&pool_pending, 0);
+    atomic_store(&pool_sleepers, 0);
+}
+
 static int ensure_workers(int wanted) {
+    static int fork_handler;
+    if (!fork_handler) fork_handler = pthread_atfork(NULL, NULL, pool_after_fork) == 0;
     while (pool_workers < wanted) {
         pthread_t id;
         pool_start_generation[pool_workers + 1] = atomic_load(&pool_generation);

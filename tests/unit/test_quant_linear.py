@@ -3,6 +3,7 @@ int8 activations."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -111,6 +112,29 @@ def test_concurrent_callers_each_get_their_own_rows():
 
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(work, range(8)))
+
+
+@pytest.mark.skipif(cpu_w8a8.load() is None, reason="needs AVX2 and a C compiler")
+def test_a_forked_child_gets_its_own_pool():
+    import os
+
+    torch.manual_seed(6)
+    qweight, wscale, wsum = cpu_w8a8.quantize_weight(torch.randn(512, 64))
+    x = torch.randn(5, 64)
+    expected = cpu_w8a8.reference(x, qweight, wscale)
+    assert torch.equal(cpu_w8a8.linear(x, qweight, wscale, wsum, 2), expected)  # the parent's pool is started
+    child = os.fork()
+    if child == 0:  # without the fork handler this call would wait forever for the parent's worker
+        os._exit(0 if torch.equal(cpu_w8a8.linear(x, qweight, wscale, wsum, 2), expected) else 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        pid, status = os.waitpid(child, os.WNOHANG)
+        if pid:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(child, 9)
+    pytest.fail("the forked child's kernel call did not return")
 
 
 def test_a_width_the_kernel_cannot_take_runs_the_reference():
