@@ -8,6 +8,7 @@ ctypes call releases the GIL, so a kernel runs while other Python threads go on.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -74,3 +75,11 @@ def build(name: str, source: str, flags: list[str] | None = None) -> ctypes.CDLL
         detail = getattr(error, "stderr", "") or error
         logger.warning("the %s kernel did not build (%s)", name, detail)
         return None
+
+
+def profiled(name: str) -> contextlib.AbstractContextManager:
+    """A torch.profiler label for a kernel call while a profile is recording (bench/step_profile.py
+    names the kernels in its top ops), else nothing: record_function costs ~10 us a call."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()

@@ -21,7 +21,6 @@ backend keeps its gather + SDPA path.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import logging
@@ -240,10 +239,6 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
-def _profiling() -> bool:
-    return torch.autograd.profiler._is_profiler_enabled
-
-
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the kernel can serve this layer: fp32 on CPU, contiguous caches, shapes it holds."""
     heads, kv_heads, dim = query.shape[1], k_cache.shape[2], k_cache.shape[3]
@@ -263,8 +258,7 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert query.stride(2) == 1 and query.stride(1) == dim and out.stride(2) == 1 and out.stride(1) == dim
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and v_cache.is_contiguous()
     assert seqs.dtype == torch.int64 and rows.dtype == torch.int64 and block_tables.is_contiguous()
-    # named in a profile (bench/step_profile.py); record_function costs ~10 us a call, so only then
-    with torch.profiler.record_function("cpu_paged::decode_attention") if _profiling() else contextlib.nullcontext():
+    with native.profiled("cpu_paged::decode_attention"):
         status = lib.paged_decode_attention(
             query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), seq_lens.data_ptr(), seqs.data_ptr(), rows.data_ptr(), seqs.numel(), heads,

@@ -167,8 +167,9 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     """(weight * normalized(x + residual), x + residual), as AttentionBackend.rms_norm."""
     rows, dim = x.shape
     out, new_residual = torch.empty(rows, dim), torch.empty(rows, dim)
-    load().rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), eps,
-                    out.data_ptr(), new_residual.data_ptr(), rows, dim)
+    with native.profiled("cpu_fused::rms_norm"):
+        load().rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), eps,
+                        out.data_ptr(), new_residual.data_ptr(), rows, dim)
     return out, new_residual
 
 
@@ -178,15 +179,17 @@ def rotary_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.T
     """q rotated [T, heads, head_dim]; k rotated and v written to the caches' slots."""
     rows = qkv.shape[0]
     query = torch.empty(rows, heads, head_dim)
-    load().rotary_write_kv(qkv.data_ptr(), rows, heads, kv_heads, head_dim, positions.data_ptr(), cos_sin.data_ptr(),
-                           slot_mapping.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
+    with native.profiled("cpu_fused::rotary_write_kv"):
+        load().rotary_write_kv(qkv.data_ptr(), rows, heads, kv_heads, head_dim, positions.data_ptr(), cos_sin.data_ptr(),
+                               slot_mapping.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
     return query
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows, inner = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, inner)
-    load().silu_mul(gate_up.data_ptr(), rows, inner, out.data_ptr())
+    with native.profiled("cpu_fused::silu_mul"):
+        load().silu_mul(gate_up.data_ptr(), rows, inner, out.data_ptr())
     return out
 
 

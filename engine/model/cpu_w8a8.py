@@ -360,8 +360,9 @@ def linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, wsum: t
     n = qweight.shape[0]
     y = torch.empty(rows, n)
     scratch = torch.empty(rows * (k + 4) + 32, dtype=torch.uint8)
-    status = load().w8a8_linear(x.data_ptr(), x.stride(0), rows, k, qweight.data_ptr(), wscale.data_ptr(),
-                                wsum.data_ptr(), n, y.data_ptr(), n, scratch.data_ptr(), threads)
+    with native.profiled("cpu_w8a8::linear"):
+        status = load().w8a8_linear(x.data_ptr(), x.stride(0), rows, k, qweight.data_ptr(), wscale.data_ptr(),
+                                    wsum.data_ptr(), n, y.data_ptr(), n, scratch.data_ptr(), threads)
     if status:
         raise RuntimeError(f"w8a8_linear: K={k} is not a multiple of {K_MULTIPLE}")
     return y
