@@ -34,16 +34,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = r"""
+_SOURCE = native.AVX2_HELPERS + r"""
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
-static inline float hsum(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
-}
 
 /* out = w * r / sqrt(mean(r^2) + eps) per row, where r = x + residual (or x when residual is NULL);
    r is written to new_residual. Rows of dim floats (dim % 8 == 0), contiguous. */
@@ -102,23 +97,6 @@ void rotary_write_kv(const float* qkv, int64_t rows, int64_t heads, int64_t kv_h
             for (int64_t i = 0; i < kv_heads * d; i++) dst[i] = v[i];
         }
     }
-}
-
-/* exp for 8 lanes (Cephes, about 1 ulp), inputs clamped to [-87, 88]. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
 /* out[t, i] = silu(gate_up[t, i]) * gate_up[t, inner + i]; inner % 8 == 0. */
