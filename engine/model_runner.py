@@ -11,8 +11,9 @@ from iterserve.engine.attention.backend import AttentionMetadata, get_backend
 from iterserve.engine.config import ConfigError, EngineConfig, kv_pool_blocks
 from iterserve.engine.kv_transfer.layout import KVLayout
 from iterserve.engine.logprobs import record_prompt_logprobs
+from iterserve.engine.model import cpu_dtype
 from iterserve.engine.model.llama import LlamaModel
-from iterserve.engine.model.loader import load_model
+from iterserve.engine.model.loader import ModelConfig, load_model
 from iterserve.engine.model.registry import resolve_model_path
 from iterserve.engine.model.split_step import StepSplit, chunk_cost, original_order
 from iterserve.engine.model.threads import apply_split_threads, apply_step_threads, split_steps
@@ -34,20 +35,27 @@ def pick_device(option: str) -> torch.device:
     return torch.device(option)
 
 
-def pick_dtype(option: str, device: torch.device) -> torch.dtype:
-    if option == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[option]
+def pick_dtype(option: str, device: torch.device, model_config: ModelConfig | None = None,
+               quantization: str = "none") -> torch.dtype:
+    """--dtype: auto is bf16 on CUDA; on a CPU fp32, or bf16 where it measures faster (cpu_dtype.py);
+    quantized CPU models are fp32 models."""
+    if option != "auto":
+        return _DTYPES[option]
+    if device.type == "cuda":
+        return torch.bfloat16
+    if quantization != "none" or model_config is None:
+        return torch.float32
+    return cpu_dtype.auto_cpu_dtype(model_config.hidden_size, model_config.intermediate_size)
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, show_progress: bool = True):
         path, self.model_name = resolve_model_path(config.model)
         self.device = pick_device(config.device)
-        self.dtype = pick_dtype(config.dtype, self.device)
         loaded = load_model(path, show_progress, keep_q4_1=config.quantization == "int4")
         self.tokenizer = Tokenizer.from_path(path, loaded.gguf_reader)
         model_config = loaded.config
+        self.dtype = pick_dtype(config.dtype, self.device, model_config, config.quantization)
         self.config = config = config.resolve(model_config.max_position_embeddings)
         self.block_size = config.block_size
         backend = get_backend(config.attention_backend, self.device)
