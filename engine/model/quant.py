@@ -1,4 +1,5 @@
-"""Weight-only quantized linears for CPU decode (`--quantization int8|int4`).
+"""Quantized linears for CPU models (`--quantization int8|int4|w8a8`): weight-only int8 / int4 below,
+and w8a8 (int8 weights and activations) on iterserve's own kernel (W8A8Linear, cpu_w8a8.py).
 
 A decode step with few sequences reads every weight once per token; fp32 SmolLM2-135M is 540 MB
 of weights per step, so a small-batch step is bound by memory bandwidth. These linears keep the

@@ -22,7 +22,7 @@ from iterserve.engine.model.tokenizer import Tokenizer
 from .test_hf_parity import CHATS, RAW_PROMPTS
 from .test_quantization import _logits
 
-NEW_TOKENS = 16
+NEW_TOKENS = 8
 MAX_LOGIT_ERROR = 1e-3  # logits span about +-20; fp32 reordering errors are ~1e-5
 
 

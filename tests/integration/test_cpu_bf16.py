@@ -13,12 +13,12 @@ PROMPTS = ["The capital of France is", "One, two, three, four,", "def add(a, b):
 def greedy(dtype: str) -> list[list[int]]:
     llm = LLM(dtype=dtype)
     assert llm.engine.executor.dtype == getattr(torch, dtype)
-    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     return [list(out.outputs[0].token_ids) for out in outputs]
 
 
 def test_bf16_on_cpu_generates_what_fp32_does_at_first():
     bf16, fp32 = greedy("bfloat16"), greedy("float32")
-    assert all(len(tokens) == 6 for tokens in bf16)
+    assert all(len(tokens) == 4 for tokens in bf16)
     # bf16 rounds weights and activations to 8 mantissa bits: later tokens may part ways, the first agree
     assert sum(a[:3] == b[:3] for a, b in zip(bf16, fp32, strict=True)) >= 2, (bf16, fp32)

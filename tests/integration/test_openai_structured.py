@@ -58,21 +58,21 @@ def chat(server, **body) -> httpx.Response:
                       timeout=1500)
 
 
-def test_fifty_sampled_generations_match_a_nested_schema(server):
+def test_thirty_sampled_generations_match_a_nested_schema(server):
     body = {"n": 10, "temperature": 1.0, "response_format": {"type": "json_schema", "json_schema": {
         "name": "person", "schema": PERSON, "strict": True}}}
-    with ThreadPoolExecutor(5) as pool:
-        responses = list(pool.map(lambda seed: chat(server, seed=seed, **body), range(0, 50, 10)))  # choice j: seed+j
+    with ThreadPoolExecutor(3) as pool:
+        responses = list(pool.map(lambda seed: chat(server, seed=seed, **body), range(0, 30, 10)))  # choice j: seed+j
     texts = []
     for response in responses:
         assert response.status_code == 200, response.text
         for choice in response.json()["choices"]:
             assert choice["finish_reason"] == "stop", choice
             texts.append(choice["message"]["content"])
-    assert len(texts) == 50
+    assert len(texts) == 30
     for text in texts:
         jsonschema.validate(json.loads(text), PERSON)
-    assert len(set(texts)) > 25  # sampled, not one answer repeated
+    assert len(set(texts)) > 15  # sampled, not one answer repeated
 
 
 def test_unconstrained_output_is_not_json_so_the_grammar_did_the_work(server):
