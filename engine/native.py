@@ -57,9 +57,13 @@ BASE_FLAGS = ["-O3", "-shared", "-fPIC", "-pthread", "-fno-math-errno", "-fno-tr
               "-fno-signed-zeros"]
 
 
+def has_avx2() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
 def isa_flags() -> list[str]:
     # Never -march=native: the cache directory can outlive the machine (VMs change CPUs between runs).
-    return ["-mavx2", "-mfma"] if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else []
+    return ["-mavx2", "-mfma"] if has_avx2() else []
 
 
 def cache_dir() -> Path:

@@ -116,7 +116,7 @@ void silu_mul(const float* gate_up, int64_t rows, int64_t inner, float* out) {
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    if not native.has_avx2():
         return None
     # no FMA contraction: rotary rounds each product as torch does
     lib = native.build("cpu_fused", _SOURCE, ["-ffp-contract=off", "-fno-associative-math"])

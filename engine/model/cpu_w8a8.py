@@ -56,9 +56,7 @@ _SOURCE = r"""
 #include <unistd.h>
 
 #define MAX_THREADS 16
-#ifndef PREFETCH_TILES
 #define PREFETCH_TILES 4
-#endif
 #define SPIN_ROUNDS 4000 /* pause + yield rounds a worker waits for the next call before it sleeps */
 
 /* q = round(x * (127 / amax)) + 128 per row; scale = amax / 127 (NaN for a row with NaN or inf). */
@@ -114,6 +112,13 @@ typedef struct {
     float* y; int64_t ldy; int64_t n_begin, n_end;
 } share_t;
 
+/* y[m, n] from the integer dot's 8 partial sums: the one place the result is rounded (reference()
+   in Python rounds the same way). */
+static inline void store(const share_t* s, int64_t m, int64_t n, __m256i acc) {
+    const int32_t dot = hsum_epi32(acc) - 128 * s->wsum[n];
+    s->y[m * s->ldy + n] = (float)dot * (s->xscale[m] * s->wscale[n]);
+}
+
 /* MR rows x NR output channels, the whole K: integer dots, then y. */
 static inline __attribute__((always_inline)) void tile(const share_t* s, int64_t m, int64_t n, const int MR,
                                                        const int NR) {
@@ -136,13 +141,8 @@ static inline __attribute__((always_inline)) void tile(const share_t* s, int64_t
                 acc[r][c] = _mm256_add_epi32(acc[r][c], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b[c]), ones));
         }
     }
-    for (int r = 0; r < MR; r++) {
-        float* y = s->y + (m + r) * s->ldy + n;
-        for (int c = 0; c < NR; c++) {
-            const int32_t dot = hsum_epi32(acc[r][c]) - 128 * s->wsum[n + c];
-            y[c] = (float)dot * (s->xscale[m + r] * s->wscale[n + c]);
-        }
-    }
+    for (int r = 0; r < MR; r++)
+        for (int c = 0; c < NR; c++) store(s, m + r, n + c, acc[r][c]);
 }
 
 /* 4 rows x 2 channels written out: the generic tile spills accumulators at this size. */
@@ -171,13 +171,8 @@ static inline __attribute__((always_inline)) void tile42(const share_t* s, int64
         c31 = _mm256_add_epi32(c31, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b1), ones));
     }
     const __m256i acc[4][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}};
-    for (int r = 0; r < 4; r++) {
-        float* y = s->y + (m + r) * s->ldy + n;
-        for (int c = 0; c < 2; c++) {
-            const int32_t dot = hsum_epi32(acc[r][c]) - 128 * s->wsum[n + c];
-            y[c] = (float)dot * (s->xscale[m + r] * s->wscale[n + c]);
-        }
-    }
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < 2; c++) store(s, m + r, n + c, acc[r][c]);
 }
 
 static void run_share(const share_t* s) {
@@ -288,7 +283,7 @@ int w8a8_linear(const float* x, int64_t ldx, int64_t m_rows, int64_t k, const in
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel (AVX2 CPUs with a C compiler), else None: w8a8 then runs `reference()`."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    if not native.has_avx2():
         logger.warning("w8a8 linears run in torch ops (slow): this CPU has no AVX2")
         return None
     # no reassociation: y = float(dot) * (row scale * weight scale) must round as reference() does
