@@ -15,7 +15,9 @@ cluster_log=$(mktemp -t iterserve-cluster-lane.XXXXXX)
 trap 'rm -f "$cluster_log"' EXIT
 
 started=$SECONDS
-"$pytest" -q -m "cluster or e2e" "$@" >"$cluster_log" 2>&1 &
+# A background job of a script ignores SIGINT; --default-signal gives it back, so Ctrl-C stops
+# both lanes and pytest still tears its fixtures down (the control plane among them).
+env --default-signal=INT "$pytest" -q -m "cluster or e2e" "$@" >"$cluster_log" 2>&1 &
 cluster_pid=$!
 "$pytest" -q -m "not cluster and not e2e" "$@"
 compute=$?
