@@ -22,7 +22,6 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import common
 import torch
@@ -30,22 +29,12 @@ import torch
 from iterserve.engine.attention import cpu_paged
 from iterserve.engine.attention.backend import AttentionMetadata
 from iterserve.engine.attention.torch_backend import TorchBackend
+from iterserve.machine import cpu_flags
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 BATCHES, CONTEXTS = (1, 4, 16, 64), (16, 64, 128, 256, 512)
 MIXED = ((16, (16, 512)), (64, (16, 512)), (64, (20, 200)))  # (sequences, length range)
 SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_tile")
-
-
-def cpu_flags() -> list[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                have = set(line.split(":", 1)[1].split())
-                return [f for f in SIMD_FLAGS if f in have]
-    except OSError:
-        pass
-    return []
 
 
 def make_case(seq_lens: list[int], layers: int, seed: int):
@@ -105,7 +94,7 @@ def main(argv=None) -> int:
     for seqs, (low, high) in MIXED[:1] if args.quick else MIXED:
         cases.append((f"{seqs} x {low}..{high}", [rng.randint(low, high) for _ in range(seqs)]))
     info = common.machine(args.threads)
-    info["cpu_flags"] = cpu_flags()
+    info["cpu_flags"] = [f for f in SIMD_FLAGS if f in cpu_flags()]
     info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     started = time.perf_counter()
     kernel = cpu_paged.load()

@@ -49,6 +49,7 @@ import common
 import httpx
 
 from iterserve.engine.loadgen import PROMPT_TOKEN_RANGE, LoadSpec, output_lengths, run_load
+from iterserve.machine import cpu_flags, cpu_model
 
 CACHE = Path(os.environ.get("ITERSERVE_PEERS_CACHE", Path.home() / ".cache" / "iterserve-peers"))
 LLAMA_CMAKE_FLAGS = [
@@ -129,18 +130,9 @@ def requested_tokens(spec: LoadSpec) -> int:
 
 
 def machine_info() -> dict:
-    info = {"cpus": os.cpu_count(), "cpu_model": "unknown", "cpu_flags": [], "load_average_at_start":
-            list(os.getloadavg()), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and info["cpu_model"] == "unknown":
-                info["cpu_model"] = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = line.split(":", 1)[1].split()
-                info["cpu_flags"] = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "sse4")))
-                break
-    except OSError:
-        pass
+    info = {"cpus": os.cpu_count(), "cpu_model": cpu_model(),
+            "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c", "sse4"))),
+            "load_average_at_start": list(os.getloadavg()), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     try:
         import torch
 

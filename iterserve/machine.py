@@ -15,3 +15,16 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown"
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU's flags from /proc/cpuinfo (or the given text of it); empty where it cannot be read."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 import torch
+
+from iterserve.machine import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -30,16 +31,7 @@ TIMED_ROWS = 64  # a decode batch's rows
 
 def native_bf16_flags(cpuinfo: str | None = None) -> list[str]:
     """The CPU flags among NATIVE_BF16_FLAGS (empty where /proc/cpuinfo cannot be read)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return []
-    flags: set[str] = set()
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.split(":", 1)[1].split())
-            break
+    flags = cpu_flags(cpuinfo)
     return [flag for flag in NATIVE_BF16_FLAGS if flag in flags]
 
 

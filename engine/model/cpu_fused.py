@@ -39,7 +39,6 @@ _SOURCE = native.AVX2_HELPERS + r"""
 #include <math.h>
 #include <stdint.h>
 
-
 /* out = w * r / sqrt(mean(r^2) + eps) per row, where r = x + residual (or x when residual is NULL);
    r is written to new_residual. Rows of dim floats (dim % 8 == 0), contiguous. */
 void rms_norm(const float* x, const float* residual, const float* w, float eps, float* out, float* new_residual,
