@@ -14,8 +14,9 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from iterserve.labels import DECODE, PREFILL, ROLE_LABEL, selector_labels
+from iterserve.labels import selector_string as selector_string  # the pods' selector, re-exported
 from iterserve.operator.models import API_VERSION, KIND, InferenceServiceSpec
-from iterserve.router.discovery import ROLE_LABEL  # the router splits pools by it
 
 ENGINE_PORT = 8000
 METRICS_SERVICE_PORT = 9090
@@ -41,7 +42,6 @@ MANAGED_FLAGS = (
     "--drain-timeout", "--role", "--kv-transfer-port", "--kv-advertise-host",
 )
 POD_IP_ENV = "POD_IP"
-PREFILL, DECODE = "prefill", "decode"
 RESERVED_ENV = (MAX_NUM_SEQS_ENV, ADMIN_TOKEN_ENV, POD_IP_ENV)
 # What the restricted Pod Security profile asks of every container; containers a podTemplatePatch
 # adds get what they leave out (operator/podsecurity.py refuses patches that loosen it).
@@ -77,14 +77,6 @@ def configmap_name(name: str) -> str:
 
 def secret_name(name: str) -> str:
     return f"{name}-admin"
-
-
-def selector_labels(name: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "iterserve-engine", "app.kubernetes.io/instance": name}
-
-
-def selector_string(name: str) -> str:
-    return ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
 
 
 def common_labels(name: str) -> dict[str, str]:

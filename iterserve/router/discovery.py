@@ -19,10 +19,11 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-logger = logging.getLogger("iterserve.router")
+from iterserve.labels import PREFILL as PREFILL_ROLE
+from iterserve.labels import ROLE_LABEL as ROLE_LABEL
+from iterserve.labels import selector_string
 
-ROLE_LABEL = "iterserve.dev/role"  # the engine's --role: prefill | decode | both (absent: both)
-PREFILL_ROLE = "prefill"
+logger = logging.getLogger("iterserve.router")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +72,6 @@ def _ready(pods: list[dict], port_name: str) -> list[tuple[dict, str]]:
 
 
 def inference_service_selector(name: str) -> str:
-    from iterserve.operator.resources import selector_string
-
     return selector_string(name)
 
 
