@@ -501,7 +501,7 @@ def report_of(args, specs: dict[str, LoadSpec], max_len: int, gguf: Path, info: 
             "machine": info, "systems": results, "ratios": ratios(results)}
 
 
-TARGET = 1.5  # issue 23: iterserve >= 1.5x the best peer's tok/s on the tail and throughput loads
+TARGET = 1.5  # the goal: iterserve >= 1.5x the best peer's tok/s on the tail and throughput loads
 
 
 def ratios(results: dict) -> dict:

@@ -1,4 +1,4 @@
-"""Issue 14's measured figures, against a real `iterserve serve` (the embedded model by default):
+"""Robustness figures, against a real `iterserve serve` (the embedded model by default):
 
 1. idle CPU: the server's CPU time over a quiet window (30 s; --quick 5 s) after serving requests,
    read from /proc/<pid>/stat. Target: under 1 %.

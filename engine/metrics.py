@@ -75,13 +75,13 @@ ROUTER_METRIC_NAMES = [
     ROUTER_PICKS_TOTAL, ROUTER_RETRIES_TOTAL, ROUTER_EJECTIONS_TOTAL, ROUTER_REQUESTS_TOTAL,
     ROUTER_STALE_ENDPOINTS, ROUTER_ENDPOINT_LOAD, ROUTER_ENDPOINT_IN_FLIGHT, ROUTER_ENDPOINT_ROUTABLE,
 ]
-# The router's P/D path (issue 17; iterserve/router/disagg.py).
+# The router's P/D path (iterserve/router/disagg.py).
 ROUTER_PD_DECISIONS_TOTAL = "iterserve_router_pd_decisions_total"  # label reason: disagg.PD_REASONS
 ROUTER_PD_FALLBACKS_TOTAL = "iterserve_router_pd_fallbacks_total"  # label reason: disagg.FALLBACK_REASONS
 ROUTER_PD_PREFILL_SECONDS = "iterserve_router_pd_prefill_seconds"  # histogram: successful remote prefill calls
 ROUTER_METRIC_NAMES += [ROUTER_PD_DECISIONS_TOTAL, ROUTER_PD_FALLBACKS_TOTAL, ROUTER_PD_PREFILL_SECONDS]
 
-# Prefix caching (issue 18). Queries and hits count prompt tokens, looked up and found cached when a
+# Prefix caching. Queries and hits count prompt tokens, looked up and found cached when a
 # request is admitted (vLLM's meaning); the hit rate is hits/queries over the last 1000 admissions.
 # The KV breakdown: KV_CACHE_USAGE counts only blocks that sequences hold; KV_CACHE_CACHED_FRACTION
 # the cached blocks no sequence holds (free for allocation, their KV kept for reuse until evicted).
@@ -94,18 +94,18 @@ VLLM_PREFIX_CACHE_HITS_TOTAL = "vllm:prefix_cache_hits_total"
 ENGINE_METRIC_NAMES += [PREFIX_CACHE_QUERIES_TOTAL, PREFIX_CACHE_HITS_TOTAL, PREFIX_CACHE_HIT_RATE,
                         KV_CACHE_CACHED_FRACTION]
 
-# Fault isolation (issue 14). A request that failed on its own finished with an error while the
+# Fault isolation. A request that failed on its own finished with an error while the
 # engine carried on; an engine failure means the engine loop died (GET /health then answers 503).
 REQUEST_FAILURES_TOTAL = "iterserve_request_failures_total"
 ENGINE_FAILURES_TOTAL = "iterserve_engine_failures_total"
 ENGINE_METRIC_NAMES += [REQUEST_FAILURES_TOTAL, ENGINE_FAILURES_TOTAL]
 
-# The autoscaler's trust (issue 15): pods carrying an InferenceService's engine labels that are
+# The autoscaler's trust: pods carrying an InferenceService's engine labels that are
 # not its Deployment's (look-alikes), ignored at its last tick: never read, never sent the token.
 AUTOSCALER_UNTRUSTED_PODS = "iterserve_autoscaler_untrusted_pods"
 OPERATOR_METRIC_NAMES += [AUTOSCALER_UNTRUSTED_PODS]
 
-# Prefill/decode disaggregation, engine side (issue 17; engine/kv_transfer). A decode engine observes
+# Prefill/decode disaggregation, engine side (engine/kv_transfer). A decode engine observes
 # each finished pull (seconds from start to the last byte, bytes received) and counts failed pulls
 # (then the prompt is recomputed or the request fails, per --kv-failure-policy) and the requests
 # whose KV is in flight; a prefill engine counts leases that expired unreleased and the blocks
@@ -119,7 +119,7 @@ WAITING_FOR_KV_REQUESTS = "iterserve_scheduler_waiting_for_kv_requests"
 ENGINE_METRIC_NAMES += [KV_TRANSFER_SECONDS, KV_TRANSFER_BYTES, KV_TRANSFER_FAILURES_TOTAL, KV_TRANSFER_EXPIRED_TOTAL,
                         KV_PINNED_BLOCKS, WAITING_FOR_KV_REQUESTS]
 
-# Prefill work queued on an engine (issue 17, the prefill pool's scaling signal): prompt tokens not
+# Prefill work queued on an engine (the prefill pool's scaling signal): prompt tokens not
 # computed yet, of waiting requests and of running ones still prefilling (a decode engine leaves
 # out prompts whose KV it pulls from a prefill engine). The operator scales a disaggregated
 # InferenceService's prefill pool on it per replica (spec.disaggregation.prefill.scalingSignal).

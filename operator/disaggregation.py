@@ -1,4 +1,4 @@
-"""Pure builders for prefill/decode disaggregation (spec.disaggregation, issue 17):
+"""Pure builders for prefill/decode disaggregation (spec.disaggregation):
 
 - the decode pool is the engine Deployment NAME (resources.py), its pods run `--role decode` and
   carry the label iterserve.dev/role=decode; it is scaled by spec.replicas / spec.autoscaling as

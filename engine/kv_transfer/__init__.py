@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation: moving a prompt's KV blocks from a prefill engine to a decode
-engine (issue 17).
+engine.
 
 Split as vLLM v1 splits its KV connector, written afresh for this engine:
 
@@ -18,7 +18,7 @@ Split as vLLM v1 splits its KV connector, written afresh for this engine:
   executor's `read_kv` / KVLoad at the step's start play the worker side (save_kv_layer /
   start_load_kv), whole prompts at a time rather than layer by layer.
 - `params.py` reads and writes the `kv_transfer_params` objects of the wire contract
-  (/work/coord/briefs/contract17.txt, README "Prefill/decode disaggregation").
+  (docs/disaggregation.md).
 
 Threads: the block pool belongs to the engine thread. The transport's server threads only read
 pinned blocks (under a read count that keeps the lease alive) and queue releases; the decode

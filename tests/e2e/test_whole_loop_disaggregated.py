@@ -6,7 +6,7 @@ pool up while the prefill pool does not rise; both come back to their minimum wi
 answered, and every decision is an Event and a scalingHistory record naming its pool. Engines use
 --fake-model (the real scheduler, KV pool and KV transfer, with a modelled step time).
 
-This is also the cluster test of the two pools' separate scaling (issue 17): one run covers both
+This is also the cluster test of the two pools' separate scaling: one run covers both
 directions, so no separate test in tests/integration repeats it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 20: lm-evaluation-harness (installed from PyPI, tests/client_venv.py) scores `iterserve serve`
+"""lm-evaluation-harness (installed from PyPI, tests/client_venv.py) scores `iterserve serve`
 through its completions endpoint (`local-completions`: loglikelihood through echo + logprobs, and
 generate-until) on two small tasks written here to local files, and the same harness scores the
 HF model in-process (transformers on the same GGUF); the scores, every choice's loglikelihood and

@@ -1,4 +1,4 @@
-"""Issue 20 on the fake model: fields stock clients send are accepted and named as ignored,
+"""OpenAI extras on the fake model: fields stock clients send are accepted and named as ignored,
 /tokenize and /detokenize as vLLM serves them."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 20 on the embedded SmolLM2-135M through `iterserve serve`: sampling penalties match
+"""OpenAI sampling and logprobs on the embedded SmolLM2-135M through `iterserve serve`: sampling penalties match
 transformers' generate with the same processors and change the output; logprobs (prompt and
 generated) equal transformers' log-softmax on the same GGUF model."""
 

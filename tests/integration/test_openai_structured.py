@@ -1,4 +1,4 @@
-"""Issue 20, structured outputs on the embedded SmolLM2-135M through `iterserve serve`: sampled
+"""Structured outputs on the embedded SmolLM2-135M through `iterserve serve`: sampled
 generations under a nested JSON schema all validate, the `openai` client's parse() helper gets a
 parsed pydantic object, vLLM's guided_* fields hold, and invalid specs are a 400 naming the field."""
 

@@ -1,4 +1,4 @@
-"""Safe to install in a shared cluster (issue 15), against the real API server: an InferenceService
+"""Safe to install in a shared cluster, against the real API server: an InferenceService
 cannot weaken its pods' security (the chart's admission policy refuses it naming the field, and
 so does the operator where the policy is absent), engine pods are admitted in a `restricted`
 namespace, the operator never adopts an object it did not create, deletes finish with the

@@ -1,4 +1,4 @@
-"""One bad request never takes a replica down (issue 14), against real server processes: a request
+"""One bad request never takes a replica down, against real server processes: a request
 whose sampling fails gets an error while the others finish with their greedy tokens; an engine
 loop that dies turns GET /health to 503; oversized and malformed requests get 4xx error bodies;
 SIGTERM during model loading exits at once; an idle server does not spin."""

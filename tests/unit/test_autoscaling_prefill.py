@@ -1,4 +1,4 @@
-"""The prefill pool's own decision (spec.disaggregation.prefill, issue 17): queued prompt tokens
+"""The prefill pool's own decision (spec.disaggregation.prefill): queued prompt tokens
 per replica or windowed p95 TTFT against the target, through the decode pool's tolerance,
 stabilization, pending-capacity, rate-policy and bounds rules; and the TTFT quantile it reads
 from histogram bucket deltas between scrapes."""

@@ -1,4 +1,4 @@
-"""One request's fault finishes that request alone (issue 14): the engine frees its KV and carries
+"""One request's fault finishes that request alone: the engine frees its KV and carries
 on; requests that can never be admitted are refused on arrival."""
 
 from __future__ import annotations

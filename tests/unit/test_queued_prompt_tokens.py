@@ -1,4 +1,4 @@
-"""The prefill pool's scaling signal (issue 17): an engine's queued prompt tokens, i.e. prompt
+"""The prefill pool's scaling signal: an engine's queued prompt tokens, i.e. prompt
 tokens not computed yet of waiting requests and of running ones still prefilling, on the real
 scheduler (fake executor) and exported on /metrics; the real embedded model counts the same way."""
 
