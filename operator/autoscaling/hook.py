@@ -25,12 +25,18 @@ from iterserve.operator.resources import (
 
 logger = logging.getLogger("iterserve.autoscaler")
 
+# One tick's whole budget: scrapes (2 s each, concurrent) + admin calls (5 s each, concurrent) +
+# a scale patch, with room to spare. Past it the tick is dropped and the reconcile runs without
+# it, so no tenant's pod can hold the operator's timer for its InferenceService.
+TICK_DEADLINE_S = 20.0
+
 
 class AutoscalerHook:
     def __init__(self, prometheus_url: str | None = None, metrics: OperatorMetrics | None = None,
                  autoscaler: Autoscaler | None = None):
         self.autoscaler = autoscaler or Autoscaler(metrics=metrics, prometheus_url=prometheus_url)
         self._strangers: dict[tuple[str, str], list[str]] = {}
+        self.tick_deadline_s = TICK_DEADLINE_S
 
     def forget(self, namespace: str, name: str) -> None:
         self.autoscaler.forget(namespace, name)
@@ -60,10 +66,16 @@ class AutoscalerHook:
         self._report_strangers(ctx.namespace, ctx.name, strangers)
         secret = kube.get("Secret", ctx.namespace, secret_name(ctx.name))
         token = admin_token_from_secret(secret, ADMIN_TOKEN_KEY) if secret and controlled_by(secret, owner) else None
-        tick = asyncio.run(self.autoscaler.tick(
-            namespace=ctx.namespace, name=ctx.name, spec=spec, replicas=spec.replicas, pods=pods,
-            port=ENGINE_PORT, admin_token=token, kube=kube, prefill_pods=prefill_pods,
-            prefill_replicas=spec.disaggregation.prefill.wanted_replicas if disaggregated else None))
+        try:
+            tick = asyncio.run(asyncio.wait_for(self.autoscaler.tick(
+                namespace=ctx.namespace, name=ctx.name, spec=spec, replicas=spec.replicas, pods=pods,
+                port=ENGINE_PORT, admin_token=token, kube=kube, prefill_pods=prefill_pods,
+                prefill_replicas=spec.disaggregation.prefill.wanted_replicas if disaggregated else None),
+                self.tick_deadline_s))
+        except TimeoutError:
+            logger.warning("%s/%s: autoscaler tick dropped: not done within %g s", ctx.namespace, ctx.name,
+                           self.tick_deadline_s)
+            tick = None
         ctx.reconciler.reconcile(ctx.namespace, ctx.name, tick=tick)
 
     @staticmethod

@@ -4,11 +4,15 @@ set instead of raising, so one unreadable pod (or a missing Prometheus) is repor
 
 Metric names come from engine/metrics.py only: a renamed metric shows up as an error naming
 the missing metric, not as a silent zero.
+
+A pod's /metrics is the tenant's to write: each scrape is capped in bytes and bounded by one
+total deadline (bounded_http.py), so a huge or trickled body costs one error, not the operator.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -18,6 +22,11 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from iterserve.engine import metrics as names
+from iterserve.operator.autoscaling.bounded_http import (
+    METRICS_MAX_BYTES,
+    BoundedReadError,
+    bounded_request,
+)
 from iterserve.operator.autoscaling.policy import REQUIRED_SIGNALS, PodSample
 
 
@@ -78,7 +87,14 @@ def parse_engine_metrics(text: str) -> dict[str, float | None]:
     return values
 
 
+# A Prometheus answer grows with the number of pods and histogram buckets; the server is the
+# operator admin's, so its cap is only there to keep a misbehaving one from OOM-killing us.
+PROMETHEUS_MAX_BYTES = 32 * 1024 * 1024
+
+
 def _describe(error: Exception) -> str:
+    if isinstance(error, BoundedReadError):
+        return str(error)
     if isinstance(error, httpx.TimeoutException):
         return f"timeout ({type(error).__name__})"
     if isinstance(error, httpx.HTTPStatusError):
@@ -87,23 +103,28 @@ def _describe(error: Exception) -> str:
 
 
 class ScrapeSource:
-    """Reads every pod's /metrics directly and concurrently."""
+    """Reads every pod's /metrics directly and concurrently; `timeout` is each scrape's total
+    deadline (connect, head and body together), `max_bytes` its body cap."""
 
-    def __init__(self, timeout: float = 2.0, clock: Callable[[], float] = time.time):
+    def __init__(self, timeout: float = 2.0, clock: Callable[[], float] = time.time,
+                 max_bytes: int = METRICS_MAX_BYTES):
         self.timeout = timeout
         self.clock = clock
+        self.max_bytes = max_bytes
 
     async def read(self, pods: Sequence[PodEndpoint]) -> list[PodSample]:
         async with httpx.AsyncClient(timeout=self.timeout) as client:
             return list(await asyncio.gather(*(self._read_one(client, pod) for pod in pods)))
 
     async def _read_one(self, client: httpx.AsyncClient, pod: PodEndpoint) -> PodSample:
+        url = f"{pod.url.rstrip('/')}/metrics"
         try:
-            response = await client.get(f"{pod.url.rstrip('/')}/metrics")
-            response.raise_for_status()
-            values = parse_engine_metrics(response.text)
-        except (httpx.HTTPError, MetricsFormatError) as error:
-            return PodSample(pod.name, self.clock(), error=f"{pod.url}/metrics: {_describe(error)}")
+            answer = await bounded_request(client, "GET", url, max_bytes=self.max_bytes, deadline_s=self.timeout)
+            if answer.status != 200:
+                raise MetricsFormatError(f"HTTP {answer.status}")
+            values = parse_engine_metrics(answer.text())
+        except (BoundedReadError, MetricsFormatError) as error:
+            return PodSample(pod.name, self.clock(), error=f"{pod.url}/metrics: {error}")
         return PodSample(pod.name, self.clock(), **values)
 
 
@@ -153,10 +174,17 @@ class PrometheusSource:
         return [self._sample(pod, by_field, now) for pod in pods]
 
     async def _query(self, client: httpx.AsyncClient, query: str, by_le: bool = False) -> dict:
-        response = await client.get(f"{self.url}/api/v1/query", params={"query": query})
-        body = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
-        if response.status_code != 200 or body.get("status") != "success":
-            raise MetricsFormatError(f"query {query!r} failed: HTTP {response.status_code} {body.get('error', '')}")
+        try:
+            answer = await bounded_request(client, "GET", f"{self.url}/api/v1/query", params={"query": query},
+                                           max_bytes=PROMETHEUS_MAX_BYTES, deadline_s=self.timeout)
+        except BoundedReadError as error:
+            raise MetricsFormatError(f"{self.url}/api/v1/query: {error}") from None
+        try:
+            body = json.loads(answer.body) if answer.content_type.startswith("application/json") else {}
+        except ValueError:
+            body = {}
+        if answer.status != 200 or not isinstance(body, dict) or body.get("status") != "success":
+            raise MetricsFormatError(f"query {query!r} failed: HTTP {answer.status} {body.get('error', '')}")
         if by_le:  # pod -> its (le, count) pairs, sorted
             by_pod: dict[str, dict[float, float]] = {}
             for item in body["data"]["result"]:
