@@ -50,9 +50,10 @@ test-serial: install cluster-tools system-packages monitoring-crds  ## the whole
 test-unit: install  ## fast tests only (no cluster, no slow ones)
 	$(VENV)/bin/pytest -q -m 'not slow and not cluster and not e2e' $(PYTEST_ARGS)
 
-crds: install  ## regenerate crds/ and the chart's CRD from the pydantic models, and its admission policy from operator/podsecurity.py
+crds: install  ## regenerate crds/, the chart's CRD and docs/crd-reference.md from the pydantic models, and the admission policy from operator/podsecurity.py
 	$(VENV)/bin/iterserve crd > crds/inferenceservice.yaml
 	$(VENV)/bin/iterserve operator admission-policy -o charts/iterserve/templates/admission-policy.yaml
+	$(PY) -m iterserve.operator.crd_docs > docs/crd-reference.md
 
 chart-test: install cluster-tools system-packages monitoring-crds  ## helm lint/template, promtool rule tests, RBAC coverage
 	$(VENV)/bin/pytest -q tests -k chart $(PYTEST_ARGS)
