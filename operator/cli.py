@@ -40,6 +40,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                      help="let InferenceServices ask for what this rule of operator/podsecurity.py refuses "
                           f"(repeat for several; one of {', '.join(RULE_NAMES)}); the chart sets it from "
                           "admissionPolicy.allow")
+    run.add_argument("--allow-runtime-class", action="append", default=[], metavar="NAME",
+                     help="let InferenceServices set spec.podTemplatePatch.spec.runtimeClassName to NAME "
+                          "(repeat for several); the chart sets it from admissionPolicy.runtimeClasses")
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -97,7 +100,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"iterserve operator run: the API server does not serve {PLURAL}.{GROUP}/{VERSION}; "
               "install the CRD first: kubectl apply -f crds/inferenceservice.yaml", file=sys.stderr)
         return 1
-    reconciler = Reconciler(kube, allowed_pod_security=frozenset(args.allow_pod_security))
+    from iterserve.operator.podsecurity import RUNTIME_CLASS_ALLOWED
+
+    reconciler = Reconciler(kube, allowed_pod_security=frozenset(
+        [*args.allow_pod_security, *(RUNTIME_CLASS_ALLOWED + name for name in args.allow_runtime_class)]))
     registry = kopf.OperatorRegistry()
     autoscaler = AutoscalerHook(prometheus_url=args.prometheus_url, metrics=OperatorMetrics())
     register(registry, reconciler, resync_seconds=args.resync_seconds, tick_hooks=[autoscaler])

@@ -7,7 +7,14 @@ written once, here, and enforced twice: by the API server, as the chart's
 ValidatingAdmissionPolicy (`admission_policy_template()` writes it, as CEL), and by the operator
 itself (`violations()`, reported as the InvalidSpec condition) for clusters without the policy.
 Each rule has a name; an admin allows a rule by name (chart value `admissionPolicy.allow`, which
-also becomes the operator's `--allow-pod-security` flags).
+also becomes the operator's `--allow-pod-security` flags). RuntimeClasses are allowed one by one
+(chart value `admissionPolicy.runtimeClasses`, the operator's `--allow-runtime-class`): a runtime
+class picks the node's container runtime, and an unknown one may run without the sandbox the
+others give.
+
+The rules follow the Pod Security Standards (baseline + restricted) for what a pod patch can set,
+plus what a patch could use to leave the operator's placement and identity: nodeName (skips the
+scheduler, and with it quotas on node pools) and projected ServiceAccount tokens.
 """
 
 from __future__ import annotations
@@ -26,19 +33,30 @@ SCOPES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                   (f"{_PATCH}.initContainers[*]", ("podTemplatePatch", "spec", "initContainers", "*"))),
     "volume": ((f"{_PATCH}.volumes[*]", ("podTemplatePatch", "spec", "volumes", "*")),
                ("spec.model.volume", ("model", "volume"))),
+    "podMetadata": (("spec.podTemplatePatch.metadata", ("podTemplatePatch", "metadata")),),
 }
 # Volume types the restricted profile allows (besides these, only `name`).
 RESTRICTED_VOLUME_TYPES = ("configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
                            "projected", "secret")
 ALLOWED_ADDED_CAPABILITIES = ("NET_BIND_SERVICE",)
+# SELinux types the baseline profile allows (an unset or empty type too).
+ALLOWED_SELINUX_TYPES = ("", "container_t", "container_init_t", "container_kvm_t", "container_engine_t")
+# The legacy per-container AppArmor annotation and the values baseline allows on it.
+APPARMOR_ANNOTATION_PREFIX = "container.apparmor.security.beta.kubernetes.io/"
+ALLOWED_APPARMOR_ANNOTATION = ("runtime/default", "localhost/")  # exact, then prefix
+# `allowed` entries of this form allow one RuntimeClass (from --allow-runtime-class).
+RUNTIME_CLASS_ALLOWED = "runtimeClass="
 
 
 @dataclass(frozen=True)
 class Check:
     """One field test under a scope item. `test`: "true" (set to true), "present" (set at all),
-    "equals" (== value), "null" (set to null: the merge deletes the operator's value),
-    "other_than" (a list holding an item not in value), "lacks" (a list without value),
-    "keys_other_than" (a map with a key not in value)."""
+    "nonempty" (a non-empty string or list), "equals" (== value), "not_one_of" (a value not in
+    value), "null" (set to null: the merge deletes the operator's value), "other_than" (a list
+    holding an item not in value), "lacks" (a list without value), "keys_other_than" (a map with a
+    key not in value), "apparmor_annotation" (a map with a legacy AppArmor key whose profile is
+    not runtime/default or localhost/*), "not_allowed_runtime_class" (a name the admin did not
+    allow)."""
 
     scope: str
     path: tuple[str, ...]
@@ -87,6 +105,7 @@ RULES: tuple[Rule, ...] = (
         _c("pod", "serviceAccountName", "present"),
         _c("pod", "serviceAccount", "present"),
         _c("pod", "automountServiceAccountToken", "true"),
+        _c("volume", "projected.sources.*.serviceAccountToken", "present"),
     )),
     Rule("securityContext", "a removed or loosened security context", (
         _c("pod", "securityContext", "null"),
@@ -100,6 +119,28 @@ RULES: tuple[Rule, ...] = (
         _c("container", "securityContext.capabilities.drop", "lacks", "ALL"),
         _c("container", "securityContext.seccompProfile.type", "equals", "Unconfined"),
         _c("container", "securityContext.procMount", "equals", "Unmasked"),
+    )),
+    Rule("appArmor", "an Unconfined AppArmor profile", (
+        _c("pod", "securityContext.appArmorProfile.type", "equals", "Unconfined"),
+        _c("container", "securityContext.appArmorProfile.type", "equals", "Unconfined"),
+        _c("podMetadata", "annotations", "apparmor_annotation"),
+    )),
+    Rule("seLinux", "an SELinux type other than the container ones, or an SELinux user or role", (
+        _c("pod", "securityContext.seLinuxOptions.type", "not_one_of", ALLOWED_SELINUX_TYPES),
+        _c("pod", "securityContext.seLinuxOptions.user", "nonempty"),
+        _c("pod", "securityContext.seLinuxOptions.role", "nonempty"),
+        _c("container", "securityContext.seLinuxOptions.type", "not_one_of", ALLOWED_SELINUX_TYPES),
+        _c("container", "securityContext.seLinuxOptions.user", "nonempty"),
+        _c("container", "securityContext.seLinuxOptions.role", "nonempty"),
+    )),
+    Rule("sysctls", "kernel parameters (sysctls)", (
+        _c("pod", "securityContext.sysctls", "nonempty"),
+    )),
+    Rule("nodeName", "a node named directly (nodeName skips the scheduler)", (
+        _c("pod", "nodeName", "nonempty"),
+    )),
+    Rule("runtimeClass", "a RuntimeClass the cluster admin has not allowed", (
+        _c("pod", "runtimeClassName", "not_allowed_runtime_class"),
     )),
 )
 RULE_NAMES = tuple(rule.name for rule in RULES)
@@ -139,7 +180,16 @@ def _walk(node: Any, path: tuple[str, ...], shown: str) -> Iterator[tuple[str, b
     yield from _walk(node[head], rest, f"{shown}.{head}")
 
 
-def _fails(check: Check, present: bool, value: Any) -> bool:
+def _apparmor_unconfined(annotations: Any) -> bool:
+    if not isinstance(annotations, dict):
+        return False
+    exact, prefix = ALLOWED_APPARMOR_ANNOTATION
+    return any(isinstance(key, str) and key.startswith(APPARMOR_ANNOTATION_PREFIX)
+               and not (value == exact or (isinstance(value, str) and value.startswith(prefix)))
+               for key, value in annotations.items())
+
+
+def _fails(check: Check, present: bool, value: Any, runtime_classes: frozenset[str] = frozenset()) -> bool:
     if not present:
         return False
     match check.test:
@@ -147,8 +197,16 @@ def _fails(check: Check, present: bool, value: Any) -> bool:
             return value is True
         case "present":
             return value is not None
+        case "nonempty":
+            return isinstance(value, str | list | dict) and len(value) > 0
         case "equals":
             return value is not None and type(value) is type(check.value) and value == check.value
+        case "not_one_of":
+            return value is not None and value not in check.value
+        case "apparmor_annotation":
+            return _apparmor_unconfined(value)
+        case "not_allowed_runtime_class":
+            return value is not None and value not in runtime_classes
         case "null":
             return value is None
         case "other_than":
@@ -163,6 +221,8 @@ def _fails(check: Check, present: bool, value: Any) -> bool:
 def violations(spec: dict, allowed: Iterable[str] = ()) -> list[Violation]:
     """Every rule the spec (the wire form: camelCase dicts) breaks, unless `allowed` names it."""
     allowed = set(allowed)
+    runtime_classes = frozenset(a.removeprefix(RUNTIME_CLASS_ALLOWED) for a in allowed
+                                if a.startswith(RUNTIME_CLASS_ALLOWED))
     found = []
     for rule in RULES:
         if rule.name in allowed:
@@ -170,14 +230,15 @@ def violations(spec: dict, allowed: Iterable[str] = ()) -> list[Violation]:
         for check in rule.checks:
             for _, keys in SCOPES[check.scope]:
                 for field, present, value in _walk(spec, (*keys, *check.path), "spec"):
-                    if _fails(check, present, value):
+                    if _fails(check, present, value, runtime_classes):
                         found.append(Violation(rule.name, field, _message(rule, field)))
     return found
 
 
 def _message(rule: Rule, field: str) -> str:
-    return (f"{field}: would weaken the restricted Pod Security profile ({rule.what}); "
-            f"a cluster admin may allow it with the chart value admissionPolicy.allow: [{rule.name}]")
+    how = (f"the chart value admissionPolicy.runtimeClasses (one class) or admissionPolicy.allow: [{rule.name}]"
+           if rule.name == "runtimeClass" else f"the chart value admissionPolicy.allow: [{rule.name}]")
+    return f"{field}: would weaken the restricted Pod Security profile ({rule.what}); a cluster admin may allow it with {how}"
 
 
 # ------------------------------------------------------------------- in the API server, as CEL
@@ -216,10 +277,17 @@ def _cel_test(check: Check, item: str) -> str:
         target = steps[-1]
         guards = [f"has({s}) && {s} != null" for s in steps[:-1]] + [f"has({target})"]
     value = json.dumps(check.value)
+    exact, prefix = ALLOWED_APPARMOR_ANNOTATION
     test = {
         "true": f"{target} == true",
         "present": f"{target} != null",
+        "nonempty": f"{target} != null && size({target}) > 0",
         "equals": f"{target} == {value}",
+        "not_one_of": f"{target} != null && !({target} in {value})",
+        "apparmor_annotation": (f"{target} != null && {target}.exists(k, k.startsWith({json.dumps(APPARMOR_ANNOTATION_PREFIX)})"
+                                f" && !({target}[k] == {json.dumps(exact)} || {target}[k].startsWith({json.dumps(prefix)})))"),
+        # $runtimeClasses: a CEL list the chart template builds from admissionPolicy.runtimeClasses.
+        "not_allowed_runtime_class": f"{target} != null && !({target} in {{{{ $runtimeClasses }}}})",
         "null": f"{target} == null",
         "other_than": f"{target} != null && {target}.exists(c, !(c in {value}))",
         "lacks": f"{target} != null && !({value} in {target})",
@@ -253,6 +321,9 @@ def admission_policy_template() -> str:
         "{{- $allow := .Values.admissionPolicy.allow }}",
         f"{{{{- $checked := list {' '.join(json.dumps(n) for n in RULE_NAMES)} }}}}",
         "{{- range $allow }}{{- $checked = without $checked . }}{{- end }}",
+        "{{- $quoted := list }}",
+        "{{- range .Values.admissionPolicy.runtimeClasses }}{{- $quoted = append $quoted (printf \"'%s'\" .) }}{{- end }}",
+        "{{- $runtimeClasses := printf \"[%s]\" (join \", \" $quoted) }}",
         "{{- if eq (len $checked) 0 }}",
         '{{- fail "admissionPolicy.allow allows every rule: set admissionPolicy.enabled=false instead" }}',
         "{{- end }}",

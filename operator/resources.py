@@ -49,6 +49,14 @@ def restricted_container() -> dict[str, Any]:
     return {"allowPrivilegeEscalation": False, "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
 
 
+def restricted_security(given: dict[str, Any] | None) -> dict[str, Any]:
+    """A patched container's securityContext over the restricted defaults, merged one level into
+    capabilities too: `capabilities: {add: [NET_BIND_SERVICE]}` alone must not lose `drop: [ALL]`."""
+    given = given or {}
+    return {**restricted_container(), **given,
+            "capabilities": {"drop": ["ALL"], **(given.get("capabilities") or {})}}
+
+
 @dataclass(frozen=True)
 class Owner:
     """The InferenceService that owns the objects."""
@@ -286,7 +294,7 @@ def pod_template(spec: InferenceServiceSpec, name: str, role: str | None = None)
         role = role_of(spec, role)
         template["metadata"]["labels"].update({**selector_labels(name), **({ROLE_LABEL: role} if role else {})})
         for container in template["spec"].get("containers", []) + template["spec"].get("initContainers", []):
-            container["securityContext"] = {**restricted_container(), **(container.get("securityContext") or {})}
+            container["securityContext"] = restricted_security(container.get("securityContext"))
     return template
 
 

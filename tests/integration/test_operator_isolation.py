@@ -28,6 +28,7 @@ from iterserve.operator.models import GROUP, PLURAL, VERSION
 from iterserve.operator.reconcile import Reconciler
 from iterserve.operator.resources import ENGINE_PORT, common_labels, selector_string
 from tests import operator_fixture as fx
+from tests.unit import test_operator_podsecurity as podsecurity_table
 from tests.unit.chart_tools import CHART, helm
 
 pytestmark = pytest.mark.cluster
@@ -97,7 +98,8 @@ def test_weakening_patches_are_refused_by_the_api_server_naming_the_field(k8s_cl
     k8s_cluster.kubectl("create", "namespace", namespace)
     rendered = yaml.safe_load_all(helm(
         "template", "vap", str(CHART), "--namespace", namespace, "--set", f"fullnameOverride={namespace}",
-        "--set", "operator.watch.mode=namespaced", "--set", f"operator.watch.namespaces={{{namespace}}}").stdout)
+        "--set", "operator.watch.mode=namespaced", "--set", f"operator.watch.namespaces={{{namespace}}}",
+        "--set", "admissionPolicy.runtimeClasses={nvidia}").stdout)
     policy_objects = [o for o in rendered if o and o["kind"].startswith("ValidatingAdmissionPolicy")]
     assert len(policy_objects) == 2
     k8s_cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(policy_objects))
@@ -115,7 +117,16 @@ def test_weakening_patches_are_refused_by_the_api_server_naming_the_field(k8s_cl
             result = apply(case, spec)
             assert result.returncode != 0, f"{case} was accepted"
             assert field in result.stderr and "restricted Pod Security profile" in result.stderr, result.stderr
+        # Every row of the rules' unit table, through the generated CEL: the same refusals.
+        for index, (rule, spec, _) in enumerate(podsecurity_table.REFUSED):
+            result = apply(f"refused-{index}", spec)
+            assert result.returncode != 0, f"{rule} case {spec} was accepted by the API server"
+            assert f"allow: [{rule}]" in result.stderr, result.stderr
         assert apply("harmless", {"podTemplatePatch": {"metadata": {"labels": {"team": "a"}}}}).returncode == 0
+        assert apply("allowed-class", {"podTemplatePatch": {"spec": {"runtimeClassName": "nvidia"}}}).returncode == 0
+        for index, spec in enumerate(podsecurity_table.ACCEPTED):
+            result = apply(f"accepted-{index}", spec)
+            assert result.returncode == 0, result.stderr
     finally:
         for obj in policy_objects:
             k8s_cluster.kubectl("delete", obj["kind"].lower(), obj["metadata"]["name"], "--ignore-not-found")

@@ -46,6 +46,23 @@ REFUSED = [
     ("securityContext", _spec(_engine(capabilities={"drop": []})), "securityContext.capabilities.drop"),
     ("securityContext", _spec({"spec": {"securityContext": {"seccompProfile": {"type": "Unconfined"}}}}),
      "seccompProfile.type"),
+    ("appArmor", _spec({"spec": {"securityContext": {"appArmorProfile": {"type": "Unconfined"}}}}),
+     "spec.podTemplatePatch.spec.securityContext.appArmorProfile.type"),
+    ("appArmor", _spec(_engine(appArmorProfile={"type": "Unconfined"})), "containers[engine].securityContext.appArmorProfile"),
+    ("appArmor", _spec({"metadata": {"annotations": {
+        "container.apparmor.security.beta.kubernetes.io/engine": "unconfined"}}}),
+     "spec.podTemplatePatch.metadata.annotations"),
+    ("seLinux", _spec({"spec": {"securityContext": {"seLinuxOptions": {"type": "spc_t"}}}}),
+     "spec.podTemplatePatch.spec.securityContext.seLinuxOptions.type"),
+    ("seLinux", _spec(_engine(seLinuxOptions={"user": "system_u"})), "containers[engine].securityContext.seLinuxOptions.user"),
+    ("seLinux", _spec(_engine(seLinuxOptions={"role": "sysadm_r"})), "containers[engine].securityContext.seLinuxOptions.role"),
+    ("sysctls", _spec({"spec": {"securityContext": {"sysctls": [{"name": "kernel.shm_rmid_forced", "value": "0"}]}}}),
+     "spec.podTemplatePatch.spec.securityContext.sysctls"),
+    ("nodeName", _spec({"spec": {"nodeName": "gpu-node-7"}}), "spec.podTemplatePatch.spec.nodeName"),
+    ("runtimeClass", _spec({"spec": {"runtimeClassName": "runc-unsandboxed"}}), "spec.podTemplatePatch.spec.runtimeClassName"),
+    ("serviceAccount", _spec({"spec": {"volumes": [{"name": "tok", "projected": {"sources": [
+        {"serviceAccountToken": {"path": "token", "audience": "vault"}}]}}]}}),
+     "spec.podTemplatePatch.spec.volumes[tok].projected.sources[0].serviceAccountToken"),
 ]
 
 
@@ -58,14 +75,30 @@ def test_each_rule_refuses_its_field_naming_it_unless_allowed(rule, spec, field)
     parse_spec(spec, frozenset({rule}))  # an admin allowed it
 
 
-@pytest.mark.parametrize("spec", [
+def test_a_runtime_class_passes_only_when_allowed_by_name():
+    spec = _spec({"spec": {"runtimeClassName": "nvidia"}})
+    parse_spec(spec, frozenset({f"{podsecurity.RUNTIME_CLASS_ALLOWED}nvidia"}))
+    with pytest.raises(SpecError, match="admissionPolicy.runtimeClasses"):
+        parse_spec(spec, frozenset({f"{podsecurity.RUNTIME_CLASS_ALLOWED}kata"}))
+
+
+ACCEPTED = [
     _spec(_engine(readOnlyRootFilesystem=False, runAsUser=2000)),
-    _spec({"metadata": {"labels": {"team": "a"}}, "spec": {"runtimeClassName": "nvidia", "containers": [
+    _spec({"metadata": {"labels": {"team": "a"}}, "spec": {"containers": [
         {"name": "sidecar", "image": "busybox"}]}}),
     _spec(_engine(capabilities={"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]})),
     _spec(volume={"persistentVolumeClaim": {"claimName": "models"}}),
     _spec(volume={"csi": {"driver": "x"}}),
-], ids=["own-user", "sidecar", "net-bind", "pvc", "csi"])
+    _spec({"metadata": {"annotations": {"container.apparmor.security.beta.kubernetes.io/engine": "runtime/default",
+                                        "container.apparmor.security.beta.kubernetes.io/side": "localhost/tight"}},
+           "spec": {"securityContext": {"seLinuxOptions": {"type": "container_t", "level": "s0:c1,c2"},
+                                        "appArmorProfile": {"type": "RuntimeDefault"}}}}),
+    _spec({"spec": {"volumes": [{"name": "cfg", "projected": {"sources": [{"configMap": {"name": "c"}}]}}]}}),
+]
+
+
+@pytest.mark.parametrize("spec", ACCEPTED,
+                         ids=["own-user", "sidecar", "net-bind", "pvc", "csi", "confined-lsm", "projected-configmap"])
 def test_what_keeps_the_profile_is_accepted(spec):
     assert podsecurity.violations(spec) == []
     parse_spec(spec)
@@ -81,6 +114,15 @@ def test_containers_a_patch_adds_get_the_restricted_container_settings():
         assert security["allowPrivilegeEscalation"] is False and security["runAsNonRoot"] is True
         assert security["capabilities"] == {"drop": ["ALL"]}
     assert pod["initContainers"][0]["securityContext"]["runAsUser"] == 3000
+
+
+def test_an_added_container_that_adds_a_capability_keeps_drop_all():
+    # The merge used to be one level deep: `capabilities: {add: [...]}` replaced `{drop: [ALL]}`.
+    spec = parse_spec(_spec({"spec": {"containers": [{"name": "web", "image": "nginx", "securityContext": {
+        "capabilities": {"add": ["NET_BIND_SERVICE"]}}}]}}))
+    pod = resources.build_deployment(resources.Owner("llm", "ns", "u"), spec)["spec"]["template"]["spec"]
+    web = next(c for c in pod["containers"] if c["name"] == "web")
+    assert web["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]}
 
 
 def test_the_chart_policy_is_generated_from_the_rules():

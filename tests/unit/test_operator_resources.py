@@ -149,7 +149,7 @@ def test_pod_template_patch_merges_named_lists():
         "metadata": {"labels": {"team": "a", "app.kubernetes.io/instance": "hijack"}},
         "spec": {"containers": [{"name": "engine", "env": [{"name": "X", "value": "1"}]},
                                 {"name": "sidecar", "image": "busybox"}],
-                 "runtimeClassName": "nvidia", "enableServiceLinks": None}}})
+                 "runtimeClassName": "nvidia", "enableServiceLinks": None}}}, frozenset({"runtimeClass=nvidia"}))
     template = r.build_deployment(OWNER, spec)["spec"]["template"]
     names = [c["name"] for c in template["spec"]["containers"]]
     assert names == ["engine", "sidecar"]
