@@ -166,6 +166,9 @@ class BlockManager:
         Called after each step that advanced seq."""
         if self.prefix_cache is None or seq.params.skip_prefix_cache:
             return
+        kv = seq.kv_transfer
+        if kv is not None and kv.loaded and not kv.remote_prefill.authenticated:
+            return  # KV from a peer that did not prove it is one of ours would poison every user's prefix
         num_full = seq.num_computed_tokens // self.block_size
         if num_full <= seq.num_cached_blocks:
             return

@@ -76,6 +76,10 @@ class EngineConfig:
     kv_lease_seconds: float = 30.0  # a prefill engine frees unpulled leased blocks after this
     kv_transfer_timeout: float = 10.0  # a decode engine gives up a pull after this
     kv_failure_policy: str = "recompute"  # after a failed pull: recompute the prompt locally, or fail
+    # The InferenceService's KV key (engine/kv_transfer/auth.py): kv_transfer_params are trusted only
+    # with its MAC. Required by roles prefill and decode.
+    kv_auth_key_file: str | None = None
+    kv_max_leased_fraction: float = 0.5  # most of the KV pool a prefill engine holds under leases
 
     def resolve(self, model_context_len: int | None = None) -> EngineConfig:
         """A copy with the defaults that depend on the model filled in, every rule checked."""
@@ -123,9 +127,15 @@ class EngineConfig:
             raise ConfigError(f"--kv-lease-seconds must be above 0, got {self.kv_lease_seconds}")
         if not self.kv_transfer_timeout > 0:
             raise ConfigError(f"--kv-transfer-timeout must be above 0, got {self.kv_transfer_timeout}")
+        if not 0 < self.kv_max_leased_fraction <= 1:
+            raise ConfigError(f"--kv-max-leased-fraction must be in (0, 1], got {self.kv_max_leased_fraction}")
         if self.role != "both" and self.scheduling == "static":
             raise ConfigError(f"--role {self.role} needs --scheduling continuous (the static baseline has no "
                               "KV transfer)")
+        if self.role != "both" and not self.kv_auth_key_file:
+            raise ConfigError(f"--role {self.role} needs --kv-auth-key-file: the file holding the InferenceService's "
+                              "KV key (the operator mounts Secret <name>-kv-auth at /etc/iterserve/kv-auth/key), so "
+                              "only the router and peer engines can drive KV transfers")
         if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is below --max-model-len "

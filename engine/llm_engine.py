@@ -109,9 +109,10 @@ class LLMEngine:
             self.kv_connector.wake = wake
 
     def start_kv_transfer(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None) -> int:
-        """Listen for decode engines' KV pulls (roles prefill and both); returns the bound port."""
-        if self.config.role == "decode":
-            raise ConfigError("--role decode serves no KV to other engines; it needs no KV transfer listener")
+        """Listen for decode engines' KV pulls (role prefill only); returns the bound port."""
+        if self.config.role != "prefill":
+            raise ConfigError(f"--role {self.config.role} serves no KV to other engines; it opens no KV transfer "
+                              "listener (only --role prefill does)")
         if self.kv_connector is None:
             raise ConfigError("this executor cannot transfer KV")
         enable = getattr(self.executor, "enable_kv_store", None)
@@ -170,7 +171,9 @@ class LLMEngine:
         return request_id
 
     def _check_kv_transfer(self, raw: dict | None):
-        kv = kv_params.parse_request(raw)
+        key = self.kv_connector.auth_key if self.kv_connector is not None else None
+        wall_clock = self.kv_connector.wall_clock if self.kv_connector is not None else time.time
+        kv = kv_params.accept(raw, self.config.role, key, wall_clock())
         if kv is None:
             return None
         role = self.config.role
@@ -181,7 +184,7 @@ class LLMEngine:
                                           f"{kv_params.PARAM}.do_remote_decode")
             if self.kv_connector is None or self.kv_connector.port is None:
                 raise InvalidRequestError(f"{kv_params.PARAM}.do_remote_decode: this engine has no KV transfer "
-                                          "listener (start it with --role prefill or both)",
+                                          "listener (start it with --role prefill)",
                                           f"{kv_params.PARAM}.do_remote_decode")
         elif role == "prefill":
             raise InvalidRequestError(f"{kv_params.PARAM}.do_remote_prefill: this engine runs --role prefill and "

@@ -9,11 +9,23 @@ expiry.
 Decode: the scheduler gives a sequence its blocks, parks it "waiting for KV" and calls
 `start_pull`; a pull thread fetches the blocks into staging buffers (never into the pool) and
 wakes the engine; the scheduler then `poll`s the result and loads it at the start of a step.
+
+Clocks: leases, pulls and the transport's deadlines all read the injected `clock` (monotonic by
+default), so a test's fake clock drives every one of them. Only what crosses machines (a lease's
+expiry as written into kv_transfer_params, the MAC's expires_at) is in unix seconds, read from
+`wall_clock`: two pods' monotonic clocks cannot be compared.
+
+Trust: with a KV key (--kv-auth-key-file), `pin` signs the lease it answers (auth.py) and gives it
+a random secret that the transport asks for on PULL and RELEASE. Leases hold at most
+--kv-max-leased-fraction of the pool: beyond it a prefill call is answered without a lease (the
+router then prefills on the decode replica), so do_remote_decode calls cannot pin the pool.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -22,9 +34,16 @@ from dataclasses import dataclass, field
 
 from iterserve.engine.block_manager import BlockManager
 from iterserve.engine.config import EngineConfig
+from iterserve.engine.kv_transfer import auth
 from iterserve.engine.kv_transfer.layout import KVLayout
 from iterserve.engine.kv_transfer.params import KVTransferState
-from iterserve.engine.kv_transfer.transport import KVTransport, PulledKV, PullRequest, TcpTransport
+from iterserve.engine.kv_transfer.transport import (
+    KVTransport,
+    LeaseRead,
+    PulledKV,
+    PullRequest,
+    TcpTransport,
+)
 from iterserve.engine.kv_transfer.wire import KVTransferError
 from iterserve.engine.sequence import Sequence
 
@@ -37,6 +56,7 @@ class Lease:
     blocks: list[int]
     num_tokens: int
     expires_at: float  # engine clock
+    secret: str
     readers: int = 0
     released: bool = False
 
@@ -57,6 +77,7 @@ class TransferCounts:
     leases_created: int = 0
     leases_released: int = 0
     leases_expired: int = 0
+    leases_refused: int = 0  # prefill calls answered without a lease: the leased-blocks cap was reached
     blocks_pulled: int = 0  # decode side: blocks received by successful pulls
     blocks_from_cache: int = 0  # decode side: lease blocks not pulled, found in the local prefix cache
 
@@ -64,13 +85,19 @@ class TransferCounts:
 class KVConnector:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, layout: KVLayout,
                  read_layers: Callable[[list[int]], Iterator[tuple[memoryview, memoryview]]],
-                 clock: Callable[[], float] = time.monotonic, transport: KVTransport | None = None):
+                 clock: Callable[[], float] = time.monotonic, transport: KVTransport | None = None,
+                 wall_clock: Callable[[], float] = time.time):
         self.config = config
         self.block_manager = block_manager
         self.layout = layout
         self._read_layers = read_layers
         self.clock = clock
-        self.transport = transport or TcpTransport()
+        self.wall_clock = wall_clock
+        self.transport = transport or TcpTransport(clock=clock)
+        # Roles prefill and decode need the key (EngineConfig.validate); role both takes no
+        # kv_transfer_params, so it has none.
+        self.auth_key = auth.load_key(config.kv_auth_key_file) if config.kv_auth_key_file else None
+        self.max_leased_blocks = int(block_manager.num_blocks * config.kv_max_leased_fraction)
         self.engine_id = uuid.uuid4().hex[:16]
         self.compat_hash = layout.compat_hash
         self.host: str | None = None  # advertised in kv_transfer_params, once listening
@@ -90,23 +117,32 @@ class KVConnector:
                     host, self.port, self.host, self.engine_id, self.layout, self.compat_hash)
         return self.port
 
-    def pin(self, seq: Sequence) -> dict:
-        """Lease seq's prompt blocks (seq is finishing); returns the kv_transfer_params to answer."""
+    def pin(self, seq: Sequence) -> dict | None:
+        """Lease seq's prompt blocks (seq is finishing); returns the signed kv_transfer_params to
+        answer, or None when leased blocks would pass --kv-max-leased-fraction of the pool."""
         num_tokens = seq.num_prompt_tokens
         blocks = list(seq.block_table[: self.block_manager.blocks_for(num_tokens)])
+        if self.num_pinned_blocks + len(blocks) > self.max_leased_blocks:
+            self.counts.leases_refused += 1
+            logger.warning("request %s: answered without a KV lease, leased blocks would pass %d "
+                           "(--kv-max-leased-fraction %g of %d)", seq.request_id, self.max_leased_blocks,
+                           self.config.kv_max_leased_fraction, self.block_manager.num_blocks)
+            return None
         self.block_manager.pin(blocks)
-        transfer_id = uuid.uuid4().hex
+        transfer_id, secret = uuid.uuid4().hex, secrets.token_urlsafe(24)
         lease_s = self.config.kv_lease_seconds
         with self._lock:
-            self._leases[transfer_id] = Lease(transfer_id, blocks, num_tokens, self.clock() + lease_s)
+            self._leases[transfer_id] = Lease(transfer_id, blocks, num_tokens, self.clock() + lease_s, secret)
         self.counts.leases_created += 1
         logger.debug("pinned %d blocks of request %s under transfer %s for %.0f s", len(blocks), seq.request_id,
                      transfer_id, lease_s)
-        return {
+        expires_at = self.wall_clock() + lease_s
+        params = {
             "transfer_id": transfer_id, "engine_id": self.engine_id, "host": self.host, "port": self.port,
             "block_ids": blocks, "num_tokens": num_tokens, "block_size": self.block_manager.block_size,
-            "compat_hash": self.compat_hash, "lease_expires_at": round(time.time() + lease_s, 3),
+            "compat_hash": self.compat_hash, "lease_expires_at": round(expires_at, 3), "lease_secret": secret,
         }
+        return auth.sign(params, self.auth_key, auth.REMOTE_PREFILL, expires_at) if self.auth_key else params
 
     def collect(self) -> int:
         """On the engine thread: free released and expired leases nobody is reading. Returns the
@@ -148,21 +184,29 @@ class KVConnector:
         with self._lock:
             return len({block for lease in self._leases.values() for block in lease.blocks})
 
+    def _lease(self, transfer_id: str, secret: str) -> Lease | None:
+        """The lease, if secret is its own (compared in constant time); under self._lock."""
+        lease = self._leases.get(transfer_id)
+        if lease is None or not hmac.compare_digest(lease.secret.encode(), secret.encode()):
+            return None
+        return lease
+
     # KVSource: called on the transport's threads.
-    def open_read(self, transfer_id: str, first_block: int, num_blocks: int) -> list[int]:
+    def open_read(self, transfer_id: str, secret: str, first_block: int, num_blocks: int) -> LeaseRead:
         with self._lock:
-            lease = self._leases.get(transfer_id)
+            lease = self._lease(transfer_id, secret)
             if lease is None or lease.released:
-                raise KVTransferError(f"no lease {transfer_id} here (expired after --kv-lease-seconds "
-                                      f"{self.config.kv_lease_seconds:g}, released, or never made on engine "
-                                      f"{self.engine_id})")
+                # One message for unknown, released and wrong-secret leases: it tells a prober nothing.
+                raise KVTransferError(f"no lease {transfer_id[:64]} with that secret here (expired after "
+                                      f"--kv-lease-seconds {self.config.kv_lease_seconds:g}, released, or never made "
+                                      f"on engine {self.engine_id})")
             if self.clock() >= lease.expires_at:
                 raise KVTransferError(f"lease {transfer_id} expired")
             if first_block < 0 or num_blocks < 1 or first_block + num_blocks > len(lease.blocks):
                 raise KVTransferError(f"blocks [{first_block}, {first_block + num_blocks}) are outside lease "
                                       f"{transfer_id}, which holds {len(lease.blocks)}")
             lease.readers += 1
-            return lease.blocks[first_block : first_block + num_blocks]
+            return LeaseRead(lease.blocks[first_block : first_block + num_blocks], lease.expires_at)
 
     def read_layers(self, block_ids: list[int]) -> Iterator[tuple[memoryview, memoryview]]:
         return self._read_layers(block_ids)
@@ -173,9 +217,9 @@ class KVConnector:
             if lease is not None:
                 lease.readers -= 1
 
-    def release(self, transfer_id: str) -> bool:
+    def release(self, transfer_id: str, secret: str) -> bool:
         with self._lock:
-            lease = self._leases.get(transfer_id)
+            lease = self._lease(transfer_id, secret)
             if lease is None:
                 return False
             lease.released = True
@@ -188,10 +232,10 @@ class KVConnector:
         block first_block on (the earlier ones are in this engine's prefix cache)."""
         kv: KVTransferState = seq.kv_transfer
         remote = kv.remote_prefill
-        request = PullRequest(remote.host, remote.port, remote.transfer_id, first_block,
-                              len(remote.block_ids) - first_block, time.monotonic() + self.config.kv_transfer_timeout)
+        request = PullRequest(remote.host, remote.port, remote.transfer_id, remote.lease_secret, first_block,
+                              len(remote.block_ids) - first_block, self.clock() + self.config.kv_transfer_timeout)
         self.counts.blocks_from_cache += first_block
-        pull = Pull(request, time.monotonic())
+        pull = Pull(request, self.clock())
         self._pulls[seq.request_id] = pull
         problem = self._check_remote(seq)
         if problem:
@@ -202,6 +246,8 @@ class KVConnector:
 
     def _check_remote(self, seq: Sequence) -> str | None:
         remote = seq.kv_transfer.remote_prefill
+        if not remote.authenticated:  # never dial an address a client chose (params.accept signs them)
+            return "the kv_transfer_params were not authenticated"
         if remote.compat_hash != self.compat_hash:
             return (f"compat_hash {remote.compat_hash} differs from this engine's {self.compat_hash} (another model, "
                     "dtype or block size on the prefill engine)")
@@ -212,8 +258,9 @@ class KVConnector:
                     f"{seq.num_prompt_tokens} (a different prompt or tokenizer)")
         if len(remote.block_ids) != self.block_manager.blocks_for(remote.num_tokens):
             return f"{len(remote.block_ids)} block ids for {remote.num_tokens} tokens"
-        if remote.lease_expires_at < time.time():
-            return f"the lease expired {time.time() - remote.lease_expires_at:.1f} s before the pull started"
+        now = self.wall_clock()
+        if remote.lease_expires_at < now:
+            return f"the lease expired {now - remote.lease_expires_at:.1f} s before the pull started"
         return None
 
     def _run_pull(self, pull: Pull) -> None:
@@ -233,7 +280,7 @@ class KVConnector:
         if pull is None:
             return None
         if not pull.finished.is_set():
-            if time.monotonic() < pull.request.deadline + 1.0:
+            if self.clock() < pull.request.deadline + 1.0:
                 return None
             pull.error = f"no answer within --kv-transfer-timeout {self.config.kv_transfer_timeout:g} s"
             pull.request.cancel.set()
@@ -254,10 +301,9 @@ class KVConnector:
             return
         pull.request.cancel.set()
         remote = seq.kv_transfer.remote_prefill
-        release = getattr(self.transport, "release", None)
-        if release is not None:
-            threading.Thread(target=release, args=(remote.host, remote.port, remote.transfer_id), daemon=True,
-                             name="kv-release").start()
+        threading.Thread(target=self.transport.release,
+                         args=(remote.host, remote.port, remote.transfer_id, remote.lease_secret), daemon=True,
+                         name="kv-release").start()
 
     @property
     def num_pulls(self) -> int:

@@ -7,19 +7,29 @@ In a request:
                               -> pull the prompt's KV from the prefill engine, then generate
                                  (the decode call).
 In the prefill answer: transfer_id, engine_id, host, port, block_ids, num_tokens, block_size,
-compat_hash, lease_expires_at (unix seconds).
+compat_hash, lease_expires_at (unix seconds), lease_secret (presented on the KV connection's PULL
+and RELEASE), expires_at and mac.
+
+Trust (auth.py): engines of role both take no kv_transfer_params at all. Roles prefill and decode
+take them only signed with the InferenceService's KV key: do_remote_decode as the router signs
+it, do_remote_prefill as the prefill engine signed its answer (the router adds only
+"do_remote_prefill", which the MAC leaves out). So a client can neither lease KV nor make a decode
+engine dial an address it chose; `accept` is the one call the server makes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from iterserve.engine.kv_transfer import auth
 from iterserve.engine.sampling_params import InvalidRequestError
 
 PARAM = "kv_transfer_params"
 ANSWER_FIELDS = ("transfer_id", "engine_id", "host", "port", "block_ids", "num_tokens", "block_size",
-                 "compat_hash", "lease_expires_at")
+                 "compat_hash", "lease_expires_at", "lease_secret")
+MAX_BLOCK_IDS = 1 << 16  # far above any prompt's blocks; bounds the work a request makes here
 
 
 @dataclass(frozen=True)
@@ -35,6 +45,10 @@ class RemotePrefill:
     block_size: int
     compat_hash: str
     lease_expires_at: float
+    lease_secret: str
+    # The params carried a valid MAC: the KV comes from a peer of this InferenceService. Only such
+    # KV may enter the shared prefix cache (BlockManager.cache_computed_blocks).
+    authenticated: bool = False
 
 
 @dataclass
@@ -53,9 +67,32 @@ class KVTransferState:
         return self.remote_prefill is not None and not self.loaded and self.failure is None
 
 
-def parse_request(raw: Any) -> KVTransferState | None:
-    """A request's kv_transfer_params; None when it asks for no transfer. Raises
+def accept(raw: Any, role: str, key: bytes | None, now: float) -> KVTransferState | None:
+    """A request's kv_transfer_params, checked for this engine's role and authenticated with its KV
+    key (now: unix seconds); None when the request asks for no transfer. Raises
     InvalidRequestError naming the field."""
+    if raw is None:
+        return None
+    if role == "both" or key is None:
+        raise InvalidRequestError(f"{PARAM} is not accepted here: this engine runs --role {role}; only the "
+                                  "router sends it, to --role prefill and decode engines. Remove the field.", PARAM)
+    state = parse_request(raw)
+    if state is None:
+        return None
+    purpose = auth.REMOTE_DECODE if state.remote_decode else auth.REMOTE_PREFILL
+    signed = {k: v for k, v in raw.items() if k != "do_remote_prefill"}
+    try:
+        auth.verify(signed, key, purpose, now)
+    except auth.KVAuthError as error:
+        raise InvalidRequestError(f"{PARAM}.{auth.MAC_FIELD}: {error}", f"{PARAM}.{auth.MAC_FIELD}") from None
+    if state.remote_prefill is not None:
+        state.remote_prefill = dataclasses.replace(state.remote_prefill, authenticated=True)
+    return state
+
+
+def parse_request(raw: Any) -> KVTransferState | None:
+    """The shape of a request's kv_transfer_params, unauthenticated (see `accept`); None when it asks
+    for no transfer. Raises InvalidRequestError naming the field."""
     if raw is None:
         return None
     if not isinstance(raw, dict):
@@ -85,6 +122,8 @@ def _remote_prefill(raw: dict) -> RemotePrefill:
         return value
 
     block_ids = need("block_ids", list, "a list of block ids")
+    if len(block_ids) > MAX_BLOCK_IDS:
+        raise InvalidRequestError(f"{PARAM}.block_ids has more than {MAX_BLOCK_IDS} entries", f"{PARAM}.block_ids")
     if not block_ids or any(not isinstance(b, int) or isinstance(b, bool) or b < 0 for b in block_ids):
         raise InvalidRequestError(f"{PARAM}.block_ids must be a non-empty list of non-negative integers",
                                   f"{PARAM}.block_ids")
@@ -105,4 +144,5 @@ def _remote_prefill(raw: dict) -> RemotePrefill:
         block_size=block_size,
         compat_hash=need("compat_hash", str, "a string"),
         lease_expires_at=float(need("lease_expires_at", (int, float), "unix seconds")),
+        lease_secret=need("lease_secret", str, "a string"),
     )

@@ -9,9 +9,14 @@ this module knows it is TCP.
 TCP conversation (frames in wire.py), one connection per pull:
 
     decode -> HELLO {layout, engine_id}        prefill -> HELLO_OK {layout, engine_id} | REFUSED {error}
-    decode -> PULL {transfer_id, first_block, num_blocks}
+    decode -> PULL {transfer_id, lease_secret, first_block, num_blocks}
                                                prefill -> LAYER x num_layers, PULL_DONE {bytes} | ERROR {error}
-    decode -> RELEASE {transfer_id}            prefill -> RELEASED {}
+    decode -> RELEASE {transfer_id, lease_secret}
+                                               prefill -> RELEASED {}
+
+The lease_secret is a random value the prefill engine made for this lease and put into its signed
+kv_transfer_params: only the decode engine the router handed them to knows it, so another pod
+that can reach the port can neither read a lease's KV nor free it.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import socket
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -38,17 +43,27 @@ class KVSource(Protocol):
     layout: KVLayout
     engine_id: str
 
-    def open_read(self, transfer_id: str, first_block: int, num_blocks: int) -> list[int]:
+    def open_read(self, transfer_id: str, secret: str, first_block: int, num_blocks: int) -> LeaseRead:
         """The lease's blocks [first, first+num) for one read; keeps the lease alive until
-        close_read. Raises KVTransferError (unknown/expired transfer, out of range)."""
+        close_read. Raises KVTransferError (unknown/expired transfer, wrong secret, out of range)."""
 
     def read_layers(self, block_ids: list[int]) -> Iterator[tuple[memoryview, memoryview]]:
         """Per layer, the K bytes and V bytes of these blocks."""
 
     def close_read(self, transfer_id: str) -> None: ...
 
-    def release(self, transfer_id: str) -> bool:
-        """The decode engine has the blocks: free the lease. False if it was unknown."""
+    def release(self, transfer_id: str, secret: str) -> bool:
+        """The decode engine has the blocks: free the lease. False if it was unknown or the secret
+        was wrong."""
+
+
+@dataclass(frozen=True)
+class LeaseRead:
+    """One read of a lease: its blocks, and the lease's expiry on the transport's clock, which
+    bounds the connection serving it."""
+
+    blocks: list[int]
+    deadline: float
 
 
 @dataclass
@@ -66,9 +81,10 @@ class PullRequest:
     host: str
     port: int
     transfer_id: str
+    lease_secret: str
     first_block: int
     num_blocks: int
-    deadline: float  # time.monotonic() by which the pull must be done
+    deadline: float  # on the transport's clock (the connector's), by which the pull must be done
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
@@ -82,13 +98,28 @@ class KVTransport(ABC):
         """Fetch the blocks, verify them, release the lease; raises KVTransferError."""
 
     @abstractmethod
+    def release(self, host: str, port: int, transfer_id: str, secret: str, timeout: float = 2.0) -> bool:
+        """Best effort: free a lease whose blocks will not be pulled; False if that failed."""
+
+    @abstractmethod
     def close(self) -> None: ...
 
 
 class TcpTransport(KVTransport):
-    def __init__(self, connect_timeout: float = 5.0, io_timeout: float = 30.0):
+    """Every bound the listener keeps is on a peer that may be hostile (any pod that reaches the
+    port): at most max_connections served at once (one thread each; more are closed at accept), a
+    handshake_timeout to get from connect to PULL, then the lease's own expiry as the deadline for
+    the rest (a slow reader cannot extend it), one PULL per connection, and PULL and RELEASE honoured
+    only with the lease's secret."""
+
+    def __init__(self, connect_timeout: float = 5.0, io_timeout: float = 30.0, handshake_timeout: float = 5.0,
+                 max_connections: int = 64, clock: Callable[[], float] = time.monotonic):
         self.connect_timeout = connect_timeout
         self.io_timeout = io_timeout  # a served connection idle this long is closed
+        self.handshake_timeout = handshake_timeout
+        self.max_connections = max_connections
+        self.clock = clock  # the connector's: leases' deadlines and pulls' deadlines are read on it
+        self.refused_connections = 0  # closed at accept: max_connections were being served
         self._listener: socket.socket | None = None
         self._closing = threading.Event()
         self._connections: set[socket.socket] = set()
@@ -111,16 +142,38 @@ class TcpTransport(KVTransport):
         return listener.getsockname()[1]
 
     def _accept(self, source: KVSource) -> None:
+        """Runs until close(); no error on one connection (or a full file table) stops it."""
         while not self._closing.is_set():
             try:
                 conn, peer = self._listener.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(self.io_timeout)
-            with self._lock:
+            except OSError as error:
+                if self._closing.is_set():
+                    return
+                logger.warning("KV transfer listener: accept failed (%s); retrying", error)
+                time.sleep(0.1)  # EMFILE and the like: do not spin
+                continue
+            try:
+                self._start_serving(source, conn, peer)
+            except Exception:  # noqa: BLE001 - this connection is dropped, the listener goes on
+                logger.exception("KV transfer listener: could not serve a connection from %s", peer[0])
+                self._forget(conn)
+
+    def _start_serving(self, source: KVSource, conn: socket.socket, peer) -> None:
+        with self._lock:
+            full = len(self._connections) >= self.max_connections
+            if not full:
                 self._connections.add(conn)
-            threading.Thread(target=self._serve, args=(source, conn, peer), name="kv-serve", daemon=True).start()
+        if full:
+            self.refused_connections += 1
+            conn.close()
+            return
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        threading.Thread(target=self._serve, args=(source, conn, peer), name="kv-serve", daemon=True).start()
+
+    def _forget(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._connections.discard(conn)
+        conn.close()
 
     def _serve(self, source: KVSource, conn: socket.socket, peer) -> None:
         try:
@@ -129,64 +182,82 @@ class TcpTransport(KVTransport):
             if not self._closing.is_set():
                 logger.warning("KV transfer connection from %s ended: %s", peer[0], error)
         finally:
-            with self._lock:
-                self._connections.discard(conn)
-            conn.close()
+            self._forget(conn)
 
     def _converse(self, source: KVSource, conn: socket.socket) -> None:
-        msg_type, hello = wire.recv_json(conn, [wire.HELLO, wire.RELEASE])
+        deadline = [self.clock() + self.handshake_timeout]
+
+        def left() -> float:
+            seconds = deadline[0] - self.clock()
+            if seconds <= 0:
+                raise KVTransferError("the connection passed its deadline (handshake timeout or lease expiry)")
+            return min(seconds, self.io_timeout)
+
+        msg_type, hello = wire.recv_json(conn, [wire.HELLO, wire.RELEASE], left)
         if msg_type == wire.RELEASE:  # a lease nobody will pull (the decode request was aborted)
-            source.release(str(hello.get("transfer_id")))
-            wire.send_json(conn, wire.RELEASED, {})
+            self._release(source, conn, hello, left)
             return
+        if not self._handshake(source, conn, hello, left):
+            return
+        msg_type, body = wire.recv_json(conn, [wire.PULL, wire.RELEASE], left)
+        if msg_type == wire.RELEASE:
+            self._release(source, conn, body, left)
+            return
+        transfer_id = str(body.get("transfer_id"))
+        try:
+            read = source.open_read(transfer_id, str(body.get("lease_secret")), int(body.get("first_block", 0)),
+                                    int(body["num_blocks"]))
+        except (KVTransferError, KeyError, TypeError, ValueError) as error:
+            wire.send_json(conn, wire.ERROR, {"error": str(error)}, left)
+            return
+        deadline[0] = read.deadline  # from here on the lease's expiry bounds the connection
+        try:
+            sent = 0
+            for k, v in source.read_layers(read.blocks):
+                sent += wire.send_frame(conn, wire.LAYER, k, v, timeout=left)
+            wire.send_json(conn, wire.PULL_DONE, {"bytes": sent}, left)
+        finally:
+            source.close_read(transfer_id)
+        try:
+            msg_type, body = wire.recv_json(conn, [wire.RELEASE], left)
+        except FrameError as error:
+            if "closed the connection after 0 of" in str(error):
+                return  # the puller hung up without releasing: the lease expires on its own
+            raise
+        self._release(source, conn, body, left)
+
+    def _handshake(self, source: KVSource, conn: socket.socket, hello: dict, left) -> bool:
         try:
             theirs = KVLayout.from_dict(hello.get("layout") or {})
         except (TypeError, ValueError) as error:
-            wire.send_json(conn, wire.REFUSED, {"error": f"bad HELLO: {error}"})
-            return
+            wire.send_json(conn, wire.REFUSED, {"error": f"bad HELLO: {error}"}, left)
+            return False
         differences = source.layout.mismatch(theirs)
         if differences:
             message = ("the KV layouts differ, blocks cannot be exchanged (" + "; ".join(differences)
                        + "): run the same model, dtype and --block-size on prefill and decode")
             logger.warning("refused a KV transfer handshake from engine %s: %s", hello.get("engine_id"), message)
-            wire.send_json(conn, wire.REFUSED, {"error": message, "fields": [d.split(":")[0] for d in differences]})
-            return
-        wire.send_json(conn, wire.HELLO_OK, {"layout": source.layout.as_dict(), "engine_id": source.engine_id})
-        while True:
-            try:
-                msg_type, body = wire.recv_json(conn, [wire.PULL, wire.RELEASE])
-            except FrameError as error:
-                if "closed the connection after 0 of" in str(error):
-                    return  # the peer hung up between messages
-                raise
-            transfer_id = str(body.get("transfer_id"))
-            if msg_type == wire.RELEASE:
-                source.release(transfer_id)
-                wire.send_json(conn, wire.RELEASED, {})
-                continue
-            try:
-                blocks = source.open_read(transfer_id, int(body.get("first_block", 0)), int(body["num_blocks"]))
-            except (KVTransferError, KeyError, TypeError, ValueError) as error:
-                wire.send_json(conn, wire.ERROR, {"error": str(error)})
-                continue
-            try:
-                sent = 0
-                for k, v in source.read_layers(blocks):
-                    sent += wire.send_frame(conn, wire.LAYER, k, v)
-                wire.send_json(conn, wire.PULL_DONE, {"bytes": sent})
-            finally:
-                source.close_read(transfer_id)
+            wire.send_json(conn, wire.REFUSED, {"error": message, "fields": [d.split(":")[0] for d in differences]},
+                           left)
+            return False
+        wire.send_json(conn, wire.HELLO_OK, {"layout": source.layout.as_dict(), "engine_id": source.engine_id}, left)
+        return True
+
+    @staticmethod
+    def _release(source: KVSource, conn: socket.socket, body: dict, left) -> None:
+        source.release(str(body.get("transfer_id")), str(body.get("lease_secret")))
+        wire.send_json(conn, wire.RELEASED, {}, left)  # the same answer either way: it tells nothing
 
     # -- the pulling half (decode) --------------------------------------------------------------
     def pull(self, request: PullRequest, layout: KVLayout, engine_id: str) -> PulledKV:
-        started = time.monotonic()
+        started = self.clock()
 
         def remaining() -> float:
             if request.cancel.is_set():
                 raise KVTransferError("the request was aborted while its KV was in flight")
-            left = request.deadline - time.monotonic()
+            left = request.deadline - self.clock()
             if left <= 0:
-                raise KVTransferError(f"timed out after {time.monotonic() - started:.1f} s pulling KV from "
+                raise KVTransferError(f"timed out after {self.clock() - started:.1f} s pulling KV from "
                                       f"{request.host}:{request.port} (--kv-transfer-timeout)")
             return left
 
@@ -213,45 +284,50 @@ class TcpTransport(KVTransport):
 
     def _pull_on(self, sock, request: PullRequest, layout: KVLayout, engine_id: str, remaining,
                  started: float) -> PulledKV:
-        sock.settimeout(remaining())
-        wire.send_json(sock, wire.HELLO, {"layout": layout.as_dict(), "engine_id": engine_id})
-        wire.recv_json(sock, [wire.HELLO_OK])
-        wire.send_json(sock, wire.PULL, {"transfer_id": request.transfer_id, "first_block": request.first_block,
-                                         "num_blocks": request.num_blocks})
+        wire.send_json(sock, wire.HELLO, {"layout": layout.as_dict(), "engine_id": engine_id}, remaining)
+        wire.recv_json(sock, [wire.HELLO_OK], remaining)
+        wire.send_json(sock, wire.PULL, {"transfer_id": request.transfer_id, "lease_secret": request.lease_secret,
+                                         "first_block": request.first_block, "num_blocks": request.num_blocks},
+                       remaining)
         expected = request.num_blocks * layout.block_bytes_per_layer
         layers: list[bytearray] = []
         received = 0
         while True:
-            sock.settimeout(remaining())
-            msg_type, payload = wire.recv_frame(sock, [wire.LAYER, wire.PULL_DONE])
+            if len(layers) > layout.num_layers:
+                raise FrameError(f"got more than {layout.num_layers} layers of KV")
+            msg_type, payload = wire.recv_frame(sock, [wire.LAYER, wire.PULL_DONE], expected, remaining)
             received += wire.HEADER.size + len(payload)
             if msg_type == wire.PULL_DONE:
                 break
-            if len(payload) != expected:
-                raise FrameError(f"a LAYER frame holds {len(payload)} bytes, expected {expected} "
-                                 f"({request.num_blocks} blocks x {layout.block_bytes_per_layer})")
             layers.append(payload)
         if len(layers) != layout.num_layers:
             raise FrameError(f"got {len(layers)} layers of KV, expected {layout.num_layers}")
-        seconds = time.monotonic() - started
+        seconds = self.clock() - started
         released = False
+        release_by = self.clock() + min(2.0, max(0.1, request.deadline - self.clock()))
         try:  # the blocks are here; a failed release only leaves the lease to expire on its own
-            sock.settimeout(min(2.0, max(0.1, request.deadline - time.monotonic())))
-            wire.send_json(sock, wire.RELEASE, {"transfer_id": request.transfer_id})
-            wire.recv_json(sock, [wire.RELEASED])
+            self._send_release(sock, request.transfer_id, request.lease_secret, release_by)
             released = True
         except (OSError, KVTransferError) as error:
             logger.warning("KV transfer %s pulled, but releasing its lease failed (%s); it expires on its own",
                            request.transfer_id, error)
         return PulledKV(layers, received, seconds, released)
 
-    def release(self, host: str, port: int, transfer_id: str, timeout: float = 2.0) -> bool:
+    def _send_release(self, sock: socket.socket, transfer_id: str, secret: str, deadline: float) -> None:
+        def left() -> float:
+            seconds = deadline - self.clock()
+            if seconds <= 0:
+                raise KVTransferError("no RELEASED answer in time")
+            return seconds
+
+        wire.send_json(sock, wire.RELEASE, {"transfer_id": transfer_id, "lease_secret": secret}, left)
+        wire.recv_json(sock, [wire.RELEASED], left)
+
+    def release(self, host: str, port: int, transfer_id: str, secret: str, timeout: float = 2.0) -> bool:
         """Best effort: free a lease whose blocks will not be pulled (an aborted request)."""
         try:
             with socket.create_connection((host, port), timeout=timeout) as sock:
-                sock.settimeout(timeout)
-                wire.send_json(sock, wire.RELEASE, {"transfer_id": transfer_id})
-                wire.recv_json(sock, [wire.RELEASED])
+                self._send_release(sock, transfer_id, secret, self.clock() + timeout)
                 return True
         except (OSError, KVTransferError):
             return False

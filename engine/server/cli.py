@@ -108,10 +108,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "A prefill engine runs prompts and leases their KV blocks to decode engines, which pull them over TCP "
         "and generate (requests carry kv_transfer_params; the router's P/D path sends them).")
     pd.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
-                    help="both (default): plain requests and either half of a split one; prefill: never pulls "
-                         "KV; decode: never leases KV (and opens no KV listener)")
+                    help="both (default): plain requests only (no kv_transfer_params); prefill: runs prompts and "
+                         "leases their KV (the only role with a KV listener); decode: pulls KV and generates")
     pd.add_argument("--kv-transfer-port", type=int, default=0,
-                    help="port of the KV transfer listener, beside HTTP (roles prefill and both; default 0: any "
+                    help="port of the KV transfer listener, beside HTTP (role prefill; default 0: any "
                          "free port, reported in kv_transfer_params)")
     pd.add_argument("--kv-transfer-host",
                     help="address the KV transfer listener binds (default: --host)")
@@ -125,6 +125,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     pd.add_argument("--kv-failure-policy", default="recompute", choices=["recompute", "fail"],
                     help="after a failed or timed-out pull: recompute the prompt locally (default) or fail the "
                          "request (HTTP 500)")
+    pd.add_argument("--kv-auth-key-file",
+                    help="file holding the InferenceService's KV key (required by roles prefill and decode): "
+                         "kv_transfer_params are accepted only with its HMAC, made by the router or a prefill "
+                         "engine; role both accepts none")
+    pd.add_argument("--kv-max-leased-fraction", type=float, default=0.5,
+                    help="most of the KV pool a prefill engine keeps leased to decode engines; beyond it a "
+                         "prefill call is answered without a lease (default 0.5)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -153,6 +160,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         role=args.role,
         kv_lease_seconds=args.kv_lease_seconds,
         kv_transfer_timeout=args.kv_transfer_timeout,
+        kv_auth_key_file=args.kv_auth_key_file,
+        kv_max_leased_fraction=args.kv_max_leased_fraction,
         kv_failure_policy=args.kv_failure_policy,
     )
 

@@ -31,7 +31,7 @@ class ServerOptions:
     drain_timeout_s: float = 30.0
     max_request_body_bytes: int = 8 * 1024**2
     max_logprobs: int = 20  # most top logprobs a request may ask for (per token); vLLM's default
-    # KV transfer listener (roles prefill and both): bind address and port (0: any free port), and the
+    # KV transfer listener (role prefill): bind address and port (0: any free port), and the
     # address written into kv_transfer_params for decode engines to connect to.
     kv_transfer_host: str = "127.0.0.1"
     kv_transfer_port: int = 0
@@ -64,7 +64,7 @@ class ServerState:
             return
         if engine.kv_connector is not None:
             engine.kv_connector.on_transfer = self.metrics.observe_kv_transfer
-        if config.role != "decode":
+        if config.role == "prefill":  # the only role that serves KV: the others open no port
             options = self.options
             try:
                 engine.start_kv_transfer(options.kv_transfer_host, options.kv_transfer_port,

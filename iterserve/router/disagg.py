@@ -8,6 +8,12 @@ prefill replica, or none: prefill on the decode replica, with the reason), then 
 (max_tokens 1, not streamed, `kv_transfer_params.do_remote_decode`) and the decode body (the
 client's body plus the prefill answer's `kv_transfer_params` with `do_remote_prefill`).
 
+Trust (engine/kv_transfer/auth.py): engines take kv_transfer_params only with a MAC made with the
+InferenceService's KV key. The router signs the do_remote_decode object of the prefill body with
+it (`PdPolicy.auth_key`, from --kv-auth-key-file); the prefill engine signs its answer, which the
+decode body passes on unchanged. A client's own kv_transfer_params carry no valid MAC, so every
+engine refuses them with a 400 naming the field.
+
 `decide` is a pure function, like `picking.pick`: remote prefill only when the uncached prompt is
 longer than `threshold_tokens` (the design note: not worth it under 512) and the least-loaded
 prefill replica has fewer than `max_prefill_queue` requests (Dynamo's conditional
@@ -18,9 +24,11 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from iterserve.engine.kv_transfer import auth
 from iterserve.router.picking import EndpointLoad, PickPolicy, pick
 
 # PdDecision.reason values (also the `reason` label of the router's P/D decisions counter).
@@ -42,12 +50,16 @@ FALLBACK_REASONS = (FALLBACK_CONNECT, FALLBACK_TIMEOUT, FALLBACK_STATUS, FALLBAC
 GENERATION_PATHS = (b"/v1/completions", b"/v1/chat/completions")
 # Fields the one-token prefill call must not carry: they contradict max_tokens 1, n 1 or stream false.
 PREFILL_DROPPED = ("stream_options", "min_tokens", "max_completion_tokens", "best_of")
+# How long the signed do_remote_decode object stays valid: it is checked when the prefill replica
+# takes the request, right after the router sends it; a copy is useless after this.
+SIGNED_REQUEST_SECONDS = 30.0
 
 
 @dataclass(frozen=True, slots=True)
 class PdPolicy:
     threshold_tokens: int = 512  # remote prefill only for more uncached prompt tokens than this
     max_prefill_queue: int = 4  # ... and only while a prefill replica has fewer requests than this
+    auth_key: bytes | None = field(default=None, repr=False)  # the InferenceService's KV key: signs prefill calls
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +113,7 @@ def parse_request(path: bytes, body: bytes) -> tuple[dict, Prompt] | None:
         return None
     if not isinstance(request, dict) or request.get("echo") or request.get("prompt_logprobs"):
         return None
-    if "kv_transfer_params" in request:  # the client drives P/D itself
+    if "kv_transfer_params" in request:  # forwarded as sent: engines refuse it unsigned (400)
         return None
     if path == b"/v1/chat/completions":
         messages = request.get("messages")
@@ -134,9 +146,16 @@ def tokenize_body(request: dict, prompt: Prompt) -> bytes:
     return json.dumps(body).encode()
 
 
-def prefill_body(request: dict) -> bytes:
+def prefill_body(request: dict, policy: PdPolicy, now: float | None = None) -> bytes:
+    """The one-token prefill call, its do_remote_decode signed with policy.auth_key (now: unix
+    seconds). Without a key it goes unsigned, and the prefill replica refuses it: the router then
+    falls back to a local prefill (FALLBACK_STATUS)."""
     body = {k: v for k, v in request.items() if k not in PREFILL_DROPPED}
-    body.update(max_tokens=1, stream=False, n=1, kv_transfer_params={"do_remote_decode": True})
+    kv: dict = {"do_remote_decode": True}
+    if policy.auth_key is not None:
+        expires_at = (time.time() if now is None else now) + SIGNED_REQUEST_SECONDS
+        kv = auth.sign(kv, policy.auth_key, auth.REMOTE_DECODE, expires_at)
+    body.update(max_tokens=1, stream=False, n=1, kv_transfer_params=kv)
     return json.dumps(body).encode()
 
 

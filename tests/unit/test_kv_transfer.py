@@ -22,6 +22,7 @@ from iterserve.engine.kv_transfer.wire import FrameError, KVTransferError
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.engine.sequence import SequenceStatus
+from tests.kv_auth_helpers import key_file, remote_decode, sign_lease
 from tests.unit.engine_helpers import ManualClock
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -31,6 +32,8 @@ BLOCK = 16
 
 def make_engine(role: str = "both", num_blocks: int = 64, clock=time.monotonic, **options) -> LLMEngine:
     options.setdefault("max_model_len", 256)
+    if role != "both":
+        options.setdefault("kv_auth_key_file", key_file())
     config = EngineConfig(model="fake", role=role, block_size=BLOCK, **options).resolve()
     return LLMEngine(config, FakeExecutor(num_blocks, 0, block_size=BLOCK), FakeTokenizer(), clock)
 
@@ -50,7 +53,7 @@ def run(engine: LLMEngine, timeout: float = 10.0) -> dict:
 
 
 def prefill(engine: LLMEngine, prompt: str, request_id: str = "p") -> dict:
-    engine.add_request(prompt, PREFILL_CALL, request_id=request_id, kv_transfer_params={"do_remote_decode": True})
+    engine.add_request(prompt, PREFILL_CALL, request_id=request_id, kv_transfer_params=remote_decode())
     out = run(engine)[request_id]
     assert out.error is None
     return out.kv_transfer_params
@@ -111,10 +114,12 @@ def remote(params: dict, **changes) -> dict:
 
 
 def fake_params(port: int, num_tokens: int, engine: LLMEngine, **changes) -> dict:
+    """A lease answer from a made-up prefill engine at port, signed with the test key."""
     blocks = -(-num_tokens // BLOCK)
-    return remote({"transfer_id": "t", "engine_id": "e", "host": "127.0.0.1", "port": port,
-                   "block_ids": list(range(blocks)), "num_tokens": num_tokens, "block_size": BLOCK,
-                   "compat_hash": engine.kv_connector.compat_hash, "lease_expires_at": time.time() + 60}, **changes)
+    return remote(sign_lease({"transfer_id": "t", "engine_id": "e", "host": "127.0.0.1", "port": port,
+                              "block_ids": list(range(blocks)), "num_tokens": num_tokens, "block_size": BLOCK,
+                              "compat_hash": engine.kv_connector.compat_hash, "lease_expires_at": time.time() + 60,
+                              "lease_secret": "s", **changes}))
 
 
 # -- the wire -------------------------------------------------------------------------------------
@@ -128,23 +133,20 @@ def _socketpair_with(data: bytes):
 def test_frames_round_trip_and_corruption_is_refused():
     a, b = socket.socketpair()
     wire.send_frame(a, wire.LAYER, b"key-bytes", b"value-bytes")
-    assert wire.recv_frame(b, [wire.LAYER]) == (wire.LAYER, bytearray(b"key-bytesvalue-bytes"))
+    assert wire.recv_frame(b, [wire.LAYER], 20) == (wire.LAYER, bytearray(b"key-bytesvalue-bytes"))
     a.close()
     b.close()
 
     good = wire.frame_header(wire.LAYER, [b"payload"]) + b"payload"
     with pytest.raises(FrameError, match="checksum mismatch"):
-        wire.recv_frame(_socketpair_with(good[:-1] + b"X"))
+        wire.recv_frame(_socketpair_with(good[:-1] + b"X"), [wire.LAYER], 7)
     with pytest.raises(FrameError, match="bad frame magic"):
-        wire.recv_frame(_socketpair_with(b"HTTP" + good[4:]))
+        wire.recv_frame(_socketpair_with(b"HTTP" + good[4:]), [wire.LAYER], 7)
     other_version = wire.HEADER.pack(wire.MAGIC, wire.VERSION + 1, wire.LAYER, 7, 0) + b"payload"
     with pytest.raises(FrameError, match=f"version {wire.VERSION + 1}, this engine speaks {wire.VERSION}"):
-        wire.recv_frame(_socketpair_with(other_version))
-    huge = wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.LAYER, wire.MAX_PAYLOAD + 1, 0)
-    with pytest.raises(FrameError, match="exceeds"):
-        wire.recv_frame(_socketpair_with(huge))
+        wire.recv_frame(_socketpair_with(other_version), [wire.LAYER], 7)
     with pytest.raises(FrameError, match="closed the connection after 3 of 7 bytes"):
-        wire.recv_frame(_socketpair_with(good[:-4]))
+        wire.recv_frame(_socketpair_with(good[:-4]), [wire.LAYER], 7)
     with pytest.raises(FrameError, match="expected PULL, got LAYER"):
         wire.recv_frame(_socketpair_with(good), [wire.PULL])
 
@@ -167,7 +169,7 @@ def test_handshake_refuses_a_different_layout_naming_the_field(change):
     try:
         theirs = dataclasses.replace(LAYOUT, **change)
         with pytest.raises(KVTransferError, match="REFUSED.*KV layouts differ") as refused:
-            transport.pull(PullRequest("127.0.0.1", port, "t", 0, 1, time.monotonic() + 5), theirs, "decode")
+            transport.pull(PullRequest("127.0.0.1", port, "t", "s", 0, 1, time.monotonic() + 5), theirs, "decode")
         for name in change:
             assert f"{name}: " in str(refused.value)
         assert theirs.compat_hash != LAYOUT.compat_hash
@@ -275,8 +277,9 @@ def test_incompatible_params_fail_fast_and_recompute(pair):
     prefill_engine, decode_engine = pair
     prompt = "z" * 33
     params = prefill(prefill_engine, prompt)
+    # Signed, as a prefill engine of another model would sign its lease.
     decode_engine.add_request(prompt, GREEDY, request_id="d",
-                              kv_transfer_params=remote(params, compat_hash="0" * 16))
+                              kv_transfer_params=remote(sign_lease({**params, "compat_hash": "0" * 16})))
     out = run(decode_engine)["d"]
     assert out.error is None and out.outputs[0].token_ids == reference(prompt)
     assert decode_engine.stats().kv_pulls_failed == 1
@@ -369,16 +372,16 @@ def test_abort_mid_transfer_frees_both_engines(pair):
 
 # -- requests ------------------------------------------------------------------------------------
 def test_roles_refuse_the_other_half_and_bad_params_name_the_field():
-    prefill_engine, decode_engine, both = make_engine("prefill"), make_engine("decode"), make_engine("both")
+    prefill_engine, decode_engine = make_engine("prefill"), make_engine("decode")
     with pytest.raises(InvalidRequestError, match="runs --role decode") as error:
-        decode_engine.add_request("x", PREFILL_CALL, kv_transfer_params={"do_remote_decode": True})
+        decode_engine.add_request("x", PREFILL_CALL, kv_transfer_params=remote_decode())
     assert error.value.param == "kv_transfer_params.do_remote_decode"
-    with pytest.raises(InvalidRequestError, match="no KV transfer listener"):
-        both.add_request("x", PREFILL_CALL, kv_transfer_params={"do_remote_decode": True})
+    with pytest.raises(InvalidRequestError, match="no KV transfer listener"):  # not listening yet
+        prefill_engine.add_request("x", PREFILL_CALL, kv_transfer_params=remote_decode())
     good = fake_params(1, 1, prefill_engine)
     with pytest.raises(InvalidRequestError, match="runs --role prefill"):
         prefill_engine.add_request("x", GREEDY, kv_transfer_params=good)
-    for name in ("transfer_id", "host", "port", "block_ids", "num_tokens", "compat_hash"):
+    for name in ("transfer_id", "host", "port", "block_ids", "num_tokens", "compat_hash", "lease_secret"):
         with pytest.raises(InvalidRequestError) as error:
             decode_engine.add_request("x", GREEDY, kv_transfer_params={k: v for k, v in good.items() if k != name})
         assert error.value.param == f"kv_transfer_params.{name}"
@@ -387,11 +390,11 @@ def test_roles_refuse_the_other_half_and_bad_params_name_the_field():
     with pytest.raises(InvalidRequestError, match="prompt logprobs"):
         decode_engine.add_request("x", SamplingParams(max_tokens=1, prompt_logprobs=0), kv_transfer_params=good)
     with pytest.raises(InvalidRequestError, match="exclude each other"):
-        both.add_request("x", GREEDY, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": True})
+        decode_engine.add_request("x", GREEDY, kv_transfer_params={**good, "do_remote_decode": True})
     # Neither flag: an ordinary request (vLLM ignores such an object too).
-    both.add_request("x", GREEDY, request_id="plain", kv_transfer_params={"do_remote_decode": False})
-    assert run(both)["plain"].outputs[0].token_ids == reference("x")
-    assert not decode_engine.has_unfinished_requests() and not prefill_engine.has_unfinished_requests()
+    decode_engine.add_request("x", GREEDY, request_id="plain", kv_transfer_params={"do_remote_decode": False})
+    assert run(decode_engine)["plain"].outputs[0].token_ids == reference("x")
+    assert not prefill_engine.has_unfinished_requests()
 
 
 def test_decode_pulls_only_what_its_prefix_cache_lacks(pair):
@@ -448,9 +451,10 @@ def test_a_decode_engine_that_dies_mid_read_leaves_the_lease_to_expire():
         with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
             wire.send_json(sock, wire.HELLO, {"layout": layout.as_dict(), "engine_id": "doomed"})
             wire.recv_json(sock, [wire.HELLO_OK])
-            wire.send_json(sock, wire.PULL, {"transfer_id": params["transfer_id"], "first_block": 0,
-                                             "num_blocks": len(params["block_ids"])})
-            assert wire.recv_frame(sock, [wire.LAYER])[0] == wire.LAYER
+            wire.send_json(sock, wire.PULL, {"transfer_id": params["transfer_id"], "lease_secret": params["lease_secret"],
+                                             "first_block": 0, "num_blocks": len(params["block_ids"])})
+            layer_bytes = len(params["block_ids"]) * layout.block_bytes_per_layer
+            assert wire.recv_frame(sock, [wire.LAYER], layer_bytes)[0] == wire.LAYER
         lease = engine.kv_connector._leases[params["transfer_id"]]
         deadline = time.monotonic() + 5
         while lease.readers:
