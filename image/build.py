@@ -1,0 +1,122 @@
+"""Build the iterserve image with podman (buildah inside), daemonless, and tag it.
+
+In: the repository (image/Containerfile and the files its ignore file lets through).
+Out: the image in podman's local storage under three tags:
+  ghcr.io/iterserve/engine:<version>[-gpu]   what the Helm chart pulls (its default tag)
+  localhost/iterserve:dev[-gpu]              a short local name
+  localhost/iterserve:<content hash>[-gpu]   the Containerfile, lock and sources it was built
+                                             from: the image test reuses a build by this tag
+The base rootfs comes from image/base.sh (built once, then reused). A host pip cache is mounted
+during the build, so a rebuild does not download torch again; the host's CA bundle is mounted
+too when it exists. Neither is written into a layer.
+
+    .venv/bin/python image/build.py [--target cpu|gpu] [--if-missing]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONTAINERFILE = ROOT / "image" / "Containerfile"
+IGNOREFILE = ROOT / "image" / "Containerfile.dockerignore"
+CONTAINERS_CONF = ROOT / "image" / "containers.conf"
+BASE_TAG = "localhost/iterserve-base:bookworm"
+REPOSITORY = "ghcr.io/iterserve/engine"
+LOCAL = "localhost/iterserve"
+# What the ignore file lets into the build context (kept in step with it by a test).
+CONTEXT_FILES = ("image/requirements.lock", "pyproject.toml", "setup.py", "README.md")
+CONTEXT_DIRS = ("iterserve", "engine", "operator")
+HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
+PIP_CACHE = Path(os.environ.get("IMAGE_PIP_CACHE", Path.home() / ".cache" / "iterserve-image-pip"))
+
+
+def podman_env() -> dict[str, str]:
+    """podman's environment: the repo's containers.conf (runc, no default ulimits)."""
+    return {**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)}
+
+
+def version() -> str:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+def content_hash() -> str:
+    """A digest of everything the build reads: same hash, same image."""
+    digest = hashlib.sha256()
+    paths = [CONTAINERFILE, IGNOREFILE, ROOT / "image" / "base.sh"]
+    paths += [ROOT / name for name in CONTEXT_FILES]
+    for folder in CONTEXT_DIRS:
+        paths += sorted(
+            p for p in (ROOT / folder).rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
+        )
+    for path in paths:
+        digest.update(str(path.relative_to(ROOT)).encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def tags(target: str) -> list[str]:
+    suffix = "" if target == "cpu" else f"-{target}"
+    return [
+        f"{REPOSITORY}:{version()}{suffix}",
+        f"{LOCAL}:dev{suffix}",
+        f"{LOCAL}:{content_hash()}{suffix}",
+    ]
+
+
+def image_exists(tag: str) -> bool:
+    return subprocess.run(["podman", "image", "exists", tag], env=podman_env()).returncode == 0
+
+
+def build_command(target: str) -> list[str]:
+    PIP_CACHE.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        "podman", "build", "--network", "host", "--layers",
+        "-f", str(CONTAINERFILE), "--ignorefile", str(IGNOREFILE),
+        "--target", target, "--build-arg", f"BASE={BASE_TAG}",
+        "--volume", f"{PIP_CACHE}:/root/.cache/pip",
+    ]
+    if HOST_CA.is_file():
+        cmd += ["--volume", f"{HOST_CA}:/etc/iterserve-build/ca.crt:ro"]
+    for tag in tags(target):
+        cmd += ["--tag", tag]
+    return cmd + [str(ROOT)]
+
+
+def build(target: str = "cpu", if_missing: bool = False) -> str:
+    """Build (or with if_missing, reuse) the image; return its content-hash tag."""
+    wanted = tags(target)
+    if if_missing and image_exists(wanted[-1]):
+        return wanted[-1]
+    env = podman_env()
+    subprocess.run(["bash", str(ROOT / "image" / "base.sh"), BASE_TAG], check=True, env=env)
+    started = time.monotonic()
+    subprocess.run(build_command(target), check=True, env=env, cwd=ROOT)
+    print(f"built {', '.join(wanted)} in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    return wanted[-1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--if-missing", action="store_true",
+                        help="reuse an image already built from the same content")
+    parser.add_argument("--print-tag", action="store_true",
+                        help="print the content-hash tag and exit without building")
+    args = parser.parse_args()
+    if args.print_tag:
+        print(tags(args.target)[-1])
+        return
+    print(build(args.target, args.if_missing))
+
+
+if __name__ == "__main__":
+    main()
