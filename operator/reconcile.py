@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from iterserve.operator import disaggregation, metrics, routing
+from iterserve.operator import disaggregation, kv_auth, metrics, routing
 from iterserve.operator.autoscaling.report import (
     AutoscalerTick,
     events_for,
@@ -191,7 +191,8 @@ class Reconciler:
             live[key] = service if key == ("Service", service_name(name)) else (
                 leftovers.pop(key) if key in leftovers else self.kube.get(m["kind"], namespace, key[1]))
         secret = self.kube.get("Secret", namespace, secret_name(name))
-        taken = [obj for obj in (*live.values(), secret) if obj is not None and not controlled_by(obj, owner)]
+        kv_secret = self.kube.get("Secret", namespace, kv_auth.secret_name(name)) if spec.disaggregation.enabled else None
+        taken = [obj for obj in (*live.values(), secret, kv_secret) if obj is not None and not controlled_by(obj, owner)]
         if taken:
             return self._report_conflict(body, generation, taken[0])
         stale = [(m, drift(m, live[_key(m)]) if live[_key(m)] else None) for m in manifests]
@@ -201,8 +202,11 @@ class Reconciler:
             return self._report_invalid(body, generation, refused)
 
         changes = []
-        if secret is None and self._create_secret(body, owner):
+        if secret is None and self._create_secret(body, build_admin_secret(owner), "engine admin token"):
             changes.append(f"created Secret {secret_name(owner.name)}")
+        if spec.disaggregation.enabled and kv_secret is None and self._create_secret(
+                body, kv_auth.build_secret(owner), "KV transfer key"):
+            changes.append(f"created Secret {kv_auth.secret_name(name)}")
         for manifest, difference in stale:
             applied, change = self._write(body, manifest, live[_key(manifest)], difference)
             live[_key(manifest)] = applied
@@ -268,16 +272,16 @@ class Reconciler:
         self._event(owner_body, "Normal", "Deleted", f"Deleted {kind} {obj_name} ({why})")
         return f"deleted {kind} {obj_name} ({why})"
 
-    def _create_secret(self, owner_body: dict, owner: Owner) -> bool:
-        """The admin token is generated once; an existing Secret is never rewritten."""
+    def _create_secret(self, owner_body: dict, manifest: dict, what: str) -> bool:
+        """Secrets (the admin token, the KV key) are generated once; an existing one is never rewritten."""
         try:
-            self.kube.create_secret(build_admin_secret(owner))
+            self.kube.create_secret(manifest)
         except Exception as exc:
             if conflict(exc):  # another reconcile created it first
                 return False
             raise
         metrics.OBJECT_WRITES.labels(kind="Secret", action="created").inc()
-        self._event(owner_body, "Normal", "Created", f"Created Secret {secret_name(owner.name)} (engine admin token)")
+        self._event(owner_body, "Normal", "Created", f"Created Secret {manifest['metadata']['name']} ({what})")
         return True
 
     def _refused_by_server(self, manifests: list[dict]) -> SpecError | None:

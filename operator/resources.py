@@ -16,6 +16,7 @@ from typing import Any
 
 from iterserve.labels import DECODE, PREFILL, ROLE_LABEL, selector_labels
 from iterserve.labels import selector_string as selector_string  # the pods' selector, re-exported
+from iterserve.operator import kv_auth
 from iterserve.operator.models import API_VERSION, KIND, InferenceServiceSpec
 
 ENGINE_PORT = 8000
@@ -39,7 +40,7 @@ SHUTDOWN_MARGIN_SECONDS = 10
 MANAGED_FLAGS = (
     "--host", "--port", "--model", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
     "--block-size", "--chunked-prefill", "--no-chunked-prefill", "--preemption-mode", "--kv-cache-memory",
-    "--drain-timeout", "--role", "--kv-transfer-port", "--kv-advertise-host",
+    "--drain-timeout", "--role", "--kv-transfer-port", "--kv-advertise-host", kv_auth.FLAG,
 )
 POD_IP_ENV = "POD_IP"
 RESERVED_ENV = (MAX_NUM_SEQS_ENV, ADMIN_TOKEN_ENV, POD_IP_ENV)
@@ -131,7 +132,7 @@ def role_args(spec: InferenceServiceSpec, role: str | None) -> list[str]:
         return []
     pool = spec.disaggregation.prefill if role == PREFILL else spec.disaggregation.decode
     return ["--role", role, "--kv-transfer-port", str(spec.disaggregation.kv_transfer_port),
-            "--kv-advertise-host", f"$({POD_IP_ENV})", *pool.extra_args]
+            "--kv-advertise-host", f"$({POD_IP_ENV})", *kv_auth.args(), *pool.extra_args]
 
 
 def engine_args(spec: InferenceServiceSpec, role: str | None = None) -> list[str]:
@@ -192,6 +193,8 @@ def engine_container(spec: InferenceServiceSpec, name: str, role: str | None = N
         mounts.append({"name": "model", "mountPath": spec.model.mount_path, "readOnly": True})
     if gpu_count(spec):
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if role_of(spec, role):
+        mounts.append(kv_auth.mount())
     startup_period = 10
     container = {
         "name": CONTAINER_NAME,
@@ -220,7 +223,7 @@ def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
     return PRESTOP_SLEEP_SECONDS + spec.engine.drain_seconds + SHUTDOWN_MARGIN_SECONDS
 
 
-def _volumes(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+def _volumes(spec: InferenceServiceSpec, name: str) -> list[dict[str, Any]]:
     volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
     if spec.model.persistent_volume_claim is not None:
         volumes.append({"name": "model", "persistentVolumeClaim": {
@@ -229,6 +232,8 @@ def _volumes(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
         volumes.append({"name": "model", **spec.model.volume})
     if gpu_count(spec):
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    if spec.disaggregation.enabled:
+        volumes.append(kv_auth.volume(name))
     return volumes
 
 
@@ -266,7 +271,7 @@ def pod_labels(spec: InferenceServiceSpec, name: str, role: str | None = None) -
 def pod_template(spec: InferenceServiceSpec, name: str, role: str | None = None) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
         "containers": [engine_container(spec, name, role)],
-        "volumes": _volumes(spec),
+        "volumes": _volumes(spec, name),
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from iterserve.operator import kv_auth
 from iterserve.operator.models import ROUTING_UNAVAILABLE, InferenceServiceSpec
 from iterserve.operator.resources import (
     ENGINE_PORT,
@@ -83,7 +84,7 @@ def router_args(owner: Owner, spec: InferenceServiceSpec | None = None) -> list[
         args += ["--queue-timeout", f"{settings.queue_timeout_seconds:g}"]
     if spec is not None and spec.disaggregation.enabled:  # the prefill pool is found by the pods' role label
         args += ["--pd-threshold-tokens", str(spec.disaggregation.threshold_tokens),
-                 "--pd-max-prefill-queue", str(spec.disaggregation.max_prefill_queue)]
+                 "--pd-max-prefill-queue", str(spec.disaggregation.max_prefill_queue), *kv_auth.args()]
     return args
 
 
@@ -103,6 +104,7 @@ def build_router_rbac(owner: Owner) -> list[dict[str, Any]]:
 
 def build_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
     name, labels = router_name(owner.name), router_labels(owner.name)
+    disaggregated = spec.disaggregation.enabled  # the router signs kv_transfer_params with the KV key
     probe = lambda path: {"httpGet": {"path": path, "port": "http"}, "periodSeconds": 5,  # noqa: E731
                           "failureThreshold": 3, "timeoutSeconds": 2}
     container = {
@@ -119,7 +121,7 @@ def build_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[st
         "livenessProbe": probe("/health"),
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
         "securityContext": {"readOnlyRootFilesystem": True, **restricted_container()},
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *([kv_auth.mount()] if disaggregated else [])],
     }
     return {
         "apiVersion": "apps/v1",
@@ -136,7 +138,8 @@ def build_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[st
                     "serviceAccountName": name,
                     **_router_scheduling(spec),
                     "containers": [container],
-                    "volumes": [{"name": "tmp", "emptyDir": {}}],
+                    "volumes": [{"name": "tmp", "emptyDir": {}},
+                                *([kv_auth.volume(owner.name)] if disaggregated else [])],
                     "enableServiceLinks": False,
                     "securityContext": {"runAsNonRoot": True, "runAsUser": ENGINE_UID, "runAsGroup": ENGINE_UID,
                                         "seccompProfile": {"type": "RuntimeDefault"}},

@@ -4,8 +4,10 @@ DisaggregationIneffective condition from the observed average prompt, and turnin
 
 from __future__ import annotations
 
+import base64
 import copy
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
@@ -55,10 +57,17 @@ def test_the_pools_get_their_roles_flags_and_bounds_and_the_router_its_pd_flags(
 
     pod = {"metadata": {"name": "llm-prefill-x", "namespace": "ns", "uid": "p"},
            "spec": prefill["spec"]["template"]["spec"], "status": {"podIP": "127.10.0.5"}}
+    from iterserve.devcluster.podrunner.launch import secret_data
+
     configmaps = {"llm-engine": {"max_num_seqs": "8"}}
-    launch = build_launch(pod, lambda name, kind: configmaps.get(name), lambda name, kind: {"token": "t"}, tmp_path)
+    secrets = {"llm-admin": {"token": "t"}, "llm-kv-auth": secret_data(kube.objects[("Secret", "llm-kv-auth")])}
+    launch = build_launch(pod, lambda name, kind: configmaps.get(name), lambda name, kind: secrets.get(name), tmp_path)
     argv = launch.argv
     assert argv[argv.index("--kv-advertise-host") + 1] == "127.10.0.5" and argv[argv.index("--role") + 1] == "prefill"
+    # the KV key reaches the process as the Secret's bytes, from a copy in the pod's own folder
+    key_file = Path(argv[argv.index("--kv-auth-key-file") + 1])
+    assert key_file.is_relative_to(tmp_path)
+    assert key_file.read_bytes() == base64.b64decode(kube.objects[("Secret", "llm-kv-auth")]["data"]["key"])
 
 
 def tick(prompts):

@@ -32,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from iterserve.devcluster.podrunner.secret_files import rewrite_file_flags
+
 ENGINE_ENTRYPOINT = ["iterserve", "serve"]
 # `iterserve serve` flags a pod may pass: name -> takes a value. Every other flag is refused.
 SERVE_FLAGS = {
@@ -47,6 +49,7 @@ SERVE_FLAGS = {
     "--compile": False,
     "--role": True, "--kv-transfer-port": True, "--kv-transfer-host": True, "--kv-advertise-host": True,
     "--kv-lease-seconds": True, "--kv-transfer-timeout": True, "--kv-failure-policy": True,
+    "--kv-auth-key-file": True,  # only from a secret volume (secret_files.py)
 }
 # `serve` flags a pod may not pass: they name a file of this machine to write or read.
 REFUSED_SERVE_FLAGS = ("--step-log", "--admin-token-file", "--help")
@@ -58,6 +61,7 @@ ROUTER_FLAGS = {
     "--affinity-tolerance": True, "--prefix-tokens": True, "--block-size": True, "--seed": True,
     "--policy": True, "--log-level": True,
     "--pd-threshold-tokens": True, "--pd-max-prefill-queue": True, "--pd-prefill-timeout": True,
+    "--kv-auth-key-file": True,  # only from a secret volume (secret_files.py)
 }
 # `router` flags a pod may not pass: a file of this machine (--kubeconfig: the runtime gives its
 # own), or addresses to dial that no API server vouches for (--endpoints).
@@ -112,7 +116,8 @@ def expand(text: str, env: dict[str, str]) -> str:
 
 
 def secret_data(secret: dict) -> dict[str, str]:
-    data = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
+    # surrogateescape: binary data (a random key) survives the round trip back to bytes
+    data = {k: base64.b64decode(v).decode("utf-8", "surrogateescape") for k, v in (secret.get("data") or {}).items()}
     data.update(secret.get("stringData") or {})
     return data
 
@@ -302,7 +307,7 @@ def build_launch(pod: dict, configmaps: Lookup, secrets: Lookup, workdir: Path,
                           f"only runs the project's own `iterserve` (set command to [iterserve, serve])",
                           "RunContainerError")
     kind = check_args(command[1:] + args, where, pod["metadata"].get("namespace"))
-    args = _with_host(command[1:] + args, host)
+    args = rewrite_file_flags(pod, container, _with_host(command[1:] + args, host), secrets, workdir)
     if kind == "router":
         if token_kubeconfig is None:
             raise LaunchError(f"{where}: this runtime gives no API credentials, so it runs no router pods",
