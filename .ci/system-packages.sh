@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Installs the Debian packages the tests use, only when missing: prometheus (prometheus, promtool)
-# and prometheus-alertmanager (alertmanager, amtool). The tests start their own Prometheus and
+# Installs the Debian packages the tests use, only when missing: prometheus (prometheus, promtool),
+# prometheus-alertmanager (alertmanager, amtool), and the daemonless container tools that build and
+# run the iterserve image (podman with runc and buildah, mmdebstrap for the base rootfs, skopeo to
+# copy images to a registry or an archive; see docs/image.md). The tests start their own Prometheus and
 # Alertmanager on loopback ports, so the packages' services are kept from starting at install time
 # (a policy-rc.d that denies every start while apt-get runs). This script never stops, disables or
 # kills anything that already runs. It fails when a command the tests need is still missing.
@@ -12,6 +14,11 @@ declare -A PACKAGE_OF=(
     [promtool]=prometheus
     [prometheus-alertmanager]=prometheus-alertmanager
     [amtool]=prometheus-alertmanager
+    [podman]=podman
+    [runc]=runc
+    [buildah]=buildah
+    [mmdebstrap]=mmdebstrap
+    [skopeo]=skopeo
 )
 
 missing_packages() {
