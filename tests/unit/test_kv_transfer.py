@@ -13,16 +13,17 @@ from contextlib import contextmanager
 
 import pytest
 
-from iterserve.engine.config import EngineConfig
+from iterserve.engine.config import ConfigError, EngineConfig
 from iterserve.engine.fake_executor import FakeExecutor, FakeTokenizer
-from iterserve.engine.kv_transfer import wire
+from iterserve.engine.kv_transfer import auth, wire
+from iterserve.engine.kv_transfer import params as params_module
 from iterserve.engine.kv_transfer.layout import KVLayout
 from iterserve.engine.kv_transfer.transport import PullRequest, TcpTransport
 from iterserve.engine.kv_transfer.wire import FrameError, KVTransferError
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.sampling_params import InvalidRequestError, SamplingParams
-from iterserve.engine.sequence import SequenceStatus
-from tests.kv_auth_helpers import key_file, remote_decode, sign_lease
+from iterserve.engine.sequence import Sequence, SequenceStatus
+from tests.kv_auth_helpers import KEY, OTHER_KEY, key_file, remote_decode, sign_lease
 from tests.unit.engine_helpers import ManualClock
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -467,3 +468,215 @@ def test_a_decode_engine_that_dies_mid_read_leaves_the_lease_to_expire():
         assert_baseline(engine)
     finally:
         engine.close()
+
+
+# -- attacks ----------------------------------------------------------------------------------------
+@contextmanager
+def counting_listener():
+    """A listener that counts the connections it gets (where an attacker points an engine)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: _accept_all(listener, accepted), daemon=True).start()
+    try:
+        yield listener.getsockname()[1], accepted
+    finally:
+        listener.close()
+        for conn in accepted:
+            conn.close()
+
+
+def _accept_all(listener: socket.socket, accepted: list) -> None:
+    while True:
+        try:
+            accepted.append(listener.accept()[0])
+        except OSError:
+            return
+
+
+def test_role_both_takes_no_kv_transfer_params_at_all():
+    """Before: role both (the default) accepted a client's do_remote_prefill and dialled its host:port,
+    and its do_remote_decode pinned blocks; now any kv_transfer_params is refused, signed or not."""
+    both = make_engine("both")
+    with counting_listener() as (port, accepted):
+        for params in (fake_params(port, 8, make_engine("decode")), remote_decode(), {"do_remote_decode": False}):
+            with pytest.raises(InvalidRequestError, match="not accepted here: this engine runs --role both") as error:
+                both.add_request("x" * 8, GREEDY, kv_transfer_params=params)
+            assert error.value.param == "kv_transfer_params"
+        assert not both.has_unfinished_requests() and accepted == []
+
+
+@pytest.mark.parametrize("forgery", ["unsigned", "other key", "expired", "host changed after signing"])
+def test_a_decode_engine_dials_nothing_for_params_it_cannot_authenticate(forgery):
+    """Before: a client's do_remote_prefill naming any host:port made the engine connect there (SSRF)
+    and file what it read in the shared prefix cache."""
+    engine = make_engine("decode", enable_prefix_caching=True)
+    prompt = "a shared system prompt " * 3
+    with counting_listener() as (port, accepted):
+        params = {k: v for k, v in fake_params(port, len(prompt), engine).items() if k != "do_remote_prefill"}
+        unsigned = {k: v for k, v in params.items() if k not in ("mac", "expires_at")}
+        params = {"unsigned": unsigned, "other key": sign_lease(unsigned, key=OTHER_KEY),
+                  "expired": sign_lease(unsigned, ttl=-1), "host changed after signing": {**params, "port": port + 1}}[forgery]
+        with pytest.raises(InvalidRequestError) as error:
+            engine.add_request(prompt, GREEDY, kv_transfer_params=remote(params))
+        assert error.value.param == "kv_transfer_params.mac"
+        time.sleep(0.05)
+        assert accepted == [] and not engine.has_unfinished_requests()
+    assert engine.block_manager.num_cached_blocks == 0
+
+
+def test_kv_loaded_from_an_unauthenticated_peer_is_never_filed_in_the_prefix_cache():
+    """The cache's own guard, below the MAC check: a sequence whose pulled KV was not authenticated
+    files nothing, and the same sequence authenticated files its full blocks."""
+    engine = make_engine("decode", enable_prefix_caching=True)
+    manager = engine.block_manager
+    prompt = "p" * (3 * BLOCK)
+    kv = params_module.accept(fake_params(1, len(prompt), engine), "decode", KEY, time.time())
+    assert kv.remote_prefill.authenticated
+    for authenticated, filed in ((False, 0), (True, 3)):
+        seq = Sequence(request_id=f"s{authenticated}", prompt_token_ids=list(range(len(prompt))), params=GREEDY,
+                       arrival_time=0.0)
+        seq.kv_transfer = dataclasses.replace(kv, loaded=True, remote_prefill=dataclasses.replace(
+            kv.remote_prefill, authenticated=authenticated))
+        manager.allocate(seq, len(prompt))
+        seq.num_computed_tokens = len(prompt)
+        manager.cache_computed_blocks(seq)
+        manager.free(seq)
+        assert manager.num_cached_blocks == filed  # blocks freed, and still named by the cache
+
+
+def test_a_wrong_lease_secret_reads_nothing_and_frees_nothing():
+    """Before: any pod that learned a transfer id (or guessed one) could PULL another user's prompt KV
+    or RELEASE the lease under the decode engine's feet."""
+    engine = make_engine("prefill")
+    port = engine.start_kv_transfer()
+    try:
+        params = prefill(engine, "someone else's prompt " * 3)
+        layout = engine.kv_connector.layout
+        for message in (wire.PULL, wire.RELEASE):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                wire.send_json(sock, wire.HELLO, {"layout": layout.as_dict(), "engine_id": "thief"})
+                wire.recv_json(sock, [wire.HELLO_OK])
+                wire.send_json(sock, message, {"transfer_id": params["transfer_id"], "lease_secret": "guess",
+                                               "first_block": 0, "num_blocks": len(params["block_ids"])})
+                kind, body = wire.recv_json(sock, [wire.ERROR, wire.RELEASED])
+                assert kind == (wire.ERROR if message == wire.PULL else wire.RELEASED)
+                if message == wire.PULL:
+                    assert "with that secret" in body["error"]
+        lease = engine.kv_connector._leases[params["transfer_id"]]
+        assert not lease.released and lease.readers == 0
+        assert engine.collect_kv_leases() == 0 and engine.stats().num_pinned_blocks == len(params["block_ids"])
+    finally:
+        engine.close()
+
+
+def test_leased_blocks_are_capped_and_a_prefill_beyond_the_cap_gets_no_lease():
+    """Before: each do_remote_decode pinned its blocks for 30 s with no cap, so a caller could pin the
+    whole pool and starve every other request."""
+    engine = make_engine("prefill", kv_max_leased_fraction=0.125)  # 8 of 64 blocks
+    engine.start_kv_transfer()
+    try:
+        first = prefill(engine, "a" * (5 * BLOCK), "first")  # 5 blocks
+        assert len(first["block_ids"]) == 5
+        assert prefill(engine, "b" * (4 * BLOCK), "second") is None  # 5 + 4 > 8: answered without a lease
+        assert prefill(engine, "c" * (3 * BLOCK), "third") is not None  # 5 + 3 fits
+        assert engine.stats().num_pinned_blocks == 8 and engine.kv_connector.counts.leases_refused == 1
+        engine.kv_connector.release_all()
+        assert_baseline(engine)
+    finally:
+        engine.close()
+
+
+def test_control_frames_are_capped_and_layer_frames_sized_before_any_allocation():
+    """Before: a 20-byte header declaring up to 2 GiB made the reader allocate that much at once."""
+    one_gib = 1 << 30
+    for msg_type, expect, layer_bytes, message in (
+            (wire.HELLO, [wire.HELLO], None, "above the 65536-byte limit"),
+            (wire.LAYER, [wire.LAYER], 4096, "declares 1073741824 bytes, the lease's blocks hold 4096"),
+            (wire.LAYER, [wire.HELLO], None, "expected HELLO, got LAYER")):
+        header = wire.HEADER.pack(wire.MAGIC, wire.VERSION, msg_type, one_gib, 0)
+        with pytest.raises(FrameError, match=message):
+            wire.recv_frame(_socketpair_with(header), expect, layer_bytes)
+
+
+def test_the_listener_caps_connections_and_its_accept_loop_outlives_them():
+    """Before: one thread per connection with no cap; a flood of idle connections took threads and
+    file descriptors without bound."""
+    engine = make_engine("prefill")
+    transport = engine.kv_connector.transport
+    transport.max_connections = 2
+    port = engine.start_kv_transfer()
+    try:
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
+        deadline = time.monotonic() + 5
+        while len(transport._connections) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as third:
+            assert third.recv(1) == b""  # closed at once
+        assert transport.refused_connections == 1
+        for sock in idle:
+            sock.close()
+        while transport._connections:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        decode_engine = make_engine("decode")
+        prompt = "still serving " * 4
+        params = prefill(engine, prompt)
+        decode_engine.add_request(prompt, GREEDY, request_id="d", kv_transfer_params=remote(params))
+        assert run(decode_engine)["d"].outputs[0].token_ids == reference(prompt)
+        assert decode_engine.stats().kv_pulls_ok == 1
+        decode_engine.close()
+    finally:
+        engine.close()
+
+
+def test_a_handshake_that_never_comes_is_cut_at_the_handshake_timeout():
+    """Before: a connection that sent nothing held its thread for the 30 s idle timeout, renewed by
+    every byte it trickled."""
+    engine = make_engine("prefill")
+    engine.kv_connector.transport.handshake_timeout = 0.3
+    port = engine.start_kv_transfer()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            started = time.monotonic()
+            sock.sendall(wire.MAGIC)  # a trickle: part of a header, then nothing
+            time.sleep(0.1)
+            sock.sendall(b"\x00")
+            assert sock.recv(1) == b""
+            assert time.monotonic() - started < 2
+    finally:
+        engine.close()
+
+
+def test_a_pull_times_out_on_the_engine_clock():
+    """Leases and pulls read the same injected clock: advancing it past --kv-transfer-timeout gives up
+    a pull stuck on a hung prefill engine without waiting in real time (pulls read time.monotonic())."""
+    clock = ManualClock()
+    prompt = "hung on a fake clock " * 2
+    with black_hole() as port:
+        engine = make_engine("decode", clock=clock, kv_transfer_timeout=60)
+        engine.add_request(prompt, GREEDY, request_id="d", kv_transfer_params=fake_params(port, len(prompt), engine))
+        engine.step()
+        assert engine.stats().num_waiting_for_kv == 1
+        started = time.monotonic()
+        clock.now += 61.5
+        out = run(engine)["d"]
+        assert time.monotonic() - started < 5
+        assert out.error is None and out.outputs[0].token_ids == reference(prompt)
+        assert engine.stats().kv_pulls_failed == 1
+        assert_baseline(engine)
+
+
+def test_prefill_and_decode_roles_need_a_readable_key(tmp_path):
+    for role in ("prefill", "decode"):
+        with pytest.raises(ConfigError, match=f"--role {role} needs --kv-auth-key-file"):
+            EngineConfig(model="fake", role=role).resolve()
+    short = tmp_path / "short.key"
+    short.write_bytes(b"tiny\n")
+    with pytest.raises(ConfigError, match="--kv-auth-key-file .*the key has 4 bytes, at least 16"):
+        auth.load_key(str(short))
+    with pytest.raises(ConfigError, match="cannot read the KV auth key"):
+        auth.load_key(str(tmp_path / "absent.key"))
+    assert auth.load_key(key_file()) == KEY  # the trailing newline of a Secret's file is not part of it
