@@ -10,9 +10,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import secrets
 import signal
 import sys
 
+from iterserve.engine.config import ConfigError, parse_size
+from iterserve.engine.kv_transfer.auth import load_key
 from iterserve.router import disagg
 from iterserve.router.discovery import ROLE_LABEL, RolePools
 from iterserve.router.picking import PickPolicy
@@ -29,8 +32,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                      "then pulls the prompt's KV and generates. A prefill that fails or times out falls "
                      "back to the decode replica prefilling the prompt itself.")
     where = parser.add_argument_group("replicas (--endpoints and/or --prefill + --decode, or --infsvc)")
-    where.add_argument("--endpoints", help="comma-separated base URLs of the engines (no Kubernetes); with "
-                       "--prefill/--decode, aggregated (role both) replicas that also take decode traffic")
+    where.add_argument("--endpoints", help="comma-separated base URLs of the engines (no Kubernetes), role "
+                       "both; not with --prefill: role both takes no kv_transfer_params, so it cannot decode "
+                       "from a prefill replica's KV")
     where.add_argument("--prefill", metavar="URL[,URL...]",
                        help="P/D: the prefill replicas (engines started with --role prefill)")
     where.add_argument("--decode", metavar="URL[,URL...]",
@@ -46,8 +50,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
     http = parser.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     http.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-
     d = RouterOptions()
+    http.add_argument("--max-request-body", default="8MiB",
+                      help="largest request body accepted, e.g. 8MiB (default: the engines' own default); "
+                           "larger bodies get 413")
+    http.add_argument("--client-header-timeout", type=float, default=d.head_timeout_s,
+                      help="seconds a connection has to send a whole request head, from opening or from its "
+                           f"previous answer; then it is closed (default {d.head_timeout_s:g})")
+    http.add_argument("--client-body-timeout", type=float, default=d.body_timeout_s,
+                      help=f"seconds a request body has to arrive; then 408 (default {d.body_timeout_s:g})")
+    http.add_argument("--max-connections", type=int, default=d.max_connections,
+                      help="concurrent client connections; one more gets 503 and is closed "
+                           f"(default {d.max_connections})")
+    http.add_argument("--drain-grace", type=float, default=d.drain_grace_s,
+                      help="on SIGTERM, seconds requests in flight get to finish before they are cut (a cut "
+                           f"stream ends with an SSE error event, not [DONE]) (default {d.drain_grace_s:g})")
+    http.add_argument("--tenant-salt-header", metavar="NAME",
+                      help="the header naming each request's tenant (set by your gateway): the router sets "
+                           "cache_salt to a keyed hash of it, replacing the client's, so tenants never share "
+                           "prefix-cache KV; a request without it gets 400 (default: off, one shared cache)")
+    http.add_argument("--tenant-salt-key-file", metavar="PATH",
+                      help="file holding the key of the tenant salt's HMAC; give every router replica the "
+                           "same one (default: a random key per process)")
+
     p = PickPolicy()
     pick = parser.add_argument_group("picking")
     pick.add_argument("--scrape-interval", type=float, default=d.scrape_interval_s,
@@ -84,6 +109,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     pd.add_argument("--pd-max-prefill-queue", type=int, default=pdp.max_prefill_queue,
                     help="prefill remotely only while the least-loaded prefill replica has fewer requests "
                          f"than this (waiting + running); otherwise prefill locally (default {pdp.max_prefill_queue})")
+    pd.add_argument("--kv-auth-key-file",
+                    help="file holding the InferenceService's KV key, which signs the router's prefill calls "
+                         "(the engines' --kv-auth-key-file; required with a prefill pool)")
     pd.add_argument("--pd-prefill-timeout", type=float, default=d.pd_prefill_timeout_s,
                     help="seconds to wait for a prefill replica's answer before the decode replica prefills "
                          f"locally (default {d.pd_prefill_timeout_s:g})")
@@ -99,9 +127,24 @@ def options_from(args: argparse.Namespace) -> RouterOptions:
         policy=PickPolicy(max_queue=args.max_queue, affinity_tolerance=args.affinity_tolerance),
         prefix_affinity=args.prefix_affinity, prefix_tokens=args.prefix_tokens,
         block_size=args.block_size, seed=args.seed, round_robin=args.policy == "round-robin",
-        pd=disagg.PdPolicy(threshold_tokens=args.pd_threshold_tokens, max_prefill_queue=args.pd_max_prefill_queue),
+        pd=disagg.PdPolicy(threshold_tokens=args.pd_threshold_tokens, max_prefill_queue=args.pd_max_prefill_queue,
+                           auth_key=load_key(args.kv_auth_key_file) if args.kv_auth_key_file else None),
         pd_prefill_timeout_s=args.pd_prefill_timeout,
+        max_body_bytes=parse_size(args.max_request_body, "--max-request-body"),
+        head_timeout_s=args.client_header_timeout, body_timeout_s=args.client_body_timeout,
+        max_connections=args.max_connections, drain_grace_s=args.drain_grace,
+        tenant_salt_header=args.tenant_salt_header, tenant_salt_key=_salt_key(args.tenant_salt_key_file),
     )
+
+
+def _salt_key(path: str | None) -> bytes:
+    if path is None:
+        return secrets.token_bytes(32)
+    with open(path, "rb") as f:
+        key = f.read().strip()
+    if len(key) < 16:
+        raise ConfigError(f"--tenant-salt-key-file {path}: the key must be at least 16 bytes")
+    return key
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,9 +155,13 @@ def run(args: argparse.Namespace) -> int:
         print("iterserve router: give exactly one of: the replicas as URLs (--endpoints URL,..., and/or --prefill "
               f"URL,... --decode URL,...), or --infsvc NAME ({which})", file=sys.stderr)
         return 2
-    if args.prefill and not (args.decode or args.endpoints):
-        print("iterserve router: --prefill needs replicas to decode on: add --decode URL,... (engines "
-              "started with --role decode) or --endpoints URL,... (role both)", file=sys.stderr)
+    if args.prefill and (args.endpoints or not args.decode):
+        print("iterserve router: --prefill needs replicas to decode on: --decode URL,... (engines started with "
+              "--role decode), and no --endpoints (role both refuses kv_transfer_params)", file=sys.stderr)
+        return 2
+    if args.prefill and not args.kv_auth_key_file:
+        print("iterserve router: --prefill needs --kv-auth-key-file (the engines' KV key): the prefill "
+              "replicas refuse unsigned prefill calls", file=sys.stderr)
         return 2
     if args.decode and not args.prefill:
         print("iterserve router: --decode needs --prefill URL,... (the prefill pool); without one, give "
@@ -128,7 +175,16 @@ def run(args: argparse.Namespace) -> int:
         print("iterserve router: --scrape-interval must be > 0, --queue-timeout and --max-queue >= 0",
               file=sys.stderr)
         return 2
-    return asyncio.run(_main(args, options_from(args)))
+    if min(args.client_header_timeout, args.client_body_timeout, args.max_connections) <= 0 or args.drain_grace < 0:
+        print("iterserve router: --client-header-timeout, --client-body-timeout and --max-connections must be > 0, "
+              "--drain-grace >= 0", file=sys.stderr)
+        return 2
+    try:
+        options = options_from(args)
+    except (ConfigError, OSError) as error:
+        print(f"iterserve router: {error}", file=sys.stderr)
+        return 2
+    return asyncio.run(_main(args, options))
 
 
 async def _main(args: argparse.Namespace, options: RouterOptions) -> int:
@@ -175,7 +231,9 @@ async def _main(args: argparse.Namespace, options: RouterOptions) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("stopping")
+    log.info("stopping: no new connections; requests in flight get up to %g s (--drain-grace)",
+             options.drain_grace_s)
+    await router.drain()
     if watch is not None:
         watch.stop()
     await router.close()

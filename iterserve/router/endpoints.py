@@ -15,13 +15,17 @@ import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
+import aiohttp
+
 from iterserve.engine import metrics as names
-from iterserve.router.http import Conn, header, parse_head, read_body
 from iterserve.router.picking import EndpointLoad
 
 logger = logging.getLogger("iterserve.router")
 
-CONNECTION_ERRORS = (ConnectionError, OSError, asyncio.IncompleteReadError)
+# A replica that cannot be reached or cut the connection (aiohttp's client errors included).
+CONNECTION_ERRORS = (ConnectionError, OSError, asyncio.IncompleteReadError, aiohttp.ClientConnectionError,
+                     aiohttp.ClientPayloadError)
+MAX_METRICS_BYTES = 16 * 1024 * 1024
 # Scraped gauges: ours first, vLLM's names for any other vLLM-compatible server.
 WAITING_NAMES = (names.WAITING_REQUESTS.encode(), names.VLLM_WAITING.encode())
 RUNNING_NAMES = (names.RUNNING_SEQS.encode(), names.VLLM_RUNNING.encode())
@@ -34,7 +38,6 @@ class Endpoint:
         self.url = url
         self.host = parts.hostname or "127.0.0.1"
         self.port = parts.port or 80
-        self.host_header = f"{self.host}:{self.port}".encode()
         self.clock = clock
         self.in_flight = 0
         self.waiting: int | None = None
@@ -47,7 +50,6 @@ class Endpoint:
         self.backoff_s = 0.0
         self.recovered_at: float | None = None
         self.ejections = 0
-        self.idle: list[Conn] = []
         self.removed = False
 
     # -- state ----------------------------------------------------------------------------------
@@ -78,7 +80,6 @@ class Endpoint:
         self.backoff_s = min(max_backoff_s, self.backoff_s * 2) if flapping and self.backoff_s else base_backoff_s
         self.ejected_until = now + self.backoff_s
         self.ejections += 1
-        self.close_idle()
         logger.warning("ejected %s: %s (back in %.1f s at the earliest)", self.url, why, self.backoff_s)
         return True
 
@@ -90,32 +91,6 @@ class Endpoint:
         self.recovered_at = self.clock()
         logger.warning("recovered %s (ejected %d time(s) so far)", self.url, self.ejections)
         return True
-
-    # -- connections ----------------------------------------------------------------------------
-    async def connect(self, timeout_s: float) -> Conn:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), timeout_s)
-        return Conn(reader, writer)
-
-    def take_idle(self, max_idle_s: float) -> Conn | None:
-        now = self.clock()
-        while self.idle:
-            conn = self.idle.pop()
-            if not conn.closing and not conn.buf and now - conn.idle_since < max_idle_s:
-                return conn
-            conn.writer.close()
-        return None
-
-    def put_idle(self, conn: Conn, max_idle: int = 256) -> None:
-        if self.removed or self.ejected_until is not None or len(self.idle) >= max_idle or conn.closing:
-            conn.writer.close()
-            return
-        conn.idle_since = self.clock()
-        self.idle.append(conn)
-
-    def close_idle(self) -> None:
-        for conn in self.idle:
-            conn.writer.close()
-        self.idle.clear()
 
 
 def parse_load(text: bytes) -> tuple[int, int, int | None]:
@@ -144,28 +119,24 @@ def parse_load(text: bytes) -> tuple[int, int, int | None]:
     return int(waiting or 0), int(running or 0), int(cap) if cap is not None else None
 
 
-async def scrape_once(endpoint: Endpoint, conn: Conn | None, timeout_s: float) -> Conn:
-    """GET /metrics on a kept-alive connection and update endpoint; returns the connection.
+async def scrape_once(endpoint: Endpoint, session: aiohttp.ClientSession, timeout_s: float) -> None:
+    """GET /metrics (pooled connection) and update endpoint.
 
     Raises a CONNECTION_ERRORS exception when the endpoint cannot be reached, or ScrapeFailed."""
-    if conn is None or conn.closing:
-        conn = await endpoint.connect(timeout_s)
-    conn.writer.write(b"GET /metrics HTTP/1.1\r\nhost: " + endpoint.host_header + b"\r\n\r\n")
     in_flight = endpoint.in_flight
     try:
-        head = await asyncio.wait_for(conn.read_head(), timeout_s)
-        if head is None:
-            raise ConnectionResetError("closed before answering")
-        start, headers = parse_head(head)
-        body = await asyncio.wait_for(read_body(conn, headers, 16 * 1024 * 1024), timeout_s)
+        async with asyncio.timeout(timeout_s), session.get(endpoint.url + "/metrics") as answer:
+            if answer.status != 200:
+                raise ScrapeFailed(f"/metrics answered {answer.status}")
+            parts, total = [], 0
+            while chunk := await answer.content.readany():
+                total += len(chunk)
+                if total > MAX_METRICS_BYTES:  # a replica must not grow the router without bound
+                    raise ScrapeFailed(f"/metrics is over {MAX_METRICS_BYTES} bytes")
+                parts.append(chunk)
     except TimeoutError:
-        conn.abort()
         raise ScrapeFailed(f"/metrics took over {timeout_s:.1f} s") from None
-    if b"close" in (header(headers, b"connection") or b""):
-        conn.writer.close()
-    status = int(start[1])
-    if status != 200:
-        raise ScrapeFailed(f"/metrics answered {status}")
+    body = b"".join(parts)
     try:
         endpoint.waiting, endpoint.running, cap = parse_load(body)
     except ValueError as error:
@@ -174,7 +145,6 @@ async def scrape_once(endpoint: Endpoint, conn: Conn | None, timeout_s: float) -
         endpoint.max_num_seqs = cap
     endpoint.scraped_at = endpoint.clock()
     endpoint.in_flight_at_scrape = in_flight
-    return conn
 
 
 class ScrapeFailed(Exception):

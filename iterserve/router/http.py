@@ -1,256 +1,169 @@
-"""Just enough HTTP/1.1 for a streaming proxy, on asyncio streams: read a request or response
-head, read a body by Content-Length or chunks, relay a response body byte for byte (chunked
-server-sent events pass through unchanged), write a small response. No parsing beyond framing.
+"""The router's front door: aiohttp's HTTP/1.1 server, whose request parser is llhttp (Node's),
+run strict, plus the limits aiohttp leaves to its user. Client bytes flow in; aiohttp requests
+flow out to the proxy, and the OpenAI-shaped error answers flow back.
+
+llhttp refuses with 400, before the proxy sees the request: a bare CR or LF, a NUL or another
+control byte in the request line or a header value, obs-fold, whitespace in or before a header
+name, a Content-Length that is not digits only, two Content-Lengths, Content-Length beside
+Transfer-Encoding, and chunk sizes that are not hex digits (`-1`, `0x10`, `1_0`). On top:
+
+- a cap on concurrent client connections: one over it gets a 503 and is closed at once (a
+  flood queues nothing, and the kernel backlog never hides a hang);
+- a head deadline: a connection must deliver a whole request head within head_timeout_s of
+  opening or of its previous answer, else it is closed (nginx's client_header_timeout; it also
+  bounds an idle kept-alive connection);
+- `read_body`: a body cap (413) and a deadline for the whole body (408).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+from collections.abc import Awaitable, Callable
 
-MAX_HEAD_BYTES = 64 * 1024
-READ_SIZE = 64 * 1024
-# Headers that describe one connection, not the message: never forwarded.
-HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
-                        b"transfer-encoding", b"upgrade", b"host", b"content-length", b"expect"})
-REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-           411: "Length Required", 413: "Payload Too Large", 429: "Too Many Requests",
-           500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable"}
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
 
+logger = logging.getLogger("iterserve.router")
 
-class ProtocolError(Exception):
-    """The peer sent something that is not HTTP/1.1 framing we accept."""
-
-
-class Conn:
-    """A stream with its own read buffer, so a background reader (the disconnect watcher) never
-    loses bytes the next request needs."""
-
-    __slots__ = ("reader", "writer", "buf", "idle_since")
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        self.reader, self.writer = reader, writer
-        self.buf = bytearray()
-        self.idle_since = 0.0
-
-    async def fill(self) -> bool:
-        data = await self.reader.read(READ_SIZE)
-        if not data:
-            return False
-        self.buf += data
-        return True
-
-    async def wait_eof(self) -> None:
-        """Returns when the peer closes; bytes it sends meanwhile stay buffered."""
-        while await self.fill():
-            if len(self.buf) > MAX_HEAD_BYTES:
-                await asyncio.sleep(0.05)  # a pipelining client: stop reading, keep watching
-
-    async def read_head(self) -> bytes | None:
-        """A head up to and including the blank line; None if the peer closed before a byte."""
-        return await self._read_through(b"\r\n\r\n", "head too large", none_at_clean_eof=True)
-
-    async def read_exactly(self, n: int) -> bytes:
-        while len(self.buf) < n:
-            if not await self.fill():
-                raise asyncio.IncompleteReadError(bytes(self.buf), n)
-        data = bytes(self.buf[:n])
-        del self.buf[:n]
-        return data
-
-    async def read_line(self) -> bytes:
-        return await self._read_through(b"\r\n", "line too long", none_at_clean_eof=False)
-
-    async def _read_through(self, separator: bytes, too_large: str, none_at_clean_eof: bool) -> bytes | None:
-        start = 0
-        while True:
-            i = self.buf.find(separator, start)
-            if i >= 0:
-                end = i + len(separator)
-                data = bytes(self.buf[:end])
-                del self.buf[:end]
-                return data
-            if len(self.buf) > MAX_HEAD_BYTES:
-                raise ProtocolError(too_large)
-            start = max(0, len(self.buf) - len(separator) + 1)
-            if not await self.fill():
-                if none_at_clean_eof and not self.buf:
-                    return None
-                raise asyncio.IncompleteReadError(bytes(self.buf), None)
-
-    async def read_to_eof(self) -> bytes:
-        while await self.fill():
-            pass
-        data = bytes(self.buf)
-        self.buf.clear()
-        return data
-
-    def abort(self) -> None:
-        self.writer.transport.abort()
-
-    @property
-    def closing(self) -> bool:
-        return self.writer.transport.is_closing() or self.reader.at_eof()
+# Headers that describe one connection, not the message: never forwarded, either way.
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
+                        "upgrade", "host", "content-length", "expect", "proxy-authorization"})
+# Request heads: the same bounds as uvicorn/h11 in front of the engine, so a head the router takes
+# is one the engine takes.
+MAX_LINE_BYTES = 8190
+MAX_FIELD_BYTES = 8190
+MAX_HEADERS = 100
+OVERLOADED = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+              b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
 
 
-def parse_head(head: bytes) -> tuple[list[bytes], list[tuple[bytes, bytes]]]:
-    """(the start line's three parts, [(lower-case name, value)])."""
-    lines = head[:-4].split(b"\r\n")
-    start = lines[0].split(b" ", 2)
-    if len(start) < 2:
-        raise ProtocolError(f"bad start line {lines[0][:80]!r}")
-    headers = []
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if not sep:
-            raise ProtocolError(f"bad header line {line[:80]!r}")
-        headers.append((name.strip().lower(), value.strip()))
-    return start, headers
+class BodyRefused(Exception):
+    """The request body cannot be taken: status (408, 413, 400) and why."""
+
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(message)
+        self.status, self.code = status, code
 
 
-def header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
-    for key, value in headers:
-        if key == name:
-            return value
-    return None
-
-
-def is_chunked(headers: list[tuple[bytes, bytes]]) -> bool:
-    value = header(headers, b"transfer-encoding")
-    return value is not None and b"chunked" in value.lower()
-
-
-def wants_close(version: bytes, headers: list[tuple[bytes, bytes]]) -> bool:
-    value = (header(headers, b"connection") or b"").lower()
-    return b"close" in value or (version == b"HTTP/1.0" and b"keep-alive" not in value)
-
-
-async def read_body(conn: Conn, headers: list[tuple[bytes, bytes]], max_bytes: int) -> bytes:
-    """A request body by Content-Length or chunks (de-chunked)."""
-    if is_chunked(headers):
-        parts, total = [], 0
-        while True:
-            size = int((await conn.read_line()).split(b";")[0].strip() or b"0", 16)
-            if size == 0:
-                while await conn.read_line() != b"\r\n":
-                    pass
-                return b"".join(parts)
-            total += size
-            if total > max_bytes:
-                raise ProtocolError("body too large")
-            parts.append((await conn.read_exactly(size + 2))[:-2])
-    length = header(headers, b"content-length")
-    if length is None:
-        return b""
-    n = int(length)
-    if n > max_bytes:
-        raise ProtocolError("body too large")
-    return await conn.read_exactly(n)
-
-
-def _complete_chunks(buf: bytearray) -> tuple[int, bool]:
-    """How many leading bytes of buf are whole chunks, and whether they end with the last one
-    (the zero-size chunk and its trailer)."""
-    at = 0
-    while True:
-        eol = buf.find(b"\r\n", at)
-        if eol < 0:
-            return at, False
-        size = int(bytes(buf[at:eol]).split(b";")[0].strip() or b"0", 16)
-        if size == 0:
-            end = buf.find(b"\r\n\r\n", eol)
-            if end < 0:
-                return at, False
-            return end + 4, True
-        end = eol + 2 + size + 2
-        if len(buf) < end:
-            return at, False
-        at = end
-
-
-async def relay_body(upstream: Conn, client: asyncio.StreamWriter, head: bytes, headers, status: int,
-                     head_only: bool, before_last) -> bool:
-    """Sends head, then copies the response body from upstream to client as it arrives, framing
-    unchanged; whatever has arrived goes out in one write (one event of a stream, usually).
-    Calls before_last() just before the last bytes go out (so the caller can stop its disconnect
-    watcher before the client can send its next request). Returns whether the upstream
-    connection can be reused (False: the body ran to EOF)."""
-    if head_only or status in (204, 304) or 100 <= status < 200:
-        before_last()
-        client.write(head)
-        return True
-    if is_chunked(headers):
-        out = bytearray(head)
-        while True:
-            n, last = _complete_chunks(upstream.buf)
-            out += upstream.buf[:n]
-            del upstream.buf[:n]
-            if last:
-                before_last()
-                client.write(bytes(out))
-                await client.drain()
-                return True
-            if out:
-                client.write(bytes(out))
-                out.clear()
-                await client.drain()
-            if not await upstream.fill():
-                raise asyncio.IncompleteReadError(bytes(upstream.buf), None)
-    length = header(headers, b"content-length")
-    if length is not None:
-        remaining = int(length)
-        out = bytearray(head)
-        while True:
-            chunk = upstream.buf[:remaining]
-            del upstream.buf[:remaining]
-            remaining -= len(chunk)
-            out += chunk
-            if remaining == 0:
-                before_last()
-                client.write(bytes(out))
-                await client.drain()
-                return True
-            if out:
-                client.write(bytes(out))
-                out.clear()
-                await client.drain()
-            if not await upstream.fill():
-                raise asyncio.IncompleteReadError(b"", remaining)
-    client.write(head)
-    while True:
-        if upstream.buf:
-            client.write(bytes(upstream.buf))
-            upstream.buf.clear()
-            await client.drain()
-        if not await upstream.fill():
-            before_last()
-            return False
-
-
-def response_head(status: int, headers: list[tuple[bytes, bytes]], close: bool) -> bytes:
-    """A response head from upstream's headers, minus the connection ones."""
-    lines = [f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}".encode()]
-    for name, value in headers:
-        if name not in (b"connection", b"keep-alive"):
-            lines.append(name + b": " + value)
-    if close:
-        lines.append(b"connection: close")
-    return b"\r\n".join(lines) + b"\r\n\r\n"
-
-
-def simple_response(status: int, body: bytes, content_type: bytes = b"application/json",
-                    extra: dict[str, str] | None = None, close: bool = False) -> bytes:
-    lines = [f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}".encode(),
-             b"content-type: " + content_type, b"content-length: " + str(len(body)).encode()]
-    lines += [f"{k}: {v}".encode() for k, v in (extra or {}).items()]
-    if close:
-        lines.append(b"connection: close")
-    return b"\r\n".join(lines) + b"\r\n\r\n" + body
-
-
-def error_json(status: int, message: str, type_: str, code: str, retry_after: int | None = None,
-               close: bool = False) -> bytes:
+def error_response(status: int, message: str, type_: str, code: str, retry_after: int | None = None,
+                   close: bool = False) -> web.Response:
     """OpenAI's error body, as the engine answers (engine/server/errors.py)."""
     body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
-    extra = {"retry-after": str(retry_after)} if retry_after is not None else None
-    return simple_response(status, body, extra=extra, close=close)
+    response = web.Response(status=status, body=body, content_type="application/json")
+    if retry_after is not None:
+        response.headers["retry-after"] = str(retry_after)
+    if close:
+        response.force_close()
+    return response
+
+
+async def read_body(request: web.BaseRequest, max_bytes: int, timeout_s: float) -> bytes:
+    """The whole request body (de-chunked), or BodyRefused. A declared length over the cap is
+    refused before a byte of it is read; a chunked one as soon as the running total passes it."""
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise BodyRefused(413, "request_too_large", f"the body is {request.content_length} bytes; the "
+                          f"limit is {max_bytes} (--max-request-body)")
+    if request.headers.get("expect", "").lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits 1 s for this before a big body
+    parts, total = [], 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            while chunk := await request.content.readany():
+                total += len(chunk)
+                if total > max_bytes:
+                    raise BodyRefused(413, "request_too_large", f"the body is over {max_bytes} bytes "
+                                      "(--max-request-body)")
+                parts.append(chunk)
+    except TimeoutError:
+        raise BodyRefused(408, "body_timeout", f"the body did not arrive within {timeout_s:g} s "
+                          "(--client-body-timeout)") from None
+    except HttpProcessingError as error:  # bad chunk framing, found by llhttp as the body streams in
+        raise BodyRefused(400, "bad_body", f"malformed request body: {error.message}") from None
+    return b"".join(parts)
+
+
+class FrontDoor:
+    """The listening server: aiohttp's low-level server with a connection cap and head deadline."""
+
+    def __init__(self, handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]],
+                 max_connections: int, head_timeout_s: float):
+        self.max_connections, self.head_timeout_s = max_connections, head_timeout_s
+        self.refused = 0  # connections turned away at the cap
+        self._head_timers: dict[RequestHandler, asyncio.TimerHandle | None] = {}
+        self.web = _Server(self, handler, handler_cancellation=True, max_line_size=MAX_LINE_BYTES,
+                           max_field_size=MAX_FIELD_BYTES, max_headers=MAX_HEADERS,
+                           keepalive_timeout=head_timeout_s, access_log=None)
+        self.server: asyncio.Server | None = None
+
+    async def listen(self, host: str, port: int) -> None:
+        loop = asyncio.get_running_loop()
+        self.server = await loop.create_server(self.web, host, port, backlog=4096, reuse_address=True)
+
+    @property
+    def port(self) -> int:
+        return self.server.sockets[0].getsockname()[1]
+
+    @property
+    def connections(self) -> int:
+        return len(self._head_timers)
+
+    def stop_listening(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    async def close(self, timeout_s: float = 1.0) -> None:
+        self.stop_listening()
+        await self.web.shutdown(timeout_s)
+
+    # -- called by _Server and the proxy --------------------------------------------------------
+    def opened(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
+        if len(self._head_timers) >= self.max_connections:
+            self.refused += 1
+            body = json.dumps({"error": {"message": f"the router is at its {self.max_connections} client "
+                                         "connections (--max-connections); retry later", "type":
+                                         "service_unavailable", "param": None, "code": "too_many_connections"}})
+            transport.write(OVERLOADED % (len(body), body.encode()))
+            transport.close()
+            return
+        self._head_timers[handler] = None
+        self.idle(handler)
+
+    def lost(self, handler: RequestHandler) -> None:
+        timer = self._head_timers.pop(handler, None)
+        if timer is not None:
+            timer.cancel()
+
+    def busy(self, handler: RequestHandler) -> None:
+        """A whole head arrived: the head deadline stops until the answer is done."""
+        timer = self._head_timers.get(handler)
+        if timer is not None:
+            timer.cancel()
+            self._head_timers[handler] = None
+
+    def idle(self, handler: RequestHandler) -> None:
+        """The connection waits for a (next) request head: the head deadline runs."""
+        if handler in self._head_timers:
+            loop = asyncio.get_running_loop()
+            self._head_timers[handler] = loop.call_later(self.head_timeout_s, self._head_late, handler)
+
+    def _head_late(self, handler: RequestHandler) -> None:
+        self._head_timers[handler] = None
+        if handler.transport is not None:
+            handler.transport.abort()  # slow loris: nothing owed to a peer that never sent a request
+
+
+class _Server(web.Server):
+    def __init__(self, door: FrontDoor, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.door = door
+
+    def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
+        super().connection_made(handler, transport)
+        self.door.opened(handler, transport)
+
+    def connection_lost(self, handler: RequestHandler, exc: BaseException | None = None) -> None:
+        self.door.lost(handler)
+        super().connection_lost(handler, exc)

@@ -12,15 +12,18 @@ import time
 
 import httpx
 import pytest
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from iterserve.devcluster.waiting import free_port
 from iterserve.engine import metrics as names
+from iterserve.engine.kv_transfer import auth
 from iterserve.router import disagg
 from iterserve.router.discovery import ROLE_LABEL, ready_pools, ready_urls
-from iterserve.router.http import Conn, parse_head, read_body, simple_response
 from iterserve.router.picking import EndpointLoad
 from iterserve.router.proxy import Router, RouterOptions
+
+KV_KEY = b"the-router-and-engines-kv-key-32"
 
 P1, P2 = "http://p1:1", "http://p2:1"
 
@@ -75,9 +78,18 @@ def test_parse_request_refuses_what_is_not_a_json_object():
 def test_bodies_follow_the_wire_contract():
     client = {"model": "m", "prompt": [1, 2], "max_tokens": 50, "stream": True, "n": 2, "min_tokens": 5,
               "stream_options": {"include_usage": True}, "temperature": 0, "max_completion_tokens": 9}
-    prefill = json.loads(disagg.prefill_body(client))
-    assert prefill == {"model": "m", "prompt": [1, 2], "temperature": 0, "max_tokens": 1, "stream": False,
-                       "n": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    prefill = json.loads(disagg.prefill_body(client, disagg.PdPolicy(auth_key=KV_KEY), now=1000.0))
+    kv = prefill.pop("kv_transfer_params")
+    assert prefill == {"model": "m", "prompt": [1, 2], "temperature": 0, "max_tokens": 1, "stream": False, "n": 1}
+    # Signed with the KV key, valid for a short while only: a prefill engine checks exactly this.
+    auth.verify(kv, KV_KEY, auth.REMOTE_DECODE, now=1000.0 + disagg.SIGNED_REQUEST_SECONDS - 1)
+    assert kv["do_remote_decode"] is True
+    with pytest.raises(auth.KVAuthError, match="expired"):
+        auth.verify(kv, KV_KEY, auth.REMOTE_DECODE, now=1000.0 + disagg.SIGNED_REQUEST_SECONDS)
+    with pytest.raises(auth.KVAuthError, match="does not match"):
+        auth.verify(kv, b"x" * 32, auth.REMOTE_DECODE, now=1000.0)
+    with pytest.raises(auth.KVAuthError, match="does not match"):  # a lease answer is not a prefill call
+        auth.verify(kv, KV_KEY, auth.REMOTE_PREFILL, now=1000.0)
     params = {"transfer_id": "t", "engine_id": "e", "host": "127.0.0.1", "port": 1, "block_ids": [3],
               "num_tokens": 2, "block_size": 16, "compat_hash": "h", "lease_expires_at": 1.0}
     decode = json.loads(disagg.decode_body(client, params))
@@ -130,62 +142,48 @@ class Stub:
         self.url = f"http://127.0.0.1:{self.port}"
 
     async def start(self) -> Stub:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        self.server = web.Server(self._serve, handler_cancellation=True)
+        self.listener = await asyncio.get_running_loop().create_server(self.server, "127.0.0.1", self.port)
         return self
 
-    async def _serve(self, reader, writer):
-        conn = Conn(reader, writer)
-        try:
-            while (head := await conn.read_head()) is not None:
-                start, headers = parse_head(head)
-                body = await read_body(conn, headers, 1 << 24)
-                path = start[1]
-                if path == b"/metrics":
-                    writer.write(simple_response(200, f"{names.VLLM_WAITING} {self.waiting}\n".encode(), b"text/plain"))
-                    continue
-                request = json.loads(body)
-                self.bodies.append((path, request))
-                if path == b"/tokenize":
-                    text = request.get("prompt") or json.dumps(request.get("messages"))
-                    tokens = [sum(map(ord, word)) for word in text.split()]
-                    answer = {"count": len(tokens), "tokens": tokens}
-                    writer.write(simple_response(200, json.dumps(answer).encode()))
-                    continue
-                if self.delay_s:
-                    try:
-                        await asyncio.wait_for(conn.wait_eof(), self.delay_s)
-                        self.cut += 1
-                        return
-                    except TimeoutError:
-                        pass
-                if self.mode == "500":
-                    writer.write(simple_response(500, b'{"error": {"message": "boom"}}'))
-                elif self.mode == "noparams":
-                    writer.write(simple_response(200, b'{"choices": [{"text": "x"}]}'))
-                elif "kv_transfer_params" in request and request["kv_transfer_params"].get("do_remote_decode"):
-                    writer.write(simple_response(200, json.dumps({"choices": [{"text": "x"}],
-                                                                  "kv_transfer_params": KV_PARAMS}).encode()))
-                else:
-                    remote = bool(request.get("kv_transfer_params"))
-                    if request.get("stream"):
-                        events = b"".join(b"data: %s\n\n" % json.dumps({"remote": remote, "i": i}).encode()
-                                          for i in range(3)) + b"data: [DONE]\n\n"
-                        chunk = b"%x\r\n%s\r\n0\r\n\r\n" % (len(events), events)
-                        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                                     b"transfer-encoding: chunked\r\n\r\n" + chunk)
-                    else:
-                        writer.write(simple_response(200, json.dumps({"remote": remote}).encode()))
-                await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
-            pass
-        finally:
-            writer.close()
+    async def _serve(self, request: web.BaseRequest) -> web.StreamResponse:
+        body, path = await request.read(), request.path.encode()
+        if path == b"/metrics":
+            return web.Response(text=f"{names.VLLM_WAITING} {self.waiting}\n")
+        request_json = json.loads(body)
+        self.bodies.append((path, request_json))
+        if path == b"/tokenize":
+            text = request_json.get("prompt") or json.dumps(request_json.get("messages"))
+            tokens = [sum(map(ord, word)) for word in text.split()]
+            return web.json_response({"count": len(tokens), "tokens": tokens})
+        if self.delay_s:
+            try:
+                await asyncio.sleep(self.delay_s)
+            except asyncio.CancelledError:  # the router closed the connection
+                self.cut += 1
+                raise
+        if self.mode == "500":
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        if self.mode == "noparams":
+            return web.json_response({"choices": [{"text": "x"}]})
+        if "kv_transfer_params" in request_json and request_json["kv_transfer_params"].get("do_remote_decode"):
+            return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": KV_PARAMS})
+        remote = bool(request_json.get("kv_transfer_params"))
+        if not request_json.get("stream"):
+            return web.json_response({"remote": remote})
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(3):
+            await response.write(b"data: %s\n\n" % json.dumps({"remote": remote, "i": i}).encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
 
     def calls(self, path: bytes = b"/v1/completions") -> list[dict]:
         return [body for p, body in self.bodies if p == path]
 
     def close(self):
-        self.server.close()
+        self.listener.close()
 
 
 def run(test, **options):

@@ -11,7 +11,6 @@ import yaml
 from iterserve.engine.config import DEFAULT_MAX_WAITING_REQUESTS
 from iterserve.router.discovery import parse_endpoints, ready_urls
 from iterserve.router.endpoints import parse_load
-from iterserve.router.http import _complete_chunks
 from iterserve.router.picking import (
     LEAST_LOAD,
     NONE_READY,
@@ -139,13 +138,6 @@ def test_ready_urls_and_static_lists():
     assert ready_urls(pods, "http") == ["http://127.10.0.1:8000", "http://127.10.0.2:8000"]
     assert ready_urls(pods, "grpc") == []
     assert parse_endpoints("http://127.0.0.1:8001/, 127.0.0.1:8002") == ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
-
-
-def test_complete_chunks_finds_whole_chunks_and_the_end():
-    buf = bytearray(b"5\r\nhello\r\n3\r\nab")
-    assert _complete_chunks(buf) == (10, False)
-    buf += b"c\r\n0\r\n\r\n"
-    assert _complete_chunks(buf) == (len(buf), True)
 
 
 def test_round_robin_baseline_turns_over_open_endpoints():
