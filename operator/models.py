@@ -419,6 +419,21 @@ class ScalingRecord(WireModel):
     to_max_num_seqs: int | None = None
     pool: Literal["decode", "prefill"] | None = Field(
         None, description="Disaggregation: the pool whose replicas changed (decode: the engine Deployment).")
+    signal: Literal["WaitingRequests", "QueuedPromptTokens", "TTFT"] | None = Field(
+        None, description="Scale: the signal the pool scales on.")
+    signal_value: float | None = Field(
+        None, description="Scale: what it read (waiting requests or queued prompt tokens per read replica, or the "
+                          "windowed p95 TTFT in seconds).")
+    target: float | None = Field(None, description="Scale: the signal's target.")
+    metric_replicas: float | None = Field(
+        None, description="Scale: the replicas the signal alone asked for (unrounded), before tolerance, "
+                          "scale-down floors, stabilization, rate policies and bounds.")
+    kv_usage_readings: list[float] = Field(
+        default_factory=list, max_length=64,
+        description="RetuneDown for KV pressure: the KV cache usage readings that showed it, oldest first.")
+    preemptions_at_readings: list[float] = Field(
+        default_factory=list, max_length=64,
+        description="RetuneDown for KV pressure: the rise of the preemption counter at each of those readings.")
 
 
 class PodSummary(WireModel):
@@ -463,8 +478,10 @@ class InferenceServiceStatus(WireModel):
         default_factory=list, max_length=SCALING_HISTORY_LIMIT, description="The last decisions, newest last.")
     waiting_requests: int | None = Field(None, description="Sum of waiting requests over readable pods.")
     kv_cache_usage: float | None = Field(None, description="Highest KV cache usage fraction over readable pods.")
-    prefill_replicas: int | None = Field(None, description="Disaggregation: prefill pods that exist.")
-    prefill_ready_replicas: int | None = Field(None, description="Disaggregation: prefill pods ready.")
+    prefill_replicas: int | None = Field(
+        None, description="Deprecated: read prefill.replicas (this copy of it is removed in the next release).")
+    prefill_ready_replicas: int | None = Field(
+        None, description="Deprecated: read prefill.readyReplicas (this copy of it is removed in the next release).")
     prefill: PrefillPoolStatus | None = Field(None, description="Disaggregation: the prefill pool and its scaling.")
     pods: list[PodSummary] = Field(default_factory=list)
 

@@ -23,12 +23,7 @@ from datetime import datetime
 from typing import Any
 
 from iterserve.operator import disaggregation, kv_auth, metrics, routing
-from iterserve.operator.autoscaling.report import (
-    AutoscalerTick,
-    events_for,
-    status_patch,
-    tuned_max_num_seqs,
-)
+from iterserve.operator.autoscaling.report import AutoscalerTick, events_for, tuned_max_num_seqs
 from iterserve.operator.autoscaling.settings import settings_from_spec
 from iterserve.operator.kube import Kube, conflict, invalid, not_found, server_message
 from iterserve.operator.models import (
@@ -43,20 +38,21 @@ from iterserve.operator.models import (
 from iterserve.operator.resources import (
     Owner,
     build_admin_secret,
-    build_owned,
+    build_configmap,
+    build_deployment,
+    build_service,
     controlled_by,
     deployment_name,
     effective_max_num_seqs,
     secret_name,
     service_name,
 )
+from iterserve.operator.service_status import Observed, service_status
 from iterserve.operator.status import (
     changed_fields,
     conflict_status,
     find_condition,
     invalid_status,
-    reconciled_status,
-    set_condition,
     utcnow,
 )
 from iterserve.operator.validation import SpecError, parse_spec
@@ -121,6 +117,16 @@ def _key(manifest: dict) -> tuple[str, str]:
     return manifest["kind"], manifest["metadata"]["name"]
 
 
+def wanted_objects(owner: Owner, spec: InferenceServiceSpec, max_num_seqs: int, router_serving: bool,
+                   pool_served: bool) -> list[dict]:
+    """Every object the InferenceService should have, in apply order: the engine ConfigMap, the
+    routing mode's objects (a router exists before the Service is pointed at it), the Service,
+    the engine Deployment, then the prefill pool. Pure: the reconcile applies what differs."""
+    return [build_configmap(owner, spec, max_num_seqs), *routing.build_routing(owner, spec, pool_served),
+            build_service(owner, spec, router_serving), build_deployment(owner, spec),
+            *disaggregation.build_disaggregation(owner, spec)]
+
+
 class Reconciler:
     def __init__(self, kube: Kube, clock: Callable[[], datetime] = utcnow,
                  allowed_pod_security: frozenset[str] = frozenset()):
@@ -173,23 +179,7 @@ class Reconciler:
         mode = spec.routing.mode
         pool_served = mode != routing.GATEWAY or self.kube.api_resource_served(
             routing.INFERENCE_POOL_GROUP, routing.INFERENCE_POOL_VERSION, routing.INFERENCE_POOL_PLURAL)
-        # Every object some routing mode makes, read once: what this mode wants is applied, what
-        # another mode left behind (and is ours) is deleted.
-        leftovers = {key: self.kube.get(key[0], namespace, key[1])
-                     for key in (*routing.routing_object_keys(name), *disaggregation.disaggregation_object_keys(name))}
-        router = leftovers.get(("Deployment", routing.router_name(name)))
-        service = self.kube.get("Service", namespace, service_name(name))
-        router_serving = routing.router_ready(router) or (
-            service is not None and (service.get("spec") or {}).get("selector") == routing.router_labels(name))
-        manifests = [build_owned(owner, spec, max_num_seqs, router_serving)[0],
-                     *routing.build_routing(owner, spec, pool_served),
-                     *build_owned(owner, spec, max_num_seqs, router_serving)[1:],
-                     *disaggregation.build_disaggregation(owner, spec)]
-        live = {}
-        for m in manifests:
-            key = (m["kind"], m["metadata"]["name"])
-            live[key] = service if key == ("Service", service_name(name)) else (
-                leftovers.pop(key) if key in leftovers else self.kube.get(m["kind"], namespace, key[1]))
+        manifests, live, leftovers = self._read_live(owner, spec, max_num_seqs, pool_served)
         secret = self.kube.get("Secret", namespace, secret_name(name))
         kv_secret = self.kube.get("Secret", namespace, kv_auth.secret_name(name)) if spec.disaggregation.enabled else None
         taken = [obj for obj in (*live.values(), secret, kv_secret) if obj is not None and not controlled_by(obj, owner)]
@@ -222,48 +212,35 @@ class Reconciler:
         router = live.get(("Deployment", routing.router_name(name)))
         routing_state = routing.routing_condition(name, spec, pool_served, router)
 
-        now = self.clock()
-
-        def wanted_status(prev: dict) -> dict:
-            status = reconciled_status(prev, spec, name, generation, deployment, max_num_seqs, now,
-                                       routing=routing_state, router=router)
-            prefill = live.get(("Deployment", disaggregation.prefill_name(name)))
-            if prefill is not None or prev.get("prefillReplicas") is not None:
-                status["prefillReplicas"] = ((prefill or {}).get("status") or {}).get("replicas", 0) if prefill else None
-                status["prefillReadyReplicas"] = (((prefill or {}).get("status") or {}).get("readyReplicas", 0)
-                                                  if prefill else None)
-            if spec.disaggregation.enabled:
-                status["prefill"] = {**(prev.get("prefill") or {}),
-                                     "replicas": status.get("prefillReplicas") or 0,
-                                     "readyReplicas": status.get("prefillReadyReplicas") or 0}
-                if spec.autoscaling_mode != "Builtin" or "desiredReplicas" not in status["prefill"]:
-                    status["prefill"]["desiredReplicas"] = spec.disaggregation.prefill.wanted_replicas
-            elif prev.get("prefill") is not None:
-                status["prefill"] = None
-            ineffective = find_condition(status["conditions"], DISAGGREGATION_INEFFECTIVE)
-            if spec.disaggregation.enabled and (tick is not None and tick.prompts or ineffective is None):
-                average, requests = tick.prompts if tick is not None and tick.prompts else (None, 0)
-                status["conditions"] = set_condition(status["conditions"], DISAGGREGATION_INEFFECTIVE,
-                                                     *disaggregation.ineffective_condition(spec, average, requests),
-                                                     now, generation)
-            elif not spec.disaggregation.enabled and ineffective is not None:
-                status["conditions"] = set_condition(status["conditions"], DISAGGREGATION_INEFFECTIVE,
-                                                     *disaggregation.ineffective_condition(spec, None, 0), now,
-                                                     generation)
-            if tick is not None:
-                status.update(status_patch({**prev, **status}, tick.settings, tick.decision, tick.record,
-                                           max_num_seqs, tick.at, tick.prefill))
-            return status
-
-        written, _ = self.write_status(body, wanted_status)
+        seen = Observed(spec, name, generation, deployment, max_num_seqs, self.clock(), routing_state, router,
+                        live.get(("Deployment", disaggregation.prefill_name(name))), tick)
+        written, _ = self.write_status(body, lambda prev: service_status(prev, seen))
         if written is not None:
             self._announce_transitions(written, previous)
-            pools = [] if tick is None else [(tick.decision, tick.record)] + (
-                [(tick.prefill.decision, tick.prefill.record)] if tick.prefill is not None else [])
-            for decision, record in pools:
-                for event in events_for(decision, record, name_pool=tick.prefill is not None):
+            for pool in tick.pools if tick is not None else ():
+                for event in events_for(pool.decision, pool.record, name_pool=bool(tick.extra_pools)):
                     self._event(written, event.type, event.reason, event.message)
         return Outcome("applied" if changes else "unchanged", changes, written, spec)
+
+    def _read_live(self, owner: Owner, spec: InferenceServiceSpec, max_num_seqs: int, pool_served: bool):
+        """(the wanted objects in apply order, the live object of each by (kind, name), the live
+        objects another routing mode or disaggregation left behind: to delete if ours)."""
+        namespace, name = owner.namespace, owner.name
+        # Every object some routing mode makes, read once: what this mode wants is applied, what
+        # another mode left behind (and is ours) is deleted.
+        leftovers = {key: self.kube.get(key[0], namespace, key[1])
+                     for key in (*routing.routing_object_keys(name), *disaggregation.disaggregation_object_keys(name))}
+        router = leftovers.get(("Deployment", routing.router_name(name)))
+        service = self.kube.get("Service", namespace, service_name(name))
+        router_serving = routing.router_ready(router) or (
+            service is not None and (service.get("spec") or {}).get("selector") == routing.router_labels(name))
+        manifests = wanted_objects(owner, spec, max_num_seqs, router_serving, pool_served)
+        live = {}
+        for m in manifests:
+            key = _key(m)
+            live[key] = service if key == ("Service", service_name(name)) else (
+                leftovers.pop(key) if key in leftovers else self.kube.get(m["kind"], namespace, key[1]))
+        return manifests, live, leftovers
 
     def _delete(self, owner_body: dict, obj: dict, why: str) -> str:
         kind, obj_name = obj["kind"], obj["metadata"]["name"]

@@ -8,19 +8,22 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from iterserve.operator.autoscaling.loop import Autoscaler, admin_token_from_secret, trusted_pods
+from iterserve.labels import DECODE, PREFILL, ROLE_LABEL, selector_string
+from iterserve.operator.autoscaling.loop import (
+    Autoscaler,
+    PoolPods,
+    admin_token_from_secret,
+    trusted_pods,
+)
 from iterserve.operator.disaggregation import prefill_name
 from iterserve.operator.metrics import OperatorMetrics
 from iterserve.operator.resources import (
     ADMIN_TOKEN_KEY,
     ENGINE_PORT,
-    PREFILL,
-    ROLE_LABEL,
     Owner,
     controlled_by,
     deployment_name,
     secret_name,
-    selector_string,
 )
 
 logger = logging.getLogger("iterserve.autoscaler")
@@ -50,33 +53,36 @@ class AutoscalerHook:
         if not self.autoscaler.due(ctx.namespace, ctx.name, spec.autoscaling.interval_seconds):
             return
         owner = Owner.from_body(ctx.body)
-        selector = selector_string(ctx.name)
-        listed, replica_sets = kube.list_pods(ctx.namespace, selector), kube.list_replica_sets(ctx.namespace, selector)
-        disaggregated = spec.disaggregation.enabled
-        # Readings split by the role label: the engine Deployment is the decode pool, NAME-prefill
-        # the prefill pool; each pool's pods are trusted only through their own Deployment.
-        prefill_listed = [p for p in listed if _role(p) == PREFILL] if disaggregated else []
-        pods, strangers = self._trusted(kube, ctx.namespace, deployment_name(ctx.name), owner,
-                                        [p for p in listed if not disaggregated or _role(p) != PREFILL], replica_sets)
-        prefill_pods: list[dict] = []
-        if disaggregated:
-            prefill_pods, more = self._trusted(kube, ctx.namespace, prefill_name(ctx.name), owner, prefill_listed,
-                                               replica_sets)
-            strangers += more
-        self._report_strangers(ctx.namespace, ctx.name, strangers)
+        pools = self._pools(kube, ctx.namespace, ctx.name, spec, owner)
         secret = kube.get("Secret", ctx.namespace, secret_name(ctx.name))
         token = admin_token_from_secret(secret, ADMIN_TOKEN_KEY) if secret and controlled_by(secret, owner) else None
         try:
             tick = asyncio.run(asyncio.wait_for(self.autoscaler.tick(
-                namespace=ctx.namespace, name=ctx.name, spec=spec, replicas=spec.replicas, pods=pods,
-                port=ENGINE_PORT, admin_token=token, kube=kube, prefill_pods=prefill_pods,
-                prefill_replicas=spec.disaggregation.prefill.wanted_replicas if disaggregated else None),
-                self.tick_deadline_s))
+                namespace=ctx.namespace, name=ctx.name, spec=spec, pools=pools, port=ENGINE_PORT,
+                admin_token=token, kube=kube), self.tick_deadline_s))
         except TimeoutError:
             logger.warning("%s/%s: autoscaler tick dropped: not done within %g s", ctx.namespace, ctx.name,
                            self.tick_deadline_s)
             tick = None
         ctx.reconciler.reconcile(ctx.namespace, ctx.name, tick=tick)
+
+    def _pools(self, kube, namespace: str, name: str, spec, owner: Owner) -> dict[str, PoolPods]:
+        """Each pool's replicas and trusted pods. Pods split by the role label: the engine
+        Deployment is the decode pool, NAME-prefill the prefill pool; each pool's pods are trusted
+        only through their own Deployment."""
+        selector = selector_string(name)
+        listed, replica_sets = kube.list_pods(namespace, selector), kube.list_replica_sets(namespace, selector)
+        disaggregated = spec.disaggregation.enabled
+        pods, strangers = self._trusted(kube, namespace, deployment_name(name), owner,
+                                        [p for p in listed if not disaggregated or _role(p) != PREFILL], replica_sets)
+        pools = {DECODE: PoolPods(spec.replicas, pods)}
+        if disaggregated:
+            prefill_pods, more = self._trusted(kube, namespace, prefill_name(name), owner,
+                                               [p for p in listed if _role(p) == PREFILL], replica_sets)
+            pools[PREFILL] = PoolPods(spec.disaggregation.prefill.wanted_replicas, prefill_pods)
+            strangers += more
+        self._report_strangers(namespace, name, strangers)
+        return pools
 
     @staticmethod
     def _trusted(kube, namespace: str, deployment: str, owner: Owner, pods: list[dict],

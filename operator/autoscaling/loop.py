@@ -1,14 +1,14 @@
-"""One autoscaler tick for one InferenceService: read its engine pods' metrics, decide, carry out
-the decision, and hand back what happened. Plugged into the operator as a tick hook of its
+"""One autoscaler tick for one InferenceService: read its engine pods' metrics, decide for each of
+its pools (policy.decide, once per pool), carry out the decisions, and hand back what happened. Plugged into the operator as a tick hook of its
 per-InferenceService timer (operator/autoscaling/hook.py).
 
 The tick's effects, in full: `PATCH /admin/config` on engines whose max_num_seqs changes (the
-admin client, engine_admin.py: its only write to pods), and spec.replicas in Builtin mode (through
-operator/kube.py). Everything else it leaves to the reconcile, as an `AutoscalerTick`
+admin client, engine_admin.py: its only write to pods), and each pool's replicas in Builtin mode
+(spec.replicas, spec.disaggregation.prefill.replicas, through operator/kube.py). Everything else it leaves to the reconcile, as an `AutoscalerTick`
 (report.py): status, the ConfigMap new pods start from, and the Events.
 
 Memory (recent samples, proposals, scale events, per-pod max_num_seqs) lives in this process,
-one entry per InferenceService; see memory.py for why losing it on restart is safe.
+one entry per pool of each InferenceService; see memory.py for why losing it on restart is safe.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import base64
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from iterserve.operator.autoscaling import memory as mem
@@ -28,7 +29,7 @@ from iterserve.operator.autoscaling.metrics_source import (
     PrometheusSource,
     ScrapeSource,
 )
-from iterserve.operator.autoscaling.policy import PodSample, decide, decide_prefill
+from iterserve.operator.autoscaling.policy import PodSample, decide
 from iterserve.operator.autoscaling.report import (
     AutoscalerTick,
     PoolTick,
@@ -37,7 +38,7 @@ from iterserve.operator.autoscaling.report import (
     seqs_by_pod,
     start_max_num_seqs,
 )
-from iterserve.operator.autoscaling.settings import settings_from_spec
+from iterserve.operator.autoscaling.settings import PREFILL, Pool, Settings, settings_from_spec
 from iterserve.operator.kube import Kube
 from iterserve.operator.metrics import OperatorMetrics
 
@@ -98,8 +99,21 @@ def engine_pods(pods: Sequence[dict], port: int) -> tuple[list[mem.PodInfo], dic
     return infos, urls
 
 
+@dataclass(frozen=True)
+class PoolPods:
+    """One pool as the tick finds it: its replicas now and its trusted pods (hook.py)."""
+
+    replicas: int
+    pods: Sequence[dict]
+
+
+def _scaler(kube: Kube, pool: Pool) -> Callable[[str, str, int], object]:
+    """The one spec write that sets the pool's replicas (`pool.replicas_field`)."""
+    return kube.scale_prefill_pool if pool.role == PREFILL else kube.scale_inference_service
+
+
 class Autoscaler:
-    """Keeps one Memory per InferenceService and runs ticks. Thread-safe per object."""
+    """Keeps one Memory per pool of each InferenceService and runs ticks. Thread-safe per object."""
 
     def __init__(self, metrics: OperatorMetrics | None = None, prometheus_url: str | None = None,
                  clock: Callable[[], float] = time.time, scrape_timeout: float = 2.0):
@@ -107,7 +121,7 @@ class Autoscaler:
         self.prometheus_url = prometheus_url
         self.clock = clock
         self.scrape_timeout = scrape_timeout
-        self._memories: dict[tuple[str, str], mem.Memory] = {}
+        self._memories: dict[tuple[str, str, str], mem.Memory] = {}  # (namespace, name, pool role)
         self._last_tick: dict[tuple[str, str], float] = {}
         self._guard = threading.Lock()
 
@@ -127,79 +141,64 @@ class Autoscaler:
 
     def forget(self, namespace: str, name: str) -> None:
         with self._guard:
-            self._memories.pop((namespace, name), None)
-            self._memories.pop((namespace, name, "prefill"), None)
+            for key in [k for k in self._memories if k[:2] == (namespace, name)]:
+                del self._memories[key]
             self._last_tick.pop((namespace, name), None)
         if self.metrics:
             self.metrics.forget(namespace, name)
 
-    async def tick(self, *, namespace: str, name: str, spec, replicas: int, pods: Sequence[dict], port: int,
-                   admin_token: str | None, kube: Kube, prefill_pods: Sequence[dict] = (),
-                   prefill_replicas: int | None = None) -> AutoscalerTick:
-        """Reads, decides and acts: engines' max_num_seqs through their admin API and, in Builtin
-        mode, spec.replicas through `kube` (blocking calls, run in a thread). With disaggregation on
-        (`settings.prefill`), `pods` are the decode pool's and `prefill_pods` the prefill pool's,
-        which gets its own decision (decide_prefill) and memory, and its replicas set through
-        spec.disaggregation.prefill.replicas (`prefill_replicas`: their current value)."""
+    async def tick(self, *, namespace: str, name: str, spec, pools: Mapping[str, PoolPods], port: int,
+                   admin_token: str | None, kube: Kube) -> AutoscalerTick:
+        """Reads every pool's pods at once, then decides and acts for each pool the spec has
+        (`settings.pools()`, the decode pool first) that `pools` names: engines' max_num_seqs
+        through their admin API and, in Builtin mode, the pool's replicas through `kube`
+        (blocking calls, run in a thread)."""
         settings = settings_from_spec(spec)
-        key = (namespace, name)
-        now = self.clock()
-        self._last_tick[key] = now
-        memory = self._memories.get(key) or mem.fresh_memory(replicas, now)
-        infos, urls = engine_pods(pods, port)
-        prefill_infos, prefill_urls = engine_pods(prefill_pods, port) if settings.prefill else ([], {})
-        readable = [PodEndpoint(p.name, urls[p.name]) for p in infos if p.ready_at is not None and p.name in urls]
-        readable += [PodEndpoint(p.name, prefill_urls[p.name]) for p in prefill_infos
-                     if p.ready_at is not None and p.name in prefill_urls]
+        started = self.clock()
+        self._last_tick[(namespace, name)] = started
+        found = [(pool, pools[pool.role], *engine_pods(pools[pool.role].pods, port))
+                 for pool in settings.pools() if pool.role in pools]
+        readable = [PodEndpoint(p.name, urls[p.name]) for _, _, infos, urls in found for p in infos
+                    if p.ready_at is not None and p.name in urls]
         read = await self.source_for(spec, namespace).read(readable) if readable else []
-        decode_names = {p.name for p in infos}
-        samples = [s for s in read if s.pod in decode_names]
         now = self.clock()
-        prefill = None
-        if settings.prefill is not None and prefill_replicas is not None:
-            prefill = await self._tick_prefill(namespace, name, settings, prefill_replicas, prefill_infos,
-                                               [s for s in read if s.pod not in decode_names], kube, now)
-        memory = mem.record_samples(memory, samples, [p.name for p in infos], settings, now)
-        decision = decide(settings, mem.state_for(memory, replicas, infos), memory.history, now)
+        ticks, samples_by_pool = [], []
+        for pool, at, infos, urls in found:
+            names = {p.name for p in infos}
+            samples = [s for s in read if s.pod in names]
+            ticks.append(await self._tick_pool(namespace, name, settings, pool, at.replicas, infos, urls, samples,
+                                               admin_token, kube, started, now, named=len(found) > 1))
+            samples_by_pool.append(samples)
+        main, samples = ticks[0], samples_by_pool[0]
+        if self.metrics:
+            self.metrics.record(namespace, name, settings, main.decision, sum(1 for s in samples if not s.ok),
+                                seqs_by_pod(main.decision, main.record.seqs.applied))
+        return AutoscalerTick(settings, main.decision, main.record, datetime.fromtimestamp(now, UTC),
+                              start_max_num_seqs(main.decision, main.record, settings), average_prompt(samples),
+                              tuple(ticks[1:]))
 
+    async def _tick_pool(self, namespace: str, name: str, settings: Settings, pool: Pool, replicas: int,
+                         infos: list[mem.PodInfo], urls: dict[str, str], samples: list[PodSample],
+                         admin_token: str | None, kube: Kube, started: float, now: float,
+                         named: bool) -> PoolTick:
+        """One pool's part of a tick: its memory, its decision, its replica and max_num_seqs changes."""
+        key = (namespace, name, pool.role)
+        memory = self._memories.get(key) or mem.fresh_memory(replicas, started)
+        memory = mem.record_samples(memory, samples, [p.name for p in infos], settings, now)
+        decision = decide(settings, mem.state_for(memory, replicas, infos), memory.history, now, pool.role)
         record = Record()
         if settings.mode == "Builtin" and decision.replicas_changed:
             try:
-                await asyncio.to_thread(kube.scale_inference_service, namespace, name, decision.desired_replicas)
+                await asyncio.to_thread(_scaler(kube, pool), namespace, name, decision.desired_replicas)
                 record.replicas_applied = True
             except Exception as error:  # reported as a Warning Event; the next tick retries
                 record.replicas_error = f"{type(error).__name__}: {error}"
         if decision.seqs_changes:
             record.seqs = await apply_seqs_changes(EngineAdmin(admin_token), decision.seqs_changes, urls)
-        memory = mem.record_decision(memory, decision, settings, now, record.replicas_applied, record.seqs.applied)
-        self._memories[key] = memory
-
-        if self.metrics:
-            self.metrics.record(namespace, name, settings, decision, sum(1 for s in samples if not s.ok),
-                                seqs_by_pod(decision, record.seqs.applied))
+        self._memories[key] = mem.record_decision(memory, decision, settings, now, record.replicas_applied,
+                                                  record.seqs.applied)
         if decision.replicas_changed or record.seqs.applied or record.seqs.failed:
-            logger.info("%s/%s: %s%s", namespace, name, "decode pool: " if prefill else "", decision.message)
-        return AutoscalerTick(settings, decision, record, datetime.fromtimestamp(now, UTC),
-                              start_max_num_seqs(decision, record, settings), average_prompt(samples), prefill)
-
-    async def _tick_prefill(self, namespace: str, name: str, settings, replicas: int, infos, samples,
-                            kube: Kube, now: float) -> PoolTick:
-        """The prefill pool's half of a tick: its own memory (samples, proposals, scale events),
-        decision and replica change."""
-        key = (namespace, name, "prefill")
-        memory = self._memories.get(key) or mem.fresh_memory(replicas, now)
-        memory = mem.record_samples(memory, samples, [p.name for p in infos], settings, now)
-        decision = decide_prefill(settings, mem.state_for(memory, replicas, infos), memory.history, now)
-        record = Record()
-        if settings.mode == "Builtin" and decision.replicas_changed:
-            try:
-                await asyncio.to_thread(kube.scale_prefill_pool, namespace, name, decision.desired_replicas)
-                record.replicas_applied = True
-            except Exception as error:  # reported as a Warning Event; the next tick retries
-                record.replicas_error = f"{type(error).__name__}: {error}"
-        self._memories[key] = mem.record_decision(memory, decision, settings, now, record.replicas_applied, ())
-        if decision.replicas_changed:
-            logger.info("%s/%s: prefill pool: %s", namespace, name, decision.message)
+            logger.info("%s/%s: %s%s", namespace, name, f"{pool.role} pool: " if named else "", decision.message)
         return PoolTick(decision, record)
 
 

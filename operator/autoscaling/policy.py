@@ -1,7 +1,8 @@
 """The autoscaler's decision function: spec + state + samples + clock -> decision with reasons.
 
 Pure: no I/O, no clock of its own, no Kubernetes. The operator's timer and the simulator call
-`decide()` unchanged. Replicas follow HPA's formula on an average-value target (total waiting /
+`decide()` unchanged, once per pool (settings.Pool: the decode pool, and the prefill pool when
+disaggregated), each with its own signal, target, bounds and pods. Replicas follow HPA's formula on an average-value target (total waiting /
 target per replica), with HPA's tolerance, stabilization windows and rate policies, plus the
 guards that other LLM control planes lack: capacity that is still loading counts, warm-up
 samples are ignored, an unreadable pod never blocks the others, missing is never zero, and
@@ -15,10 +16,17 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from iterserve.operator.autoscaling.settings import (
+    DECODE,
+    QUEUED_PROMPT_TOKENS,
+    TTFT,
+    WAITING,
+    Pool,
+    Settings,
+)
 from iterserve.operator.autoscaling.settings import DirectionRules as DirectionRules
 from iterserve.operator.autoscaling.settings import KvRetuneSettings as KvRetuneSettings
 from iterserve.operator.autoscaling.settings import RatePolicy as RatePolicy
-from iterserve.operator.autoscaling.settings import Settings
 
 # -------------------------------------------------------------------------------------- inputs
 
@@ -88,6 +96,9 @@ class SeqsChange:
     to_max_num_seqs: int
     reason: str  # kv_pressure | kv_recovered | spec_lowered
     message: str
+    # kv_pressure: the readings that showed it, and the preemption counter's rise at each one.
+    kv_usage_readings: tuple[float, ...] = ()
+    preemptions_at_readings: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -129,11 +140,12 @@ class Decision:
     total_waiting: float | None = None
     total_running: float | None = None
     preemptions_per_minute_per_replica: float | None = None
-    # The prefill pool's decision (decide_prefill): its pool, signal and the value it read.
-    pool: str = "decode"  # decode (the engine Deployment, or the only pool) | prefill
-    signal: str | None = None  # QueuedPromptTokens | TTFT
-    signal_value: float | None = None  # queued prompt tokens per replica, or the windowed p95 TTFT (s)
+    # The pool decided for, its signal and what the signal read.
+    pool: str = DECODE  # decode (the engine Deployment, or the only pool) | prefill
+    signal: str | None = None  # WaitingRequests | QueuedPromptTokens | TTFT
+    signal_value: float | None = None  # waiting or queued prompt tokens per replica, or the windowed p95 TTFT (s)
     signal_target: float | None = None
+    metric_replicas: float | None = None  # what the signal alone asked for, unrounded, before every other rule
 
     @property
     def replicas_changed(self) -> bool:
@@ -184,7 +196,8 @@ def _missing_field(sample: PodSample) -> str | None:
     return None
 
 
-def _pod_signal(pod: PodState, samples: Sequence[PodSample], settings: Settings, now: float) -> PodSignal:
+def _pod_signal(pod: PodState, samples: Sequence[PodSample], settings: Settings, now: float,
+                pool: Pool) -> PodSignal:
     if now - pod.ready_at < settings.warmup_seconds:
         return PodSignal(pod.name, "warming")
     if not samples or samples[-1].at < now - settings.stale_sample_seconds:
@@ -195,13 +208,26 @@ def _pod_signal(pod: PodState, samples: Sequence[PodSample], settings: Settings,
     missing = _missing_field(latest)
     if missing is not None:
         return PodSignal(pod.name, "unreadable", error=f"{missing} missing or NaN")
+    missing = _missing_pool_signal(latest, pool)
+    if missing is not None:
+        return PodSignal(pod.name, "unreadable", error=missing)
     usable = _usable(samples, pod, settings)
     return PodSignal(
         pod.name, "measured", waiting=latest.waiting, running=latest.running,
         kv_usage=latest.kv_usage,
         preemptions_per_minute=preemption_rate_per_minute(usable, now, settings.preemption_window_seconds),
-        max_num_seqs=_effective_seqs(pod, latest, settings),
+        max_num_seqs=_effective_seqs(pod, latest, settings), queued_prompt_tokens=latest.queued_prompt_tokens,
     )
+
+
+def _missing_pool_signal(latest: PodSample, pool: Pool) -> str | None:
+    """What the pool's own signal needs on top of the required readings (missing is never zero)."""
+    if pool.signal == QUEUED_PROMPT_TOKENS and (latest.queued_prompt_tokens is None
+                                                or math.isnan(latest.queued_prompt_tokens)):
+        return "iterserve_scheduler_queued_prompt_tokens missing (an engine older than the operator?)"
+    if pool.signal == TTFT and not latest.ttft_buckets:
+        return "TTFT histogram missing"
+    return None
 
 
 def _effective_seqs(pod: PodState, latest: PodSample | None, settings: Settings) -> int:
@@ -218,23 +244,30 @@ def _preempted_within(samples: Sequence[PodSample], now: float, window: float) -
 # --------------------------------------------------------------------------------- the decision
 
 
-def decide(settings: Settings, state: State, history: Mapping[str, Sequence[PodSample]], now: float) -> Decision:
-    """The whole decision for one InferenceService at time `now`.
+def decide(settings: Settings, state: State, history: Mapping[str, Sequence[PodSample]], now: float,
+           pool: str = DECODE) -> Decision:
+    """The whole decision for one pool of one InferenceService at time `now`.
 
-    `history` maps a pod name to its recent samples, oldest first, this tick's last.
+    `pool` is the pool's role (`settings.pools()`): the decode pool (the engine Deployment; the
+    only pool without disaggregation) or the prefill pool. `state` and `history` hold that pool's
+    pods only, and `state.replicas` is its replicas. `history` maps a pod name to its recent
+    samples, oldest first, this tick's last.
     """
+    spec = settings.pool(pool)
+    extra = {"pool": spec.role, "signal": spec.signal, "signal_target": spec.target}
     if settings.mode == "Off":
-        return Decision(state.replicas, state.replicas, "none", "autoscaling_off",
-                        "autoscaling is Off", None, (), MetricsStatus(False, "AutoscalingOff", "autoscaling is Off"))
+        return Decision(state.replicas, state.replicas, "none", "autoscaling_off", "autoscaling is Off", None, (),
+                        MetricsStatus(False, "AutoscalingOff", "autoscaling is Off"), **extra)
 
     ready = [p for p in state.pods if p.ready_at is not None]
-    signals = tuple(_pod_signal(p, history.get(p.name, ()), settings, now) for p in ready)
+    signals = tuple(_pod_signal(p, history.get(p.name, ()), settings, now, spec) for p in ready)
     measured = [s for s in signals if s.state == "measured"]
     metrics = _metrics_status(signals, state)
-    seqs_changes = _kv_retune(settings, ready, history, now) if measured and settings.retunes else ()
+    retunes = measured and settings.retunes and spec.holds_sequences
+    seqs_changes = _kv_retune(settings, ready, history, now) if retunes else ()
 
-    replicas = _replica_decision(settings, state, history, signals, measured, metrics, now)
-    return replace(replicas, seqs_changes=seqs_changes, metrics=metrics, pods=signals)
+    replicas = _replica_decision(settings.bounded_to(spec), spec, state, history, signals, measured, metrics, now)
+    return replace(replicas, seqs_changes=seqs_changes, metrics=metrics, pods=signals, **extra)
 
 
 def _metrics_status(signals: Sequence[PodSignal], state: State) -> MetricsStatus:
@@ -253,7 +286,7 @@ def _metrics_status(signals: Sequence[PodSignal], state: State) -> MetricsStatus
     return MetricsStatus(False, "NoReadyPods", f"none of {len(state.pods)} pods is ready")
 
 
-def _hold(state: State, settings: Settings, reason: str, message: str, **extra) -> Decision:
+def _hold(state: State, settings: Settings, reason: str, message: str) -> Decision:
     desired = _clamp(state.replicas, settings)
     if desired != state.replicas:
         direction = "up" if desired > state.replicas else "down"
@@ -261,50 +294,94 @@ def _hold(state: State, settings: Settings, reason: str, message: str, **extra) 
         message = f"{message}; replicas {state.replicas} outside [{settings.min_replicas}, {settings.max_replicas}]"
         return Decision(state.replicas, desired, direction, reason, message, None, (),
                         MetricsStatus(False, "", ""), True, message,
-                        "TooFewReplicas" if direction == "up" else "TooManyReplicas", **extra)
-    return Decision(state.replicas, desired, "none", reason, message, None, (), MetricsStatus(False, "", ""), **extra)
+                        "TooFewReplicas" if direction == "up" else "TooManyReplicas")
+    return Decision(state.replicas, desired, "none", reason, message, None, (), MetricsStatus(False, "", ""))
 
 
 def _clamp(replicas: int, settings: Settings) -> int:
     return max(settings.min_replicas, min(settings.max_replicas, replicas))
 
 
-def _replica_decision(settings, state, history, signals, measured, metrics, now) -> Decision:
+@dataclass(frozen=True)
+class _Reading:
+    """What the pool's signal says this tick, over its measured pods."""
+
+    replicas: float  # what the signal alone asks for, unrounded (HPA's usage ratio x replicas)
+    value: float | None  # per read replica (waiting, queued prompt tokens) or the windowed p95 TTFT
+    over_target: list[str]  # pods whose own reading is above the target: they block scale-down
+    note: str
+    above: str  # the reason codes when the signal asks for more, or for fewer, replicas
+    below: str
+
+
+def _read_signal(settings: Settings, pool: Pool, state: State, history, measured: list[PodSignal],
+                 now: float) -> _Reading:
+    target, count = pool.target, len(measured)
+    if pool.signal == WAITING:
+        total = sum(s.waiting for s in measured)
+        return _Reading(total / target, total / count, [s.pod for s in measured if s.waiting > target],
+                        f"waiting {total:g} on {count} read pods (target {target:g}/replica)",
+                        "waiting_above_target", "waiting_below_target")
+    if pool.signal == QUEUED_PROMPT_TOKENS:
+        total = sum(s.queued_prompt_tokens for s in measured)
+        return _Reading(total / target, total / count, [s.pod for s in measured if s.queued_prompt_tokens > target],
+                        f"queued prompt tokens {total:g} on {count} read pods "
+                        f"({total / count:.0f}/replica, target {target:g}/replica)",
+                        "queued_prompt_tokens_above_target", "queued_prompt_tokens_below_target")
+    pods = {p.name: p for p in state.pods}
+    p95, observed = windowed_ttft_quantile(
+        0.95, [_usable(history.get(s.pod, ()), pods[s.pod], settings) for s in measured], now,
+        pool.ttft_window_seconds)
+    if p95 is None:
+        return _Reading(0.0, None, [], f"no first token in the last {pool.ttft_window_seconds:g} s on "
+                        f"{count} read pods", "ttft_above_target", "ttft_below_target")
+    return _Reading(count * p95 / target, p95, [s.pod for s in measured] if p95 > target else [],
+                    f"p95 TTFT {p95:.3f} s over {observed} requests in {pool.ttft_window_seconds:g} s on "
+                    f"{count} read pods (target {target:g} s)", "ttft_above_target", "ttft_below_target")
+
+
+def _replica_decision(settings: Settings, pool: Pool, state: State, history, signals, measured, metrics,
+                      now: float) -> Decision:
+    """`settings` carry the pool's replica bounds."""
     current = state.replicas
     if settings.mode == "External":
         return Decision(current, current, "none", "external_mode",
-                        "mode External: an external autoscaler owns spec.replicas", None, (), metrics)
+                        f"mode External: an external autoscaler owns {pool.replicas_field}", None, (), metrics)
     if not measured:
-        return _hold(state, settings, "metrics_unavailable", f"holding at {current}: {metrics.message}")
+        where = "" if pool.role == DECODE else f"{pool.role} pool "
+        return _hold(state, settings, "metrics_unavailable", f"{where}holding at {current}: {metrics.message}")
 
-    target = settings.target_waiting_per_replica
+    reading = _read_signal(settings, pool, state, history, measured, now)
     total_waiting = sum(s.waiting for s in measured)
     total_running = sum(s.running for s in measured)
-    rates = [s.preemptions_per_minute or 0.0 for s in measured]
-    rate_per_replica = sum(rates) / len(measured)
-    notes = [f"waiting {total_waiting:g} on {len(measured)} read pods (target {target:g}/replica)",
-             f"preemptions {rate_per_replica:.2f}/min/replica (threshold {settings.preemptions_per_minute_threshold:g})"]
+    rate_per_replica = sum(s.preemptions_per_minute or 0.0 for s in measured) / len(measured)
+    notes = [reading.note]
+    if pool.holds_sequences:
+        notes.append(f"preemptions {rate_per_replica:.2f}/min/replica "
+                     f"(threshold {settings.preemptions_per_minute_threshold:g})")
 
-    raw = total_waiting / target
-    if current > 0 and abs(raw / current - 1.0) <= settings.tolerance:
+    if current > 0 and abs(reading.replicas / current - 1.0) <= settings.tolerance:
         proposal, reason = current, "within_tolerance"
     else:
-        proposal = math.ceil(raw)
-        reason = "waiting_above_target" if proposal > current else "waiting_below_target"
+        proposal = math.ceil(reading.replicas)
+        reason = reading.above if proposal > current else reading.below
 
     busy = total_waiting + total_running > 0
-    if busy and rate_per_replica > settings.preemptions_per_minute_threshold and proposal <= current:
+    if (pool.holds_sequences and busy and rate_per_replica > settings.preemptions_per_minute_threshold
+            and proposal <= current):
         proposal, reason = current + 1, "preemptions"
     if proposal < current:
-        proposal, reason = _scale_down_floor(settings, state, history, signals, measured, proposal,
-                                             reason, notes, now)
+        proposal, reason = _scale_down_floor(settings, pool, state, history, signals, measured, reading,
+                                             proposal, reason, notes, now)
 
-    # The preemption rule's +1 is relative to the replicas asked for; the waiting rule's proposal is
-    # absolute (total waiting / target), so it passes while pods load (see _carry_out).
+    # The preemption rule's +1 and the TTFT rule's replicas x p95 / target are relative to the
+    # replicas asked for; the queue rules' proposals are absolute (total / target), so they pass
+    # while pods load (see _carry_out).
     decision = _carry_out(settings, state, proposal, reason, notes, metrics, signals, now,
-                          relative=reason == "preemptions")
+                          relative=reason == "preemptions" or pool.signal == TTFT)
     return replace(decision, total_waiting=total_waiting, total_running=total_running,
-                   preemptions_per_minute_per_replica=rate_per_replica)
+                   preemptions_per_minute_per_replica=rate_per_replica, signal_value=reading.value,
+                   metric_replicas=reading.replicas)
 
 
 def _carry_out(settings: Settings, state: State, proposal: int, reason: str, notes: list[str],
@@ -362,47 +439,53 @@ def _sequence_capacity(signal: PodSignal) -> float:
     return signal.max_num_seqs
 
 
-def _scale_down_floor(settings, state, history, signals, measured, proposal, reason, notes, now):
-    """How far down the replicas may go: never below what the pods left unmeasured or the running
-    sequences need, and not at all while preemptions happen, a queue is above target, or a pod is
-    still loading or warming up (its numbers do not mean anything yet)."""
-    current, target = state.replicas, settings.target_waiting_per_replica
-    total_waiting = sum(s.waiting for s in measured)
+def _scale_down_floor(settings, pool, state, history, signals, measured, reading, proposal, reason, notes, now):
+    """How far down the replicas may go: never below what the pods left unmeasured or (in a pool
+    that holds sequences) the running sequences need, and not at all while a pod's reading is
+    above target, a pod is still loading or warming up (its numbers do not mean anything yet),
+    or (in a pool that holds sequences) preemptions happen."""
+    current = state.replicas
     total_running = sum(s.running for s in measured)
     unmeasured = len(signals) - len(measured)
-    if total_waiting == 0 and total_running == 0 and not unmeasured:
+    if pool.holds_sequences and sum(s.waiting for s in measured) == 0 and total_running == 0 and not unmeasured:
         reason = "zero_traffic"
     if unmeasured:
         # HPA's rule for pods without metrics: on the way down, assume each is exactly at target.
-        assumed = math.ceil((total_waiting + unmeasured * target) / target)
+        assumed = math.ceil(reading.replicas + unmeasured)
         if assumed > proposal:
             notes.append(f"{unmeasured} unmeasured ready pods assumed at target: {assumed}")
             proposal = assumed
             reason = "unmeasured_pods_assumed_at_target" if proposal >= current else reason
-    mean_capacity = sum(_sequence_capacity(s) for s in measured) / len(measured)
-    busy_floor = math.ceil(total_running / mean_capacity) + unmeasured
-    if busy_floor > proposal:
-        notes.append(f"{total_running:g} running sequences ({mean_capacity:.3g} fit per replica) need {busy_floor}")
-        proposal = busy_floor
-        reason = "running_sequences" if proposal >= current else reason
+    if pool.holds_sequences:
+        mean_capacity = sum(_sequence_capacity(s) for s in measured) / len(measured)
+        busy_floor = math.ceil(total_running / mean_capacity) + unmeasured
+        if busy_floor > proposal:
+            notes.append(f"{total_running:g} running sequences ({mean_capacity:.3g} fit per replica) need {busy_floor}")
+            proposal = busy_floor
+            reason = "running_sequences" if proposal >= current else reason
     if proposal >= current:
         return current, reason
 
-    preempting = [p.name for p in state.pods if p.ready_at is not None and _preempted_within(
+    blocked = _scale_down_blocked(settings, pool, state, history, signals, reading, now)
+    if blocked is not None:
+        notes.append(blocked[1])
+        return current, blocked[0]
+    return proposal, reason
+
+
+def _scale_down_blocked(settings, pool, state, history, signals, reading, now) -> tuple[str, str] | None:
+    """(reason, note) when something forbids scaling down this tick, else None."""
+    preempting = [p.name for p in state.pods if pool.holds_sequences and p.ready_at is not None and _preempted_within(
         _usable(history.get(p.name, ()), p, settings), now, settings.preemption_window_seconds)]
-    over_target = [s.pod for s in measured if s.waiting > target]
     coming = [p.name for p in state.pods if p.ready_at is None and now - p.created_at < settings.cold_start_seconds]
     coming += [s.pod for s in signals if s.state == "warming"]
     if preempting:
-        notes.append(f"preemptions on {', '.join(preempting)}")
-        return current, "scale_down_blocked_preemptions"
-    if over_target:
-        notes.append(f"queue above target on {', '.join(over_target)}")
-        return current, "scale_down_blocked_queue"
+        return "scale_down_blocked_preemptions", f"preemptions on {', '.join(preempting)}"
+    if reading.over_target:
+        return "scale_down_blocked_queue", f"{pool.signal} above target on {', '.join(reading.over_target)}"
     if coming:
-        notes.append(f"pods loading or warming up: {', '.join(coming)}")
-        return current, "scale_down_blocked_warming"
-    return proposal, reason
+        return "scale_down_blocked_warming", f"pods loading or warming up: {', '.join(coming)}"
+    return None
 
 
 def _stabilize(settings: Settings, state: State, proposal: int, now: float) -> int:
@@ -490,30 +573,40 @@ def _at_cap(samples: Sequence[PodSample], cap: int) -> list[PodSample]:
     return run[::-1]
 
 
-def _pressure_run(observed: Sequence[PodSample], count: int, threshold: float) -> str | None:
-    """Describes KV pressure when each of the last `count` samples shows it, else None.
+@dataclass(frozen=True)
+class _Pressure:
+    description: str
+    kv_usage: tuple[float, ...]  # each sample's KV usage
+    preemptions: tuple[float, ...]  # each sample's rise of the preemption counter since the one before
+
+
+def _pressure_run(observed: Sequence[PodSample], count: int, threshold: float) -> _Pressure | None:
+    """KV pressure when each of the last `count` samples shows it, else None.
 
     A sample shows pressure when KV usage is above the threshold, or when the preemption counter
     rose since the sample before: with recompute preemption usage drops each time a sequence is
     evicted, so a thrashing pool can read below the threshold at any given instant."""
     if len(observed) < count:
         return None
-    parts = []
+    parts, usages, rises = [], [], []
     for index in range(len(observed) - count, len(observed)):
         sample = observed[index]
         if not sample.ok or sample.kv_usage is None:
             return None
         before = observed[index - 1] if index > 0 else None
-        preempted = (before is not None and before.ok and before.preemptions_total is not None
-                     and sample.preemptions_total is not None
-                     and sample.preemptions_total > before.preemptions_total)
+        rise = (sample.preemptions_total - before.preemptions_total
+                if before is not None and before.ok and before.preemptions_total is not None
+                and sample.preemptions_total is not None and sample.preemptions_total > before.preemptions_total
+                else 0.0)
         if sample.kv_usage > threshold:
             parts.append(f"{sample.kv_usage:.3f}")
-        elif preempted:
-            parts.append(f"{sample.kv_usage:.3f} (+{sample.preemptions_total - before.preemptions_total:g} preemptions)")
+        elif rise:
+            parts.append(f"{sample.kv_usage:.3f} (+{rise:g} preemptions)")
         else:
             return None
-    return f"KV usage {', '.join(parts)} above {threshold:g} or preempting"
+        usages.append(sample.kv_usage)
+        rises.append(rise)
+    return _Pressure(f"KV usage {', '.join(parts)} above {threshold:g} or preempting", tuple(usages), tuple(rises))
 
 
 def _retune_pod(settings: Settings, pod: PodState, samples: Sequence[PodSample], now: float) -> SeqsChange | None:
@@ -532,8 +625,9 @@ def _retune_pod(settings: Settings, pod: PodState, samples: Sequence[PodSample],
         lowered = max(kv.floor, math.floor(current * kv.step_factor))
         if lowered < current:
             return SeqsChange(pod.name, current, lowered, "kv_pressure",
-                              f"{pressure} for {kv.consecutive_samples} samples: "
-                              f"max_num_seqs {current} x {kv.step_factor:g} -> {lowered} (floor {kv.floor})")
+                              f"{pressure.description} for {kv.consecutive_samples} samples: "
+                              f"max_num_seqs {current} x {kv.step_factor:g} -> {lowered} (floor {kv.floor})",
+                              pressure.kv_usage, pressure.preemptions)
         return None
 
     if current >= spec or since > now - kv.recovery_window_seconds:
@@ -606,94 +700,3 @@ def windowed_ttft_quantile(q: float, histories: Sequence[Sequence[PodSample]], n
     if not buckets:
         return None, 0
     return histogram_quantile(q, buckets), int(round(buckets[-1][1]))
-
-
-def _prefill_signal(signal: PodSignal, samples: Sequence[PodSample], settings: Settings) -> PodSignal:
-    """The decode pool's PodSignal, with the prefill signal required on top of it."""
-    if signal.state != "measured":
-        return signal
-    latest = samples[-1]
-    if settings.prefill.signal == "QueuedPromptTokens":
-        value = latest.queued_prompt_tokens
-        if value is None or math.isnan(value):
-            return replace(signal, state="unreadable",
-                           error="iterserve_scheduler_queued_prompt_tokens missing (an engine older than the operator?)")
-        return replace(signal, queued_prompt_tokens=value)
-    if not latest.ttft_buckets:
-        return replace(signal, state="unreadable", error="TTFT histogram missing")
-    return replace(signal, queued_prompt_tokens=latest.queued_prompt_tokens)
-
-
-def decide_prefill(settings: Settings, state: State, history: Mapping[str, Sequence[PodSample]],
-                   now: float) -> Decision:
-    """The prefill pool's decision (spec.disaggregation.prefill), each tick beside `decide`'s for
-    the decode pool: `state` and `history` hold the prefill pods only, and `state.replicas` is the
-    pool's replicas. Its signal is queued prompt tokens per replica against the target, or the
-    windowed p95 TTFT against the target (replicas x p95 / target, HPA's ratio); the proposal then
-    goes through the same tolerance, stabilization, pending-capacity, rate-policy and bounds rules
-    as the decode pool's (`_carry_out`), with the prefill pool's bounds."""
-    pool = settings.prefill
-    if pool is None:
-        raise ValueError("decide_prefill needs settings.prefill (spec.disaggregation.enabled)")
-    extra = {"pool": "prefill", "signal": pool.signal, "signal_target": pool.target}
-    if settings.mode != "Builtin":
-        why = "autoscaling is Off" if settings.mode == "Off" else \
-            "mode External: the prefill pool follows spec.disaggregation.prefill.replicas"
-        return Decision(state.replicas, state.replicas, "none", "autoscaling_off" if settings.mode == "Off"
-                        else "external_mode", why, None, (), MetricsStatus(False, "AutoscalingOff", why), **extra)
-    bounded = settings.prefill_pool()
-    ready = [p for p in state.pods if p.ready_at is not None]
-    signals = tuple(_prefill_signal(_pod_signal(p, history.get(p.name, ()), bounded, now), history.get(p.name, ()),
-                                    bounded) for p in ready)
-    measured = [s for s in signals if s.state == "measured"]
-    metrics = _metrics_status(signals, state)
-    current = state.replicas
-    if not measured:
-        return replace(_hold(state, bounded, "metrics_unavailable", f"prefill pool holding at {current}: "
-                             f"{metrics.message}", **extra), metrics=metrics, pods=signals)
-
-    target = pool.target
-    if pool.signal == "QueuedPromptTokens":
-        total = sum(s.queued_prompt_tokens for s in measured)
-        value = total / len(measured)
-        raw = total / target
-        notes = [f"queued prompt tokens {total:g} on {len(measured)} read pods "
-                 f"({value:.0f}/replica, target {target:g}/replica)"]
-        above, below = "queued_prompt_tokens_above_target", "queued_prompt_tokens_below_target"
-        over_target = [s.pod for s in measured if s.queued_prompt_tokens > target]
-    else:
-        value, observed = windowed_ttft_quantile(
-            0.95, [_usable(history.get(s.pod, ()), p, bounded) for s in measured
-                   for p in ready if p.name == s.pod], now, pool.ttft_window_seconds)
-        if value is None:
-            raw = 0.0
-            notes = [f"no first token in the last {pool.ttft_window_seconds:g} s on {len(measured)} read pods"]
-        else:
-            raw = len(measured) * value / target
-            notes = [f"p95 TTFT {value:.3f} s over {observed} requests in {pool.ttft_window_seconds:g} s on "
-                     f"{len(measured)} read pods (target {target:g} s)"]
-        above, below = "ttft_above_target", "ttft_below_target"
-        over_target = [s.pod for s in measured] if value is not None and value > target else []
-    unmeasured = len(signals) - len(measured)
-    if current > 0 and abs(raw / current - 1.0) <= settings.tolerance:
-        proposal, reason = current, "within_tolerance"
-    else:
-        proposal = math.ceil(raw)
-        reason = above if proposal > current else below
-    if proposal < current:
-        coming = [p.name for p in state.pods if p.ready_at is None and now - p.created_at < settings.cold_start_seconds]
-        coming += [s.pod for s in signals if s.state == "warming"]
-        floor = math.ceil(raw + unmeasured)  # HPA: on the way down, pods without metrics count at target
-        if floor > proposal:
-            notes.append(f"{unmeasured} unmeasured ready pods assumed at target: {floor}")
-            proposal = min(current, floor)
-            reason = "unmeasured_pods_assumed_at_target" if proposal >= current else reason
-        if over_target and proposal < current:
-            notes.append(f"above target on {', '.join(over_target)}")
-            proposal, reason = current, "scale_down_blocked_queue"
-        if coming and proposal < current:
-            notes.append(f"pods loading or warming up: {', '.join(coming)}")
-            proposal, reason = current, "scale_down_blocked_warming"
-    decision = _carry_out(bounded, state, proposal, reason, notes, metrics, signals, now,
-                          relative=pool.signal == "TTFT")
-    return replace(decision, signal_value=value, **extra)

@@ -15,7 +15,7 @@ from datetime import datetime
 from iterserve.operator import status as status_rules
 from iterserve.operator.autoscaling.engine_admin import SeqsOutcome
 from iterserve.operator.autoscaling.policy import Decision, PodSignal, SeqsChange
-from iterserve.operator.autoscaling.settings import Settings
+from iterserve.operator.autoscaling.settings import REPLICAS_FIELDS, Settings
 from iterserve.operator.models import METRICS_AVAILABLE, SCALING_LIMITED
 
 
@@ -28,7 +28,7 @@ class Event:
 
 @dataclass(frozen=True)
 class PoolTick:
-    """The prefill pool's half of a tick (disaggregation): its decision and replica change."""
+    """One pool's part of a tick: its decision and what was carried out."""
 
     decision: Decision
     record: Record
@@ -36,7 +36,9 @@ class PoolTick:
 
 @dataclass(frozen=True)
 class AutoscalerTick:
-    """One tick, handed to the reconcile to record."""
+    """One tick, handed to the reconcile to record. `decision` and `record` are the decode pool's
+    (the engine Deployment's, whose numbers the status' top-level fields show); `extra_pools`
+    every other pool's (the prefill pool's, when disaggregated), each shown as status.<role>."""
 
     settings: Settings
     decision: Decision
@@ -47,8 +49,14 @@ class AutoscalerTick:
     max_num_seqs: int | None
     # (average prompt tokens, finished requests) over the readable pods' lifetimes; None: none read.
     prompts: tuple[float, int] | None = None
-    # Disaggregation on: the prefill pool's decision (`decision` is then the decode pool's).
-    prefill: PoolTick | None = None
+    extra_pools: tuple[PoolTick, ...] = ()
+
+    @property
+    def pools(self) -> tuple[PoolTick, ...]:
+        return (PoolTick(self.decision, self.record), *self.extra_pools)
+
+    def pool(self, role: str) -> PoolTick | None:
+        return next((p for p in self.pools if p.decision.pool == role), None)
 
 
 def average_prompt(samples) -> tuple[float, int] | None:
@@ -105,18 +113,15 @@ def _retune_action(change: SeqsChange) -> str:
     return "RetuneDown" if change.to_max_num_seqs < change.from_max_num_seqs else "RetuneUp"
 
 
-def _replicas_field(decision: Decision) -> str:
-    return "spec.disaggregation.prefill.replicas" if decision.pool == "prefill" else "spec.replicas"
-
-
 def events_for(decision: Decision, record: Record, name_pool: bool = False) -> list[Event]:
-    """`name_pool`: disaggregation is on, so each replica Event says which pool it is about."""
+    """`name_pool`: the InferenceService has more than one pool, so each replica Event says
+    which pool it is about."""
     events = []
     pool = f"{decision.pool} pool: " if name_pool else ""
     if record.replicas_applied:
         events.append(Event("Normal", _scale_action(decision), f"{pool}{decision.reason}: {decision.message}"))
     if record.replicas_error:
-        events.append(Event("Warning", "ScaleFailed", f"{pool}could not set {_replicas_field(decision)} to "
+        events.append(Event("Warning", "ScaleFailed", f"{pool}could not set {REPLICAS_FIELDS[decision.pool]} to "
                                                       f"{decision.desired_replicas}: {record.replicas_error}"))
     for change in record.seqs.applied:
         events.append(Event("Normal", _retune_action(change), f"pod {change.pod}: {change.reason}: {change.message}"))
@@ -128,26 +133,39 @@ def events_for(decision: Decision, record: Record, name_pool: bool = False) -> l
 
 
 def _history_records(decision: Decision, record: Record, now: datetime, name_pool: bool = False) -> list[dict]:
+    """scalingHistory entries: the message for people, the numbers behind it as fields for tools."""
     stamp = status_rules.timestamp(now)
     out = []
     if record.replicas_applied:
         out.append({"time": stamp, "action": _scale_action(decision),
                     "reason": decision.reason, "message": decision.message[:1000],
                     "fromReplicas": decision.current_replicas, "toReplicas": decision.desired_replicas,
-                    **({"pool": decision.pool} if name_pool else {})})
+                    **({"pool": decision.pool} if name_pool else {}), **_signal_fields(decision)})
     for change in record.seqs.applied:
         out.append({"time": stamp, "action": _retune_action(change),
                     "reason": change.reason, "message": change.message[:1000], "pod": change.pod,
-                    "fromMaxNumSeqs": change.from_max_num_seqs, "toMaxNumSeqs": change.to_max_num_seqs})
+                    "fromMaxNumSeqs": change.from_max_num_seqs, "toMaxNumSeqs": change.to_max_num_seqs,
+                    **({"kvUsageReadings": [round(v, 4) for v in change.kv_usage_readings],
+                        "preemptionsAtReadings": list(change.preemptions_at_readings)}
+                       if change.kv_usage_readings else {})})
     return out
 
 
+def _signal_fields(decision: Decision) -> dict:
+    if decision.metric_replicas is None:
+        return {}  # no pod was read: the decision held or followed the bounds
+    return {"signal": decision.signal, "signalValue": round(decision.signal_value, 3)
+            if decision.signal_value is not None else None,
+            "target": decision.signal_target, "metricReplicas": decision.metric_replicas}
+
+
 def status_patch(previous: dict | None, settings: Settings, decision: Decision, record: Record,
-                 effective_max_num_seqs: int, now: datetime, prefill: PoolTick | None = None) -> dict:
-    """The status fields that record a tick, as a merge patch over `previous`; `prefill`: the
-    prefill pool's half (its scalingHistory entries, status.prefill's scaling fields)."""
+                 effective_max_num_seqs: int, now: datetime, extra_pools: tuple[PoolTick, ...] = ()) -> dict:
+    """The status fields that record a tick, as a merge patch over `previous`: the decode pool's
+    (`decision`, `record`) at the top level, each of `extra_pools` in status.<role> and all of
+    them in scalingHistory."""
     previous = previous or {}
-    name_pool = prefill is not None
+    name_pool = bool(extra_pools)
     conditions = previous.get("conditions") or []
     metrics = decision.metrics
     conditions = status_rules.set_condition(conditions, METRICS_AVAILABLE,
@@ -165,10 +183,9 @@ def status_patch(previous: dict | None, settings: Settings, decision: Decision, 
         patch["desiredReplicas"] = decision.desired_replicas
         patch["effectiveMaxNumSeqs"] = effective_max_num_seqs
     history = previous.get("scalingHistory") or []
-    for entry in _history_records(decision, record, now, name_pool):
-        history = status_rules.append_history(history, entry)
-    for entry in _history_records(prefill.decision, prefill.record, now, True) if prefill else ():
-        history = status_rules.append_history(history, entry)
+    for pool in (PoolTick(decision, record), *extra_pools):
+        for entry in _history_records(pool.decision, pool.record, now, name_pool):
+            history = status_rules.append_history(history, entry)
     if history != (previous.get("scalingHistory") or []):
         patch["scalingHistory"] = history
     if record.replicas_applied:
@@ -177,14 +194,14 @@ def status_patch(previous: dict | None, settings: Settings, decision: Decision, 
     patch["waitingRequests"] = int(sum(p.waiting for p in measured)) if measured else None
     patch["kvCacheUsage"] = round(max(p.kv_usage for p in measured), 4) if measured else None
     patch["pods"] = [_pod_summary(p) for p in decision.pods]
-    if prefill is not None:
-        patch["prefill"] = prefill_status(previous.get("prefill"), settings, prefill, now)
+    for pool in extra_pools:
+        patch[pool.decision.pool] = pool_status(previous.get(pool.decision.pool), settings, pool, now)
     return patch
 
 
-def prefill_status(previous: dict | None, settings: Settings, tick: PoolTick, now: datetime) -> dict:
-    """status.prefill's scaling fields from the prefill pool's decision (the reconcile sets
-    replicas and readyReplicas from the Deployment)."""
+def pool_status(previous: dict | None, settings: Settings, tick: PoolTick, now: datetime) -> dict:
+    """status.<role>'s scaling fields from an extra pool's decision (the reconcile sets replicas
+    and readyReplicas from the pool's Deployment)."""
     out = dict(previous or {})
     decision = tick.decision
     if settings.mode == "Builtin":

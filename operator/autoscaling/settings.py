@@ -87,6 +87,38 @@ class PrefillSettings:
         return self.target_queued_prompt_tokens if self.signal == "QueuedPromptTokens" else self.target_ttft_seconds
 
 
+DECODE, PREFILL = "decode", "prefill"  # pool roles: the engine Deployment, NAME-prefill
+WAITING, QUEUED_PROMPT_TOKENS, TTFT = "WaitingRequests", "QueuedPromptTokens", "TTFT"
+REPLICAS_FIELDS = {DECODE: "spec.replicas", PREFILL: "spec.disaggregation.prefill.replicas"}  # each pool's size
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One pool of engine replicas the decision sizes (policy.decide): its role, replica bounds,
+    signal and target. Every InferenceService has the decode pool (the engine Deployment: decode
+    pods, or the only pool); a disaggregated one has the prefill pool too. Tolerance,
+    stabilization windows, rate policies, cold start and warm-up are the InferenceService's
+    (spec.autoscaling), shared by its pools."""
+
+    role: str  # DECODE | PREFILL
+    min_replicas: int
+    max_replicas: int
+    signal: str  # WAITING (per replica) | QUEUED_PROMPT_TOKENS (per replica) | TTFT (windowed p95, seconds)
+    target: float
+    ttft_window_seconds: float = TTFT_WINDOW_SECONDS
+
+    @property
+    def replicas_field(self) -> str:
+        """The spec field the pool's replicas live in (the autoscaler's one write for it)."""
+        return REPLICAS_FIELDS[self.role]
+
+    @property
+    def holds_sequences(self) -> bool:
+        """Whether its pods keep sequences across steps (they decode): then running sequences,
+        preemptions and the KV retune count. Prefill pods hand each prompt on after one pass."""
+        return self.role == DECODE
+
+
 @dataclass(frozen=True)
 class Settings:
     mode: str = _AUTOSCALING.mode  # Builtin | External | Off
@@ -103,7 +135,7 @@ class Settings:
     stale_sample_seconds: float = MIN_STALE_SAMPLE_SECONDS
     spec_max_num_seqs: int = EngineSpec().max_num_seqs
     kv_retune: KvRetuneSettings = field(default_factory=KvRetuneSettings)
-    # Disaggregation on: the prefill pool's own decision (policy.decide_prefill); None: no such pool.
+    # Disaggregation on: the prefill pool's bounds and signal (`pool(PREFILL)`); None: no such pool.
     prefill: PrefillSettings | None = None
 
     @property
@@ -121,12 +153,22 @@ class Settings:
                     self.kv_retune.recovery_window_seconds, *periods,
                     self.prefill.ttft_window_seconds if self.prefill else 0]) + 60
 
-    def prefill_pool(self) -> Settings:
-        """These settings with the prefill pool's replica bounds: what the shared machinery
-        (tolerance, stabilization, rate policies, bounds) applies to the prefill decision."""
-        if self.prefill is None:
-            raise ValueError("no prefill pool: spec.disaggregation.enabled is false")
-        return replace(self, min_replicas=self.prefill.min_replicas, max_replicas=self.prefill.max_replicas)
+    def pool(self, role: str = DECODE) -> Pool:
+        if role == DECODE:
+            return Pool(DECODE, self.min_replicas, self.max_replicas, WAITING, self.target_waiting_per_replica)
+        if role == PREFILL and self.prefill is not None:
+            p = self.prefill
+            return Pool(PREFILL, p.min_replicas, p.max_replicas, p.signal, p.target, p.ttft_window_seconds)
+        raise ValueError(f"no {role} pool: a prefill pool needs spec.disaggregation.enabled true"
+                         if role == PREFILL else f"unknown pool role {role!r} (decode or prefill)")
+
+    def pools(self) -> tuple[Pool, ...]:
+        """Every pool the InferenceService has, the decode pool first."""
+        return (self.pool(DECODE),) + ((self.pool(PREFILL),) if self.prefill is not None else ())
+
+    def bounded_to(self, pool: Pool) -> Settings:
+        """These settings with the pool's replica bounds, for the machinery the pools share."""
+        return replace(self, min_replicas=pool.min_replicas, max_replicas=pool.max_replicas)
 
 
 def _same_named(cls, model) -> dict:

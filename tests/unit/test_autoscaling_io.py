@@ -303,7 +303,8 @@ def test_the_hook_splits_a_disaggregated_services_pods_by_role_and_trusts_each_p
     hook = AutoscalerHook(autoscaler=Ticks())
     hook(TickContext("ns", "llm", body, spec, Reconciler(), Kube(), logging.getLogger("t")))
     names = lambda listed: [p["metadata"]["name"] for p in listed]  # noqa: E731
-    assert names(Ticks.seen["pods"]) == ["decode-1"]
-    assert names(Ticks.seen["prefill_pods"]) == ["prefill-1"]
-    assert Ticks.seen["prefill_replicas"] == 2 and Ticks.seen["recorded"] == "tick"
+    pools = Ticks.seen["pools"]
+    assert names(pools["decode"].pods) == ["decode-1"]
+    assert names(pools["prefill"].pods) == ["prefill-1"]
+    assert pools["prefill"].replicas == 2 and Ticks.seen["recorded"] == "tick"
     assert hook._strangers[("ns", "llm")] == ["look-alike"]

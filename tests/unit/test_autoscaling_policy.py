@@ -1,7 +1,9 @@
 """The autoscaler's decision function, case by case, including every failure from REFERENCE.md's
 list that a decision function can cause (runaway scale-up while loading, one bad scrape,
 NaN/missing at zero traffic, warm-up samples, preemption thrash, the operator fighting an
-external autoscaler)."""
+external autoscaler). The replica table runs for both pools: the decode pool on waiting
+requests, the prefill pool on queued prompt tokens (the same load, in its units), except the
+cases about sequences a decode pod holds (preemptions, running sequences)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,12 @@ from iterserve.operator.autoscaling.policy import (
     State,
     decide,
     preemption_rate_per_minute,
+)
+from iterserve.operator.autoscaling.settings import (
+    DECODE,
+    PREFILL,
+    QUEUED_PROMPT_TOKENS,
+    PrefillSettings,
 )
 
 NOW = 10_000.0
@@ -191,11 +199,42 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("settings,state,samples,desired,reason", [c[1:] for c in CASES],
-                         ids=[c[0] for c in CASES])
-def test_replica_decision(settings, state, samples, desired, reason):
-    decision = decide(settings, state, samples, NOW)
-    assert (decision.desired_replicas, decision.reason) == (desired, reason), decision.message
+# Cases about the sequences a decode pod holds: a prefill pod hands each prompt on after one pass.
+SEQUENCE_CASES = {
+    "preemptions above threshold add a replica even with short queues",
+    "past preemptions add no replica once traffic is zero",
+    "preemptions block scale-down",
+    "running sequences keep their replicas even with an empty queue",
+    "a KV pool that fills before max_num_seqs keeps its replicas (no 3 -> 1 -> 3 flap)",
+    "while pods load, the preemption rule's +1 (relative) waits for them",
+}
+TOKENS_PER_REQUEST = 100  # the prefill pool's load: each waiting request stands for this many queued tokens
+PREFILL_REASONS = {"waiting_above_target": "queued_prompt_tokens_above_target",
+                   "waiting_below_target": "queued_prompt_tokens_below_target",
+                   "zero_traffic": "queued_prompt_tokens_below_target"}  # an idle prefill pod holds nothing
+
+
+def as_prefill_pool(settings: Settings, history: dict) -> tuple[Settings, dict]:
+    """The same case for the prefill pool: its bounds and target the decode pool's (in tokens),
+    each pod's waiting requests read as queued prompt tokens."""
+    pool = PrefillSettings(settings.min_replicas, settings.max_replicas, QUEUED_PROMPT_TOKENS,
+                           settings.target_waiting_per_replica * TOKENS_PER_REQUEST)
+    tokens = {pod: [s if s.waiting is None else replace(s, queued_prompt_tokens=s.waiting * TOKENS_PER_REQUEST)
+                    for s in samples] for pod, samples in history.items()}
+    return replace(settings, prefill=pool), tokens
+
+
+POOL_CASES = [(DECODE, *c) for c in CASES] + [(PREFILL, *c) for c in CASES if c[0] not in SEQUENCE_CASES]
+
+
+@pytest.mark.parametrize("pool,settings,state,samples,desired,reason", [(c[0], *c[2:]) for c in POOL_CASES],
+                         ids=[f"{c[0]}: {c[1]}" for c in POOL_CASES])
+def test_replica_decision(pool, settings, state, samples, desired, reason):
+    if pool == PREFILL:
+        settings, samples = as_prefill_pool(settings, samples)
+        reason = PREFILL_REASONS.get(reason, reason)
+    decision = decide(settings, state, samples, NOW, pool)
+    assert (decision.desired_replicas, decision.reason, decision.pool) == (desired, reason, pool), decision.message
     assert decision.direction == ("up" if desired > state.replicas else "down" if desired < state.replicas else "none")
 
 

@@ -24,12 +24,17 @@ from iterserve.operator.autoscaling.policy import (
     Recommendation,
     ScaleEvent,
     State,
-    decide_prefill,
+    decide,
     histogram_quantile,
     windowed_ttft_quantile,
 )
 from iterserve.operator.autoscaling.report import Record, events_for
-from iterserve.operator.autoscaling.settings import PrefillSettings, Settings, settings_from_spec
+from iterserve.operator.autoscaling.settings import (
+    PREFILL,
+    PrefillSettings,
+    Settings,
+    settings_from_spec,
+)
 from iterserve.operator.models import InferenceServiceSpec
 
 NOW = 10_000.0
@@ -54,8 +59,8 @@ def sample(pod: str, at: float = NOW, queued: float | None = 0.0, buckets=None) 
 def queued(per_pod: dict[str, float], replicas: int | None = None, settings: Settings = FAST, **state):
     pods = tuple(ready(p) for p in per_pod)
     history = {p: [sample(p, NOW - 15), sample(p, queued=q)] for p, q in per_pod.items()}
-    return decide_prefill(settings, State(replicas if replicas is not None else len(pods), pods, **state),
-                          history, NOW)
+    return decide(settings, State(replicas if replicas is not None else len(pods), pods, **state),
+                  history, NOW, PREFILL)
 
 
 # -- queued prompt tokens --------------------------------------------------------------------------
@@ -93,7 +98,7 @@ def test_scale_down_waits_while_one_pod_is_above_target_or_one_is_loading():
     assert blocked.desired_replicas == 3 and blocked.reason == "scale_down_blocked_queue"
     pods = (ready("p0"), ready("p1"), PodState("p2", created_at=NOW - 20))
     history = {"p0": [sample("p0")], "p1": [sample("p1")]}
-    warming = decide_prefill(FAST, State(3, pods), history, NOW)
+    warming = decide(FAST, State(3, pods), history, NOW, PREFILL)
     assert warming.desired_replicas == 3 and warming.reason == "scale_down_blocked_warming"
 
 
@@ -114,18 +119,18 @@ def test_scale_up_rate_policy_and_pending_pods_limit_the_prefill_pool_too():
     assert spent.desired_replicas == 1 and spent.reason == "rate_limited"
     # While a pod loads, the absolute proposal (queued tokens / target) still scales up past it...
     pods = (ready("p0"), PodState("p1", created_at=NOW - 20))
-    absolute = decide_prefill(FAST, State(2, pods), {"p0": [sample("p0", queued=5000)]}, NOW)
+    absolute = decide(FAST, State(2, pods), {"p0": [sample("p0", queued=5000)]}, NOW, PREFILL)
     assert absolute.desired_replicas == 5 and absolute.reason == "queued_prompt_tokens_above_target"
     # ...the TTFT rule's (relative: replicas x p95 / target) waits for it.
     slow = cumulative([0, 0, 0, 10, 0, 0])
     history = {"p0": [sample("p0", NOW - 30, buckets=cumulative([0] * 6)), sample("p0", buckets=slow)]}
-    pending = decide_prefill(FAST_TTFT, State(2, pods), history, NOW)
+    pending = decide(FAST_TTFT, State(2, pods), history, NOW, PREFILL)
     assert pending.desired_replicas == 2 and pending.reason == "pending_replicas"
 
 
 def test_a_pod_without_the_queued_tokens_gauge_is_unreadable_and_never_read_as_zero():
     pods = (ready("p0"),)
-    decision = decide_prefill(FAST, State(3, pods), {"p0": [sample("p0", queued=None)]}, NOW)
+    decision = decide(FAST, State(3, pods), {"p0": [sample("p0", queued=None)]}, NOW, PREFILL)
     assert decision.desired_replicas == 3 and decision.reason == "metrics_unavailable"
     assert "iterserve_scheduler_queued_prompt_tokens" in decision.metrics.message
 
@@ -175,7 +180,7 @@ def ttft(p95_bucket_counts: list[int], replicas: int = 2, settings: Settings = F
     pods = tuple(ready(f"p{i}") for i in range(replicas))
     history = {p.name: [sample(p.name, NOW - 30, buckets=cumulative([0] * 6)),
                         sample(p.name, NOW, buckets=cumulative(p95_bucket_counts))] for p in pods}
-    return decide_prefill(settings, State(replicas, pods), history, NOW)
+    return decide(settings, State(replicas, pods), history, NOW, PREFILL)
 
 
 def test_a_p95_ttft_above_target_scales_up_by_the_ratio_and_below_scales_down():
@@ -194,11 +199,11 @@ def test_the_memory_keeps_the_prefill_pools_proposals_for_its_own_stabilization(
     memory = fresh_memory(3, NOW - 100)
     memory = record_samples(memory, [sample(f"p{i}", NOW - 15, queued=3000) for i in range(3)],
                             [p.name for p in infos], settings, NOW - 15)
-    up = decide_prefill(settings, state_for(memory, 3, infos), memory.history, NOW - 15)
+    up = decide(settings, state_for(memory, 3, infos), memory.history, NOW - 15, PREFILL)
     memory = record_decision(memory, up, settings, NOW - 15, up.replicas_changed, ())
     memory = record_samples(memory, [sample(f"p{i}", NOW, queued=0) for i in range(3)],
                             [p.name for p in infos], settings, NOW)
-    down = decide_prefill(settings, state_for(memory, 3, infos), memory.history, NOW)
+    down = decide(settings, state_for(memory, 3, infos), memory.history, NOW, PREFILL)
     assert down.desired_replicas == 3 and down.reason == "stabilization_window"
 
 
@@ -209,7 +214,7 @@ def test_settings_from_spec_carry_the_prefill_pool_only_with_disaggregation_on()
         "minReplicas": 2, "maxReplicas": 5, "scalingSignal": "TTFT", "targetTtftSeconds": 1.5}}})
     settings = settings_from_spec(spec)
     assert settings.prefill == PrefillSettings(2, 5, "TTFT", 2048, 1.5)
-    assert (settings.prefill_pool().min_replicas, settings.prefill_pool().max_replicas) == (2, 5)
+    assert (settings.pool(PREFILL).min_replicas, settings.pool(PREFILL).max_replicas) == (2, 5)
     assert (settings.min_replicas, settings.max_replicas) == (1, 4)
 
 

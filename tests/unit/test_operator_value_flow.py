@@ -9,8 +9,9 @@ from datetime import UTC, datetime
 
 from iterserve.operator.autoscaling import policy
 from iterserve.operator.autoscaling.engine_admin import SeqsOutcome
-from iterserve.operator.autoscaling.loop import Autoscaler
+from iterserve.operator.autoscaling.loop import Autoscaler, PoolPods
 from iterserve.operator.autoscaling.report import AutoscalerTick, Record
+from iterserve.operator.autoscaling.settings import DECODE, PREFILL
 from iterserve.operator.reconcile import Reconciler
 
 
@@ -120,8 +121,8 @@ def test_the_autoscaler_tick_writes_only_spec_replicas():
     from iterserve.operator.validation import parse_spec
 
     spec = parse_spec({**SPEC, "autoscaling": {**SPEC["autoscaling"], "minReplicas": 2}})
-    tick = asyncio.run(Autoscaler().tick(namespace="ns", name="llm", spec=spec, replicas=1, pods=[], port=8000,
-                                         admin_token=None, kube=kube))
+    tick = asyncio.run(Autoscaler().tick(namespace="ns", name="llm", spec=spec, pools={DECODE: PoolPods(1, [])},
+                                         port=8000, admin_token=None, kube=kube))
     assert tick.decision.desired_replicas == 2 and tick.record.replicas_applied
     assert kube.writes == [("spec.replicas", "2")] and kube.events == []
     assert tick.max_num_seqs is None  # nothing read: the reconcile keeps what it recorded
@@ -166,13 +167,14 @@ def test_a_disaggregated_tick_decides_each_pool_on_its_own_pods_and_scales_the_p
     autoscaler = Autoscaler(clock=lambda: now)
     readings = _Readings(autoscaler.clock)
     autoscaler.source_for = lambda spec, namespace: readings
-    tick = asyncio.run(autoscaler.tick(namespace="ns", name="llm", spec=parse_spec(DISAGGREGATED), replicas=1,
-                                       pods=[_pod("llm-d", "10.0.0.1")], port=8000, admin_token=None, kube=kube,
-                                       prefill_pods=[_pod("llm-prefill-p", "10.0.0.2")], prefill_replicas=1))
+    pools = {DECODE: PoolPods(1, [_pod("llm-d", "10.0.0.1")]), PREFILL: PoolPods(1, [_pod("llm-prefill-p", "10.0.0.2")])}
+    tick = asyncio.run(autoscaler.tick(namespace="ns", name="llm", spec=parse_spec(DISAGGREGATED), pools=pools,
+                                       port=8000, admin_token=None, kube=kube))
     assert readings.read_pods == ["llm-d", "llm-prefill-p"]  # one read for both pools
     # The decode pool read only its own pod (the prefill pod's 2 waiting would not scale it).
     assert [p.pod for p in tick.decision.pods] == ["llm-d"] and tick.decision.desired_replicas == 1
-    assert tick.prefill.decision.desired_replicas == 4 and tick.prefill.decision.signal_value == 3500
+    prefill = tick.pool(PREFILL).decision
+    assert prefill.desired_replicas == 4 and prefill.signal_value == 3500
     assert kube.writes == [("spec.disaggregation.prefill.replicas", "4")]
 
     reconciler.reconcile("ns", "llm", tick=tick)
