@@ -1,18 +1,15 @@
 """What the run must show, judged from the API's records and the engines' own metrics, and the
-summary of the figures behind each judgement."""
+summary of the figures behind each judgement. The autoscaler's numbers are read from the fields
+of its scalingHistory records (metricReplicas, kvUsageReadings, ...), never from its messages."""
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 from e2e.wholeloop.timeline import epoch
 
 ACTIONS = ("ScaleUp", "ScaleDown", "RetuneDown", "RetuneUp")
-_READINGS = re.compile(r"\b(\d\.\d{3})\b")
-_PREEMPTED = re.compile(r"\(\+(\d+) preemptions\)")
-_WAITING = re.compile(r"waiting ([\d.]+) on (\d+) read pods \(target ([\d.]+)/replica\)")
 AFTER_RETUNE_SETTLE_SECONDS = 8  # running sequences above the new cap finish first
 MIN_AFTER_WINDOW_SECONDS = 10
 
@@ -77,16 +74,14 @@ def evaluate(result: dict) -> tuple[dict, list[Check]]:
     # (absolute: total waiting / target, with the loading pods already in the replicas) may.
     problems = []
     for record in ups:
-        match = _WAITING.search(record["message"])
-        if not match:
+        if record.get("metricReplicas") is None:
             problems.append(f"ScaleUp without its numbers: {record['message']!r}")
             continue
-        waiting, target = float(match.group(1)), float(match.group(3))
-        allowed = min(scenario["max_replicas"], max(math.ceil(waiting / target), record["fromReplicas"] + 1
+        allowed = min(scenario["max_replicas"], max(math.ceil(record["metricReplicas"]), record["fromReplicas"] + 1
                                                     if record["reason"] == "preemptions" else 0))
         if record["toReplicas"] > max(allowed, record["fromReplicas"]):
-            problems.append(f"{record['fromReplicas']}->{record['toReplicas']} but waiting {waiting:g} / "
-                            f"target {target:g} asks {allowed}")
+            problems.append(f"{record['fromReplicas']}->{record['toReplicas']} but {record.get('signal')} "
+                            f"{record.get('signalValue')} (target {record.get('target')}) asks {allowed}")
     ordered = sorted(ups + downs, key=lambda d: d["time"])
     for first, second in zip(ordered, ordered[1:], strict=False):
         if first["action"] != "ScaleUp" or second["action"] != "ScaleUp" or second["reason"] != "preemptions":
@@ -132,12 +127,11 @@ def evaluate(result: dict) -> tuple[dict, list[Check]]:
         lowered = bool(after) and after[-1] < scenario["max_num_seqs"] and (not before or before[-1] == scenario["max_num_seqs"])
         # The operator's own readings (its evidence in the record) and ours, a second apart at most:
         # with recompute preemption usage dips at each eviction, so one of them may miss the peak.
-        evidence = [float(v) for v in _READINGS.findall(pod_retunes[0]["message"].split(" above ")[0])]
+        evidence = list(pod_retunes[0].get("kvUsageReadings") or [])
         summary_retune["kv_usage_operator_readings"] = evidence
         # A recompute preemption happens only when the pool has no free block, so a sample that preempted
         # is one where usage reached 1.0 between readings (each eviction drops usage before the next).
-        readings = pod_retunes[0]["message"].split(" above ")[0]
-        preempted = [int(n) for n in _PREEMPTED.findall(readings)]
+        preempted = list(pod_retunes[0].get("preemptionsAtReadings") or [])
         full_between_readings = bool(evidence) and len(preempted) == len(evidence) and min(preempted) > 0
         pressured = max(kv + evidence, default=0) >= 0.95 or full_between_readings
         checks.append(Check(

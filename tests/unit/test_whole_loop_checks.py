@@ -25,7 +25,8 @@ def row(t, desired, ready, live=None, terminating=0):
 
 def scale(t, action, frm, to, waiting=40, reason="waiting_above_target"):
     return {"time": stamp(t), "action": action, "reason": reason, "fromReplicas": frm, "toReplicas": to,
-            "message": f"replicas {frm} -> {to}: waiting {waiting:g} on {frm} read pods (target 4/replica)"}
+            "message": f"replicas {frm} -> {to}: waiting {waiting:g} on {frm} read pods (target 4/replica)",
+            "signal": "WaitingRequests", "signalValue": waiting / frm, "target": 4, "metricReplicas": waiting / 4}
 
 
 def result(decisions, rows, requests=(), events=None):
@@ -88,10 +89,10 @@ def test_ready_endpoints_skip_unready_and_terminating_pods():
     assert ready_urls(pods, "http") == ["http://127.10.3.1:8000", "http://127.10.3.2:8000"]
 
 
-def retune(t, readings):
+def retune(t, readings, preemptions):
     return {"time": stamp(t), "action": "RetuneDown", "reason": "kv_pressure", "pod": "p", "fromMaxNumSeqs": 8,
-            "toMaxNumSeqs": 6, "message": f"KV usage {readings} above 0.95 or preempting for 3 samples: "
-                                          "max_num_seqs 8 x 0.75 -> 6 (floor 4)"}
+            "toMaxNumSeqs": 6, "message": "KV usage above 0.95 or preempting for 3 samples: max_num_seqs 8 x 0.75 -> 6",
+            "kvUsageReadings": readings, "preemptionsAtReadings": preemptions}
 
 
 def pod_row(t, seqs, kv, preemptions):
@@ -102,8 +103,14 @@ def test_a_retune_counts_as_kv_pressure_when_usage_crossed_095_or_every_reading_
     """With recompute preemption usage drops at each eviction, so the readings may all sit under 0.95
     while every one of them saw preemptions, which need a full pool."""
     rows = [pod_row(t, 8, 0.8, t) for t in range(11, 30)] + [pod_row(t, 6, 0.5, 30) for t in range(31, 60)]
-    for readings, ok in [("0.951, 1.000, 0.902 (+41 preemptions)", True),
-                         ("0.488 (+1 preemptions), 0.854 (+11 preemptions), 0.927 (+8 preemptions)", True),
-                         ("0.488, 0.854 (+2 preemptions), 0.927", False)]:
-        check = by_name(evaluate(result([retune(30, readings)], rows))[1])["kv_retune_lowered_max_num_seqs"]
+    for readings, preemptions, ok in [([0.951, 1.0, 0.902], [0, 0, 41], True),
+                                      ([0.488, 0.854, 0.927], [1, 11, 8], True),
+                                      ([0.488, 0.854, 0.927], [0, 2, 0], False)]:
+        check = by_name(evaluate(result([retune(30, readings, preemptions)], rows))[1])["kv_retune_lowered_max_num_seqs"]
         assert check.ok == ok, (readings, check.detail)
+
+
+def test_a_scale_up_record_without_its_numbers_is_runaway_evidence_missing():
+    bare = {k: v for k, v in scale(12, "ScaleUp", 1, 2, waiting=8).items() if k != "metricReplicas"}
+    check = by_name(evaluate(result([bare], [row(11, 1, 1), row(30, 2, 2)]))[1])["no_runaway_scale_up"]
+    assert not check.ok and "without its numbers" in check.detail
