@@ -1,0 +1,168 @@
+"""The iterserve image, run as a pod runs it: the engine, the router and a clean shutdown.
+
+Containers start with podman + runc under the chart's pod security context (read-only root,
+uid 10001, every capability dropped, no new privileges, a tmpfs at /tmp) on the host network,
+bound to 127.0.0.1. The image is built once per machine and reused by its content-hash tag
+(image/build.py --if-missing): the first build downloads and installs torch (minutes, see
+docs/image.md); later runs with unchanged sources reuse it. Without podman or runc these tests
+skip and say why; the consistency checks at the bottom run everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from iterserve.devcluster import podman
+
+REPO = Path(__file__).resolve().parents[2]
+FIRST_BUILD_TIMEOUT_S = 3600
+DRAIN_S = 5
+GRACE_S = DRAIN_S + 15  # the pod's grace period: drain, plus the margin the operator adds
+READY_TIMEOUT_S = 240
+
+
+
+def container_test(test):
+    """Slow and needs podman; the first such test may pay for building the image."""
+    for mark in (pytest.mark.slow, pytest.mark.image, pytest.mark.timeout(FIRST_BUILD_TIMEOUT_S)):
+        test = mark(test)
+    return test
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    reason = podman.unavailable_reason()
+    if reason:
+        pytest.skip(f"image tests did not run: {reason}")
+    built = subprocess.run([sys.executable, str(REPO / "image" / "build.py"), "--if-missing"],
+                           capture_output=True, text=True, timeout=FIRST_BUILD_TIMEOUT_S)
+    assert built.returncode == 0, built.stderr[-4000:]
+    return built.stdout.strip().splitlines()[-1]
+
+
+def wait_ready(name: str, url: str) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"{name} not ready at {url} in {READY_TIMEOUT_S} s:\n{podman.logs(name)}")
+
+
+class Container:
+    def __init__(self, image: str, role: str, command: list[str], port: int) -> None:
+        self.name = f"iterserve-test-{role}-{os.getpid()}-{port}"
+        self.url = f"http://127.0.0.1:{port}"
+        podman.remove(self.name)
+        podman.run_detached(image, self.name, command)
+
+
+@pytest.fixture(scope="module")
+def engine(image: str):
+    port = free_port()
+    box = Container(image, "engine", ["iterserve", "serve", "--host", "127.0.0.1", "--port",
+                                      str(port), "--drain-timeout", str(DRAIN_S)], port)
+    try:
+        wait_ready(box.name, box.url + "/ready")
+        yield box
+    finally:
+        podman.remove(box.name)
+
+
+@pytest.fixture(scope="module")
+def router(image: str, engine: Container):
+    port = free_port()
+    box = Container(image, "router", ["iterserve", "router", "--endpoints", engine.url,
+                                      "--host", "127.0.0.1", "--port", str(port)], port)
+    try:
+        wait_ready(box.name, box.url + "/ready")
+        yield box
+    finally:
+        podman.remove(box.name)
+
+
+def chat(url: str) -> dict:
+    body = {"model": "smollm2-135m", "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    answer = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+@container_test
+def test_the_engine_in_the_image_answers_a_chat_completion_with_the_embedded_model(engine):
+    reply = chat(engine.url)
+    assert reply["choices"][0]["message"]["content"].strip()
+    assert reply["usage"]["completion_tokens"] > 0
+
+
+@container_test
+def test_the_engine_in_the_image_answers_health_and_metrics(engine):
+    assert httpx.get(engine.url + "/health", timeout=10).status_code == 200
+    metrics = httpx.get(engine.url + "/metrics", timeout=10)
+    assert metrics.status_code == 200
+    assert "vllm:num_requests_running" in metrics.text
+
+
+@container_test
+def test_the_router_in_the_image_proxies_to_the_engine_in_the_image(engine, router):
+    direct = chat(engine.url)
+    routed = chat(router.url)
+    # Greedy decoding: the same answer whichever way the request went.
+    assert routed["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
+    assert httpx.get(router.url + "/health", timeout=10).status_code == 200
+    assert httpx.get(router.url + "/metrics", timeout=10).status_code == 200
+
+
+@container_test
+def test_sigterm_stops_both_with_exit_0_in_the_grace_period_and_nothing_written_outside_tmp(
+        engine, router):
+    for box in (router, engine):
+        started = time.monotonic()
+        code = podman.terminate(box.name, GRACE_S)
+        assert code == 0, (f"{box.name}: exit {code} (None: still running after {GRACE_S} s)"
+                           f"\n{podman.logs(box.name)}")
+        assert time.monotonic() - started < GRACE_S
+        written = [p for p in podman.changed_paths(box.name) if not p.startswith("/tmp")]
+        assert written == [], f"{box.name} wrote outside /tmp: {written}"
+
+
+def test_make_image_tags_what_the_chart_and_the_crd_pull_by_default():
+    from iterserve.operator.models import DEFAULT_ENGINE_IMAGE
+
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    chart = yaml.safe_load((REPO / "charts" / "iterserve" / "Chart.yaml").read_text())
+    values = yaml.safe_load((REPO / "charts" / "iterserve" / "values.yaml").read_text())
+    image = values["operator"]["image"]
+    tag = image["tag"] or chart["appVersion"]
+    assert f"{image['repository']}:{tag}" == f"ghcr.io/iterserve/engine:{version}"
+    assert DEFAULT_ENGINE_IMAGE == f"ghcr.io/iterserve/engine:{version}"
+    assert image["pullPolicy"] == "IfNotPresent"  # a locally built or kind-loaded image works
+
+
+def test_the_content_hash_covers_every_path_the_ignore_file_lets_into_the_build():
+    build = (REPO / "image" / "build.py").read_text()
+    ignore = (REPO / "image" / "Containerfile.dockerignore").read_text()
+    let_in = re.findall(r"^!(\S+?)/?$", ignore, flags=re.M)
+    for path in let_in:
+        assert f'"{path}"' in build, f"image/build.py's content hash misses {path}"
