@@ -8,7 +8,7 @@ ITERSERVE_E2E_TARGET picks the cluster:
   pod's IP (KWOK hands out 127.10.x.x). That checks the operator's pod spec against the real
   engine CLI, then requests go to the pod IP.
 - `kind` (a machine with Docker, kind, helm and kubectl): create a kind cluster, build and load
-  the image (e2e/Dockerfile), `helm install` charts/iterserve, apply the sample, port-forward
+  the image (image/Containerfile), `helm install` charts/iterserve, apply the sample, port-forward
   its Service to loopback and send the same requests. See e2e/README.md.
 """
 
@@ -160,7 +160,8 @@ def run_kind(tmp_path: Path) -> None:
     _sh("kind", "create", "cluster", "--name", cluster, "--kubeconfig", kubeconfig, "--wait", "120s")
     forward = None
     try:
-        _sh("docker", "build", "-f", str(REPO / "e2e" / "Dockerfile"), "-t", image, str(REPO), timeout=3600)
+        _sh("docker", "build", "-f", str(REPO / "image" / "Containerfile"), "--build-arg",
+            "BASE=python:3.11-slim-bookworm", "-t", image, str(REPO), timeout=3600)
         _sh("kind", "load", "docker-image", image, "--name", cluster)
         _sh("helm", "install", "iterserve", str(REPO / "charts" / "iterserve"), *kube,
             "--namespace", "iterserve-system", "--create-namespace", "--wait", "--timeout", "5m")
