@@ -43,6 +43,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--allow-runtime-class", action="append", default=[], metavar="NAME",
                      help="let InferenceServices set spec.podTemplatePatch.spec.runtimeClassName to NAME "
                           "(repeat for several); the chart sets it from admissionPolicy.runtimeClasses")
+    run.add_argument("--no-network-policy", dest="network_policy", action="store_false",
+                     help="make no NetworkPolicy for the engine pods (and delete those made before); the chart "
+                          "sets it when networkPolicy.enabled is false")
+    run.add_argument("--network-policy-peer", action="append", default=[], metavar="JSON",
+                     help="a NetworkPolicyPeer ({\"namespaceSelector\": ..., \"podSelector\": ...}) allowed to the "
+                          "engines' HTTP port besides the router, e.g. the operator and Prometheus (repeat for several)")
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -100,10 +106,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"iterserve operator run: the API server does not serve {PLURAL}.{GROUP}/{VERSION}; "
               "install the CRD first: kubectl apply -f crds/inferenceservice.yaml", file=sys.stderr)
         return 1
+    from iterserve.operator.network_policy import NetworkPolicySettings, parse_peer
     from iterserve.operator.podsecurity import RUNTIME_CLASS_ALLOWED
 
+    try:
+        peers = tuple(parse_peer(text) for text in args.network_policy_peer)
+    except ValueError as error:
+        print(f"iterserve operator run: {error}", file=sys.stderr)
+        return 2
+
     reconciler = Reconciler(kube, allowed_pod_security=frozenset(
-        [*args.allow_pod_security, *(RUNTIME_CLASS_ALLOWED + name for name in args.allow_runtime_class)]))
+        [*args.allow_pod_security, *(RUNTIME_CLASS_ALLOWED + name for name in args.allow_runtime_class)]),
+        network=NetworkPolicySettings(args.network_policy, peers))
     registry = kopf.OperatorRegistry()
     autoscaler = AutoscalerHook(prometheus_url=args.prometheus_url, metrics=OperatorMetrics())
     register(registry, reconciler, resync_seconds=args.resync_seconds, tick_hooks=[autoscaler])

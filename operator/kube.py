@@ -113,8 +113,9 @@ class Kube:
             GROUP, VERSION, namespace, PLURAL, name, body, _content_type=MERGE, _preload_content=False))
 
     # apps deployments, core services, configmaps and serviceaccounts, rbac roles and rolebindings,
-    # inference.networking.k8s.io inferencepools: get, patch (server-side apply), delete (the
-    # routing objects a mode switch leaves behind); core secrets: get
+    # inference.networking.k8s.io inferencepools, networking networkpolicies, policy
+    # poddisruptionbudgets: get, patch (server-side apply), delete (the routing objects a mode
+    # switch leaves behind); core secrets: get
     def _methods(self, kind: str):
         """(read, server-side apply, delete) of a kind, each called as f(name, namespace, ...)."""
         if kind == "InferencePool":
@@ -139,7 +140,14 @@ class Kube:
 
             return read, patch, delete
         rbac = client.RbacAuthorizationV1Api(self.core.api_client)
+        networking = client.NetworkingV1Api(self.core.api_client)
+        policy = client.PolicyV1Api(self.core.api_client)
         return {
+            "NetworkPolicy": (networking.read_namespaced_network_policy, networking.patch_namespaced_network_policy,
+                              networking.delete_namespaced_network_policy),
+            "PodDisruptionBudget": (policy.read_namespaced_pod_disruption_budget,
+                                    policy.patch_namespaced_pod_disruption_budget,
+                                    policy.delete_namespaced_pod_disruption_budget),
             "Deployment": (self.apps.read_namespaced_deployment, self.apps.patch_namespaced_deployment,
                            self.apps.delete_namespaced_deployment),
             "Service": (self.core.read_namespaced_service, self.core.patch_namespaced_service, None),

@@ -50,6 +50,10 @@ RULES: tuple[Rule, ...] = (
          "binds the router's Role to its ServiceAccount: server-side apply; delete on a mode switch"),
     Rule("inference.networking.k8s.io", "inferencepools", ("get", "create", "patch", "delete"),
          "the InferencePool (Gateway mode): server-side apply; delete on a mode switch"),
+    Rule("networking.k8s.io", "networkpolicies", ("get", "create", "patch", "delete"),
+         "the engines' NetworkPolicy: server-side apply; delete when the operator runs with --no-network-policy"),
+    Rule("policy", "poddisruptionbudgets", ("get", "create", "patch", "delete"),
+         "the router's PodDisruptionBudget (Router mode): server-side apply; delete on a mode switch"),
     Rule("apps", "replicasets", ("list",),
          "the autoscaler trusts only pods of its Deployment's current ReplicaSet"),
 )

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from iterserve.operator import disaggregation, kv_auth, metrics, routing
+from iterserve.operator import disaggregation, kv_auth, metrics, network_policy, routing
 from iterserve.operator.autoscaling.report import AutoscalerTick, events_for, tuned_max_num_seqs
 from iterserve.operator.autoscaling.settings import settings_from_spec
 from iterserve.operator.kube import Kube, conflict, invalid, not_found, server_message
@@ -118,22 +118,27 @@ def _key(manifest: dict) -> tuple[str, str]:
 
 
 def wanted_objects(owner: Owner, spec: InferenceServiceSpec, max_num_seqs: int, router_serving: bool,
-                   pool_served: bool) -> list[dict]:
+                   pool_served: bool,
+                   network: network_policy.NetworkPolicySettings = network_policy.DEFAULT_SETTINGS) -> list[dict]:
     """Every object the InferenceService should have, in apply order: the engine ConfigMap, the
-    routing mode's objects (a router exists before the Service is pointed at it), the Service,
-    the engine Deployment, then the prefill pool. Pure: the reconcile applies what differs."""
-    return [build_configmap(owner, spec, max_num_seqs), *routing.build_routing(owner, spec, pool_served),
+    engines' NetworkPolicy (before any engine pod), the routing mode's objects (a router exists
+    before the Service is pointed at it), the Service, the engine Deployment, then the prefill
+    pool. Pure: the reconcile applies what differs."""
+    return [build_configmap(owner, spec, max_num_seqs), *network_policy.build_for(owner, spec, network),
+            *routing.build_routing(owner, spec, pool_served),
             build_service(owner, spec, router_serving), build_deployment(owner, spec),
             *disaggregation.build_disaggregation(owner, spec)]
 
 
 class Reconciler:
     def __init__(self, kube: Kube, clock: Callable[[], datetime] = utcnow,
-                 allowed_pod_security: frozenset[str] = frozenset()):
+                 allowed_pod_security: frozenset[str] = frozenset(),
+                 network: network_policy.NetworkPolicySettings = network_policy.DEFAULT_SETTINGS):
         """`allowed_pod_security`: operator/podsecurity.py rules the cluster admin allows."""
         self.kube = kube
         self.clock = clock
         self.allowed_pod_security = allowed_pod_security
+        self.network_policy = network
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
 
@@ -205,8 +210,9 @@ class Reconciler:
         # Written after the Service stopped selecting them: a mode switch drops no request on the floor.
         for obj in leftovers.values():
             if obj is not None and controlled_by(obj, owner):
-                why = (f"spec.routing.mode is {mode}" if obj["metadata"]["name"] != disaggregation.prefill_name(name)
-                       else "spec.disaggregation.enabled is false")
+                why = ("spec.disaggregation.enabled is false" if obj["metadata"]["name"] == disaggregation.prefill_name(name)
+                       else "the operator runs with --no-network-policy" if obj["kind"] == network_policy.KIND
+                       else f"spec.routing.mode is {mode}")
                 changes.append(self._delete(body, obj, why))
         deployment = live[("Deployment", deployment_name(name))]
         router = live.get(("Deployment", routing.router_name(name)))
@@ -229,12 +235,13 @@ class Reconciler:
         # Every object some routing mode makes, read once: what this mode wants is applied, what
         # another mode left behind (and is ours) is deleted.
         leftovers = {key: self.kube.get(key[0], namespace, key[1])
-                     for key in (*routing.routing_object_keys(name), *disaggregation.disaggregation_object_keys(name))}
+                     for key in (*routing.routing_object_keys(name), *disaggregation.disaggregation_object_keys(name),
+                                 (network_policy.KIND, network_policy.policy_name(name)))}
         router = leftovers.get(("Deployment", routing.router_name(name)))
         service = self.kube.get("Service", namespace, service_name(name))
         router_serving = routing.router_ready(router) or (
             service is not None and (service.get("spec") or {}).get("selector") == routing.router_labels(name))
-        manifests = wanted_objects(owner, spec, max_num_seqs, router_serving, pool_served)
+        manifests = wanted_objects(owner, spec, max_num_seqs, router_serving, pool_served, self.network_policy)
         live = {}
         for m in manifests:
             key = _key(m)
