@@ -71,15 +71,10 @@ ROUTER_ENDPOINT_IN_FLIGHT = "iterserve_router_endpoint_in_flight"  # label endpo
 ROUTER_ENDPOINT_ROUTABLE = "iterserve_router_endpoint_routable"  # label endpoint: 0 while ejected
 ROUTER_ENDPOINT_LABEL = "endpoint"
 
-ROUTER_METRIC_NAMES = [
-    ROUTER_PICKS_TOTAL, ROUTER_RETRIES_TOTAL, ROUTER_EJECTIONS_TOTAL, ROUTER_REQUESTS_TOTAL,
-    ROUTER_STALE_ENDPOINTS, ROUTER_ENDPOINT_LOAD, ROUTER_ENDPOINT_IN_FLIGHT, ROUTER_ENDPOINT_ROUTABLE,
-]
 # The router's P/D path (iterserve/router/disagg.py).
 ROUTER_PD_DECISIONS_TOTAL = "iterserve_router_pd_decisions_total"  # label reason: disagg.PD_REASONS
 ROUTER_PD_FALLBACKS_TOTAL = "iterserve_router_pd_fallbacks_total"  # label reason: disagg.FALLBACK_REASONS
 ROUTER_PD_PREFILL_SECONDS = "iterserve_router_pd_prefill_seconds"  # histogram: successful remote prefill calls
-ROUTER_METRIC_NAMES += [ROUTER_PD_DECISIONS_TOTAL, ROUTER_PD_FALLBACKS_TOTAL, ROUTER_PD_PREFILL_SECONDS]
 
 # Prefix caching. Queries and hits count prompt tokens, looked up and found cached when a
 # request is admitted (vLLM's meaning); the hit rate is hits/queries over the last 1000 admissions.

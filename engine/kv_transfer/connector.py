@@ -48,6 +48,7 @@ from iterserve.engine.kv_transfer.wire import KVTransferError
 from iterserve.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
+SIGNATURE_GRACE_SECONDS = 60.0
 
 
 @dataclass
@@ -74,7 +75,6 @@ class Pull:
 class TransferCounts:
     pulls_ok: int = 0
     pulls_failed: int = 0
-    leases_created: int = 0
     leases_released: int = 0
     leases_expired: int = 0
     leases_refused: int = 0  # prefill calls answered without a lease: the leased-blocks cap was reached
@@ -133,7 +133,6 @@ class KVConnector:
         lease_s = self.config.kv_lease_seconds
         with self._lock:
             self._leases[transfer_id] = Lease(transfer_id, blocks, num_tokens, self.clock() + lease_s, secret)
-        self.counts.leases_created += 1
         logger.debug("pinned %d blocks of request %s under transfer %s for %.0f s", len(blocks), seq.request_id,
                      transfer_id, lease_s)
         expires_at = self.wall_clock() + lease_s
@@ -142,7 +141,11 @@ class KVConnector:
             "block_ids": blocks, "num_tokens": num_tokens, "block_size": self.block_manager.block_size,
             "compat_hash": self.compat_hash, "lease_expires_at": round(expires_at, 3), "lease_secret": secret,
         }
-        return auth.sign(params, self.auth_key, auth.REMOTE_PREFILL, expires_at) if self.auth_key else params
+        if self.auth_key is None:
+            return params
+        # The MAC outlives the lease by a grace: a decode call that arrives just late is answered by
+        # recomputing the prompt (the pull finds no lease), not with a 400 to the user.
+        return auth.sign(params, self.auth_key, auth.REMOTE_PREFILL, expires_at + SIGNATURE_GRACE_SECONDS)
 
     def collect(self) -> int:
         """On the engine thread: free released and expired leases nobody is reading. Returns the
@@ -304,10 +307,6 @@ class KVConnector:
         threading.Thread(target=self.transport.release,
                          args=(remote.host, remote.port, remote.transfer_id, remote.lease_secret), daemon=True,
                          name="kv-release").start()
-
-    @property
-    def num_pulls(self) -> int:
-        return len(self._pulls)
 
     def close(self) -> None:
         for pull in self._pulls.values():

@@ -27,8 +27,6 @@ from iterserve.engine.kv_transfer import auth
 from iterserve.engine.sampling_params import InvalidRequestError
 
 PARAM = "kv_transfer_params"
-ANSWER_FIELDS = ("transfer_id", "engine_id", "host", "port", "block_ids", "num_tokens", "block_size",
-                 "compat_hash", "lease_expires_at", "lease_secret")
 MAX_BLOCK_IDS = 1 << 16  # far above any prompt's blocks; bounds the work a request makes here
 
 

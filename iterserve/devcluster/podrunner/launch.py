@@ -50,6 +50,7 @@ SERVE_FLAGS = {
     "--role": True, "--kv-transfer-port": True, "--kv-transfer-host": True, "--kv-advertise-host": True,
     "--kv-lease-seconds": True, "--kv-transfer-timeout": True, "--kv-failure-policy": True,
     "--kv-auth-key-file": True,  # only from a secret volume (secret_files.py)
+    "--kv-max-leased-fraction": True,
 }
 # `serve` flags a pod may not pass: they name a file of this machine to write or read.
 REFUSED_SERVE_FLAGS = ("--step-log", "--admin-token-file", "--help")
@@ -61,7 +62,9 @@ ROUTER_FLAGS = {
     "--affinity-tolerance": True, "--prefix-tokens": True, "--block-size": True, "--seed": True,
     "--policy": True, "--log-level": True,
     "--pd-threshold-tokens": True, "--pd-max-prefill-queue": True, "--pd-prefill-timeout": True,
-    "--kv-auth-key-file": True,  # only from a secret volume (secret_files.py)
+    "--kv-auth-key-file": True, "--tenant-salt-key-file": True,  # only from a secret volume (secret_files.py)
+    "--drain-grace": True, "--max-connections": True, "--client-header-timeout": True,
+    "--client-body-timeout": True, "--max-request-body": True, "--tenant-salt-header": True,
 }
 # `router` flags a pod may not pass: a file of this machine (--kubeconfig: the runtime gives its
 # own), or addresses to dial that no API server vouches for (--endpoints).
@@ -222,14 +225,6 @@ def check_args(args: list[str], where: str, namespace: str | None = None) -> str
         raise LaunchError(f"{where}: `iterserve router` needs --infsvc NAME here (a router pod finds its engines "
                           "through the API server)", "RunContainerError")
     return command
-
-
-def check_serve_args(args: list[str], where: str) -> None:
-    """Raises LaunchError unless `args` are `serve` followed by SERVE_FLAGS only."""
-    if not args or args[0] != "serve":
-        raise LaunchError(f"{where}: expected `iterserve serve` (got `iterserve {' '.join(args[:3])}`)",
-                          "RunContainerError")
-    check_args(args, where)
 
 
 def _number(text: str) -> bool:
