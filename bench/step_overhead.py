@@ -278,7 +278,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=7, help="timed steps per variant (default 7)")
     parser.add_argument("--baseline-rev", default="138bf3a",
                         help="git revision whose torch attention backend the `before` variant runs (default "
-                             "%(default)s, the last before this change)")
+                             "%(default)s, the attention backend before its per-step plan)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

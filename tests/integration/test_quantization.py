@@ -25,7 +25,7 @@ from iterserve.engine.model.tokenizer import Tokenizer
 
 from .test_hf_parity import CHATS, MAX_NEW_TOKENS, RAW_PROMPTS
 
-# Floors under what was measured on this machine (2026-12-01; 10 prompts x 28 positions through the
+# Floors under what was measured on a 2-vCPU AMD EPYC (10 prompts x 28 positions through the
 # dense prefill and the ten-row decode, plus one prompt's 28 one-row decodes = 588 positions):
 # int8 573/588 (0.974), max logit error 2.26; int4 574/588 (0.976), 0.99; w8a8 518/588 (0.881),
 # 11.72 (activation rounding is most of that; with 7-bit activations, earlier: 0.755 / 18.6). The
