@@ -17,7 +17,7 @@ import posixpath
 from collections.abc import Callable
 from pathlib import Path
 
-FILE_FLAGS = ("--kv-auth-key-file",)
+FILE_FLAGS = ("--kv-auth-key-file", "--tenant-salt-key-file")
 SECRET_VOLUME = "secret volume"  # the lookup's `kind`, shown in messages
 
 
