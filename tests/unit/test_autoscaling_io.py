@@ -36,6 +36,7 @@ from iterserve.operator.autoscaling.report import (
     status_patch,
 )
 from iterserve.operator.metrics import OperatorMetrics
+from iterserve.operator.models import ScalingRecord
 
 ENGINE_TEXT = f"""# TYPE {names.WAITING_REQUESTS} gauge
 {names.WAITING_REQUESTS}{{model_name="m"}} 7.0
@@ -194,7 +195,7 @@ def test_operator_metrics_export_the_names_from_engine_metrics():
 
 def test_status_patch_and_events_carry_the_numbers():
     decision = _decision()
-    change = SeqsChange("a", 16, 12, "kv_pressure", "KV usage 0.99 ...")
+    change = SeqsChange("a", 16, 12, "kv_pressure", "KV usage 0.99 ...", (0.99, 0.97, 0.985), (0.0, 2.0, 0.0))
     record = Record(replicas_applied=True, seqs=SeqsOutcome((change,), ((SeqsChange("b", 16, 12, "kv_pressure", ""), "HTTP 401"),)))
     now = datetime(2026, 1, 1, tzinfo=UTC)
     patch = status_patch({"scalingHistory": [{"action": "ScaleUp"}] * 10}, Settings(max_replicas=3), decision,
@@ -204,6 +205,12 @@ def test_status_patch_and_events_carry_the_numbers():
     scale, retune = patch["scalingHistory"][-2:]
     assert (scale["fromReplicas"], scale["toReplicas"], scale["reason"]) == (2, 3, "waiting_above_target")
     assert (retune["pod"], retune["fromMaxNumSeqs"], retune["toMaxNumSeqs"]) == ("a", 16, 12)
+    # The numbers behind each record as fields, for tools (the whole-loop checks): 60 waiting / 10 = 6.
+    assert (scale["signal"], scale["signalValue"], scale["target"], scale["metricReplicas"]) == (
+        "WaitingRequests", 30, 10, 6)
+    assert retune["kvUsageReadings"] == [0.99, 0.97, 0.985] and retune["preemptionsAtReadings"] == [0, 2, 0]
+    assert ScalingRecord.model_validate(scale).metric_replicas == 6  # the CRD's schema keeps them
+    assert ScalingRecord.model_validate(retune).preemptions_at_readings == [0, 2, 0]
     assert patch["waitingRequests"] == 60 and patch["kvCacheUsage"] == 0.99
     conditions = {c["type"]: c for c in patch["conditions"]}
     assert conditions["MetricsAvailable"]["status"] == "True"

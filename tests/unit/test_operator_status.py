@@ -1,8 +1,15 @@
-"""Condition transitions and the status the reconcile writes from its Deployment."""
+"""Condition transitions, the status the reconcile writes from its Deployments (the decode pool at the
+top level, each extra pool in its own object), and the scaling history."""
 
 from datetime import UTC, datetime, timedelta
 
+import pytest
+
 from iterserve.operator import status as s
+from iterserve.operator.autoscaling.policy import PodSample, PodState, State, decide
+from iterserve.operator.autoscaling.report import AutoscalerTick, PoolTick, Record
+from iterserve.operator.autoscaling.settings import PREFILL, settings_from_spec
+from iterserve.operator.service_status import Observed, service_status
 from iterserve.operator.validation import parse_spec
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
@@ -90,3 +97,75 @@ def test_history_is_bounded_newest_last():
     for i in range(25):
         history = s.append_history(history, {"time": "t", "action": "ScaleUp", "reason": str(i)})
     assert len(history) == 10 and history[-1]["reason"] == "24" and history[0]["reason"] == "15"
+
+
+# ------------------------------------------------------------------ the whole status, per pool
+
+DISAGGREGATED = {"model": {"uri": "m"}, "replicas": 2, "routing": {"mode": "Router"},
+                 "disaggregation": {"enabled": True, "prefill": {"replicas": 2}}}
+BUILTIN = {**DISAGGREGATED, "autoscaling": {}}
+PREFILL_DEPLOYMENT = {"status": {"replicas": 2, "readyReplicas": 1}}
+RECORDED = {"replicas": 2, "readyReplicas": 2, "desiredReplicas": 4, "reason": "queued_prompt_tokens_above_target"}
+ROUTING = (s.FALSE, "RouterServing", "router ready")
+
+# id, spec, previous status, the prefill Deployment, expected fields (None: written as null),
+# fields that must stay absent.
+STATUS_CASES = [
+    ("aggregated: no pool object, no deprecated copies",
+     SPEC, {}, None, {}, ("prefill", "prefillReplicas", "prefillReadyReplicas")),
+    ("disaggregated: status.prefill counts from its Deployment; the deprecated copies equal them",
+     DISAGGREGATED, {}, PREFILL_DEPLOYMENT,
+     {"prefill": {"replicas": 2, "readyReplicas": 1, "desiredReplicas": 2}, "prefillReplicas": 2,
+      "prefillReadyReplicas": 1}, ()),
+    ("Builtin: the prefill pool's desiredReplicas and reason the autoscaler recorded stand",
+     BUILTIN, {"prefill": RECORDED}, PREFILL_DEPLOYMENT,
+     {"prefill": {**RECORDED, "replicas": 2, "readyReplicas": 1}}, ()),
+    ("autoscaling off: the prefill pool's desiredReplicas follows its spec",
+     DISAGGREGATED, {"prefill": RECORDED}, PREFILL_DEPLOYMENT,
+     {"prefill": {**RECORDED, "replicas": 2, "readyReplicas": 1, "desiredReplicas": 2}}, ()),
+    ("disaggregation turned off: status.prefill and its deprecated copies are cleared",
+     SPEC, {"prefill": RECORDED, "prefillReplicas": 2, "prefillReadyReplicas": 2}, None,
+     {"prefill": None, "prefillReplicas": None, "prefillReadyReplicas": None}, ()),
+]
+
+
+@pytest.mark.parametrize("spec,previous,prefill,expected,absent", [c[1:] for c in STATUS_CASES],
+                         ids=[c[0] for c in STATUS_CASES])
+def test_the_status_of_each_pool(spec, previous, prefill, expected, absent):
+    seen = Observed(parse_spec(spec), "llm", 1, deployment(), 64, T0, ROUTING, prefill=prefill)
+    status = service_status(previous, seen)
+    assert {k: status.get(k, "absent") for k in expected} == expected
+    assert [k for k in absent if k in status] == []
+    assert status["replicas"] == 2 and status["readyReplicas"] == 2  # the decode pool stays at the top level
+    merged = {**previous, **status}
+    assert s.changed_fields(merged, service_status(merged, seen)) == {}  # a second pass writes nothing
+
+
+def test_disaggregation_ineffective_is_unknown_until_prompts_are_seen_and_false_once_off():
+    on = service_status({}, Observed(parse_spec(DISAGGREGATED), "llm", 1, deployment(), 64, T0, ROUTING,
+                                     prefill=PREFILL_DEPLOYMENT))
+    assert conditions_of(on)["DisaggregationIneffective"]["reason"] == "NoTraffic"
+    off = service_status(on, Observed(SPEC, "llm", 2, deployment(), 64, T1, ROUTING))
+    assert (conditions_of(off)["DisaggregationIneffective"]["status"],
+            conditions_of(off)["DisaggregationIneffective"]["reason"]) == ("False", "Disabled")
+    never = service_status({}, Observed(SPEC, "llm", 1, deployment(), 64, T0, ROUTING))
+    assert "DisaggregationIneffective" not in conditions_of(never)
+
+
+def test_a_tick_puts_each_extra_pools_scaling_in_its_own_object_and_every_pool_in_the_history():
+    settings = settings_from_spec(parse_spec(BUILTIN))
+    pods = (PodState("p", 0, 1),)
+    queued = {"p": [PodSample("p", 100, 0, 1, 0.1, 0, 8, queued_prompt_tokens=9000)]}
+    prefill = decide(settings, State(2, pods), queued, 100, PREFILL)
+    decode = decide(settings, State(2, pods), {"p": [PodSample("p", 100, 0, 0, 0.1, 0, 8)]}, 100)
+    tick = AutoscalerTick(settings, decode, Record(), T1, None,
+                          extra_pools=(PoolTick(prefill, Record(replicas_applied=True)),))
+    status = service_status({}, Observed(parse_spec(BUILTIN), "llm", 1, deployment(), 64, T1, ROUTING,
+                                         prefill=PREFILL_DEPLOYMENT, tick=tick))
+    assert status["prefill"]["desiredReplicas"] == prefill.desired_replicas > 2
+    assert status["prefill"]["signal"] == "QueuedPromptTokens" and status["prefill"]["signalValue"] == 9000
+    assert status["prefill"]["lastScaleTime"] == "2025-01-01T00:05:00Z"
+    assert status["prefillReplicas"] == 2  # the deprecated copy follows status.prefill, not the tick
+    [record] = status["scalingHistory"]
+    assert (record["pool"], record["action"]) == ("prefill", "ScaleUp")
+    assert record["metricReplicas"] == 9000 / settings.pool(PREFILL).target  # the HPA ratio, unrounded
