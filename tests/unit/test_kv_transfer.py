@@ -18,7 +18,7 @@ from iterserve.engine.fake_executor import FakeExecutor, FakeTokenizer
 from iterserve.engine.kv_transfer import auth, wire
 from iterserve.engine.kv_transfer import params as params_module
 from iterserve.engine.kv_transfer.layout import KVLayout
-from iterserve.engine.kv_transfer.transport import PullRequest, TcpTransport
+from iterserve.engine.kv_transfer.transport import LeaseRead, PullRequest, TcpTransport
 from iterserve.engine.kv_transfer.wire import FrameError, KVTransferError
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -680,3 +680,40 @@ def test_prefill_and_decode_roles_need_a_readable_key(tmp_path):
     with pytest.raises(ConfigError, match="cannot read the KV auth key"):
         auth.load_key(str(tmp_path / "absent.key"))
     assert auth.load_key(key_file()) == KEY  # the trailing newline of a Secret's file is not part of it
+
+
+def test_a_reader_that_stops_reading_is_cut_at_the_lease_expiry():
+    """Before: each send had its own 30 s timeout, so a puller reading a byte now and then held the
+    serving thread and the lease's blocks without end; now the lease's expiry bounds the whole read."""
+    closed = threading.Event()
+
+    class Source:
+        layout, engine_id = LAYOUT, "prefill"
+
+        def open_read(self, transfer_id, secret, first_block, num_blocks):
+            return LeaseRead(list(range(num_blocks)), time.monotonic() + 1.0)
+
+        def read_layers(self, block_ids):
+            half = memoryview(bytes(len(block_ids) * LAYOUT.block_bytes_per_layer // 2))
+            for _ in range(LAYOUT.num_layers):  # 30 layers of 1.5 MiB: far more than the socket buffers
+                yield half, half
+
+        def close_read(self, transfer_id):
+            closed.set()
+
+        def release(self, transfer_id, secret):
+            return False
+
+    transport = TcpTransport()
+    port = transport.listen(Source(), "127.0.0.1", 0)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            wire.send_json(sock, wire.HELLO, {"layout": LAYOUT.as_dict(), "engine_id": "slow"})
+            wire.recv_json(sock, [wire.HELLO_OK])
+            wire.send_json(sock, wire.PULL, {"transfer_id": "t", "lease_secret": "s", "first_block": 0, "num_blocks": 64})
+            started = time.monotonic()
+            assert closed.wait(5), "the read was not cut"
+            assert time.monotonic() - started < 2.5
+    finally:
+        transport.close()
