@@ -202,6 +202,7 @@ class Reconciler:
         if spec.disaggregation.enabled and kv_secret is None and self._create_secret(
                 body, kv_auth.build_secret(owner), "KV transfer key"):
             changes.append(f"created Secret {kv_auth.secret_name(name)}")
+        service_before = live.get(("Service", service_name(name)))
         for manifest, difference in stale:
             applied, change = self._write(body, manifest, live[_key(manifest)], difference)
             live[_key(manifest)] = applied
@@ -209,7 +210,7 @@ class Reconciler:
                 changes.append(change)
         # Written after the Service stopped selecting them: a mode switch drops no request on the floor.
         for obj in leftovers.values():
-            if obj is not None and controlled_by(obj, owner):
+            if obj is not None and controlled_by(obj, owner) and routing.may_delete_leftover(obj, name, service_before):
                 why = ("spec.disaggregation.enabled is false" if obj["metadata"]["name"] == disaggregation.prefill_name(name)
                        else "the operator runs with --no-network-policy" if obj["kind"] == network_policy.KIND
                        else f"spec.routing.mode is {mode}")

@@ -1,8 +1,11 @@
 """Pure builders for how requests reach an InferenceService's engines (spec.routing.mode):
 
-- Router (the default): an `iterserve router` Deployment + the RBAC it needs (get/list/watch
-  pods in its own namespace, nothing more), and the InferenceService's Service selecting the
-  router pods instead of the engines; the router watches the engine pods itself.
+- Router (the default): an `iterserve router` Deployment (two replicas, a PodDisruptionBudget
+  keeping one up through node drains) + the RBAC it needs (get/list/watch pods in its own
+  namespace, nothing more), and the InferenceService's Service selecting the router pods instead
+  of the engines; the router watches the engine pods itself. A router pod that stops first
+  sleeps in preStop (the Service's endpoints drop it), then drains (--drain-grace) within its
+  termination grace period.
 - Gateway: an InferencePool (inference.networking.k8s.io/v1) selecting the engine pods, at the
   engine port, with a FailOpen reference to an endpoint picker Service; the engine pods carry
   the label by which the upstream endpoint picker maps vLLM-compatible metric names.
@@ -32,7 +35,14 @@ ROUTER = "Router"
 GATEWAY = "Gateway"
 NONE = "None"
 ROUTER_PORT = 8000
-ROUTER_REPLICAS = 1
+ROUTER_REPLICAS = 2  # one can be drained or rescheduled while the other serves
+ROUTER_MIN_AVAILABLE = 1
+# SIGTERM comes after the preStop sleep (time for the endpoints to drop the pod); the router then
+# stops accepting and gives requests in flight ROUTER_DRAIN_GRACE_SECONDS; the grace period covers
+# both and aiohttp's own shutdown, so the kubelet's SIGKILL never cuts a draining stream.
+ROUTER_PRESTOP_SLEEP_SECONDS = 5
+ROUTER_DRAIN_GRACE_SECONDS = 30
+ROUTER_TERMINATION_GRACE_SECONDS = ROUTER_PRESTOP_SLEEP_SECONDS + ROUTER_DRAIN_GRACE_SECONDS + 10
 INFERENCE_POOL_GROUP = "inference.networking.k8s.io"
 INFERENCE_POOL_VERSION = "v1"
 INFERENCE_POOL_PLURAL = "inferencepools"
@@ -76,7 +86,8 @@ def engine_pod_labels(spec: InferenceServiceSpec) -> dict[str, str]:
 
 
 def router_args(owner: Owner, spec: InferenceServiceSpec | None = None) -> list[str]:
-    args = ["--infsvc", owner.name, "-n", owner.namespace, "--host", "0.0.0.0", "--port", str(ROUTER_PORT)]
+    args = ["--infsvc", owner.name, "-n", owner.namespace, "--host", "0.0.0.0", "--port", str(ROUTER_PORT),
+            "--drain-grace", str(ROUTER_DRAIN_GRACE_SECONDS)]
     settings = spec.routing if spec is not None else None
     if settings is not None and settings.max_queue is not None:
         args += ["--max-queue", str(settings.max_queue)]
@@ -119,6 +130,7 @@ def build_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[st
         # 503 with Retry-After itself, rather than leave clients a refused connection.
         "readinessProbe": probe("/health"),
         "livenessProbe": probe("/health"),
+        "lifecycle": {"preStop": {"sleep": {"seconds": ROUTER_PRESTOP_SLEEP_SECONDS}}},
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
         "securityContext": {"readOnlyRootFilesystem": True, **restricted_container()},
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *([kv_auth.mount()] if disaggregated else [])],
@@ -136,6 +148,7 @@ def build_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[st
                                              "prometheus.io/path": "/metrics"}},
                 "spec": {
                     "serviceAccountName": name,
+                    "terminationGracePeriodSeconds": ROUTER_TERMINATION_GRACE_SECONDS,
                     **_router_scheduling(spec),
                     "containers": [container],
                     "volumes": [{"name": "tmp", "emptyDir": {}},
@@ -147,6 +160,14 @@ def build_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[st
             },
         },
     }
+
+
+def build_router_disruption_budget(owner: Owner) -> dict[str, Any]:
+    """Voluntary evictions (node drains, upgrades) leave at least one router pod serving."""
+    name, labels = router_name(owner.name), router_labels(owner.name)
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": _metadata(owner, name, {**labels, "app.kubernetes.io/component": "router"}),
+            "spec": {"minAvailable": ROUTER_MIN_AVAILABLE, "selector": {"matchLabels": labels}}}
 
 
 def _router_scheduling(spec: InferenceServiceSpec) -> dict[str, Any]:
@@ -178,7 +199,7 @@ def build_routing(owner: Owner, spec: InferenceServiceSpec, pool_served: bool = 
     order (`pool_served`: whether the API server serves InferencePools; none is built otherwise)."""
     mode = spec.routing.mode
     if mode == ROUTER:
-        return [*build_router_rbac(owner), build_router_deployment(owner, spec)]
+        return [*build_router_rbac(owner), build_router_deployment(owner, spec), build_router_disruption_budget(owner)]
     if mode == GATEWAY and pool_served:
         return [build_inference_pool(owner, spec)]
     return []
@@ -187,8 +208,18 @@ def build_routing(owner: Owner, spec: InferenceServiceSpec, pool_served: bool = 
 def routing_object_keys(name: str) -> list[tuple[str, str]]:
     """(kind, name) of every object some routing mode creates: what a mode switch may leave behind."""
     router = router_name(name)
-    return [("Deployment", router), ("RoleBinding", router), ("Role", router), ("ServiceAccount", router),
-            ("InferencePool", name)]
+    return [("PodDisruptionBudget", router), ("Deployment", router), ("RoleBinding", router), ("Role", router),
+            ("ServiceAccount", router), ("InferencePool", name)]
+
+
+def may_delete_leftover(obj: dict, name: str, service: dict | None) -> bool:
+    """Whether a routing object another mode left behind may go now. The router's objects wait
+    until the Service, as read at the start of this pass, already selects the engines: a mode
+    switch moves the Service in one pass and removes the router in a later one, so clients are
+    never sent to a router that is stopping, and the router drains what it still holds."""
+    if obj["metadata"]["name"] != router_name(name):
+        return True
+    return service is not None and (service.get("spec") or {}).get("selector") != router_labels(name)
 
 
 def routing_condition(name: str, spec: InferenceServiceSpec, pool_served: bool,

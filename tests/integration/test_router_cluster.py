@@ -196,9 +196,11 @@ def test_router_mode_end_to_end_and_mode_switches(k8s_cluster, operated):
     wait(lambda: condition("Ready").get("status") == "True", 120, 0.5, lambda: f"Ready; {logs()}")
     assert kube.get("Service", namespace, "chat")["spec"]["selector"] == routing.router_labels("chat")
     assert condition(routing.ROUTING_UNAVAILABLE)["reason"] == "RouterDeployed"
-    (router_url,) = wait(service_urls, 30, 0.5, "the Service's ready endpoint")
-    router_pod = kube.list_pods(namespace, ",".join(f"{k}={v}" for k, v in routing.router_labels("chat").items()))[0]
-    assert router_url == f"http://{router_pod['status']['podIP']}:{routing.ROUTER_PORT}"
+    router_urls = wait(lambda: len(service_urls()) == routing.ROUTER_REPLICAS and service_urls(), 30, 0.5,
+                       "the Service's ready endpoints (one per router replica)")
+    router_pods = kube.list_pods(namespace, ",".join(f"{k}={v}" for k, v in routing.router_labels("chat").items()))
+    assert set(router_urls) == {f"http://{p['status']['podIP']}:{routing.ROUTER_PORT}" for p in router_pods}
+    router_url = router_urls[0]
     engines = ready_urls(kube.list_pods(namespace, selector_string_of("chat")), "http")
     assert len(engines) == 2
 
@@ -270,7 +272,7 @@ def test_switching_router_to_none_removes_the_router(k8s_cluster, operated):
     custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "solo",
                                           {"spec": {"routing": {"mode": "None"}}})
     wait(lambda: all(kube.get(kind, namespace, router) is None
-                     for kind in ("Deployment", "Role", "RoleBinding", "ServiceAccount")), 30, 0.5,
+                     for kind in ("Deployment", "Role", "RoleBinding", "ServiceAccount", "PodDisruptionBudget")), 30, 0.5,
          lambda: f"the router objects deleted; operator:\n{operator.log_tail()}")
     assert kube.get("Service", namespace, "solo")["spec"]["selector"] == selector_labels("solo")
     # and the router pod itself goes (the garbage collector / Deployment deletion)

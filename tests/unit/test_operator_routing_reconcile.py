@@ -11,7 +11,7 @@ from iterserve.operator.resources import selector_labels
 from tests.unit.test_operator_value_flow import MemoryKube
 
 ROUTER_OBJECTS = {("ServiceAccount", "llm-router"), ("Role", "llm-router"), ("RoleBinding", "llm-router"),
-                  ("Deployment", "llm-router")}
+                  ("Deployment", "llm-router"), ("PodDisruptionBudget", "llm-router")}
 
 
 def kube_for(mode: str | None) -> MemoryKube:
@@ -72,9 +72,13 @@ def test_switching_router_to_none_moves_the_service_first_then_deletes_the_route
     reconciler.reconcile("ns", "llm")
     set_mode(kube, "None")
     kube.writes.clear()
+    moved = reconciler.reconcile("ns", "llm")
+    # First the Service moves to the engines; the router keeps serving what it holds ...
+    assert kube.objects[("Service", "llm")]["spec"]["selector"] == selector_labels("llm")
+    assert ROUTER_OBJECTS <= set(kube.objects) and not [c for c in moved.changes if c.startswith("deleted")]
+    # ... and only a later pass, which finds the Service moved already, removes it (it drains).
     outcome = reconciler.reconcile("ns", "llm")
     assert not ROUTER_OBJECTS & set(kube.objects)
-    assert kube.objects[("Service", "llm")]["spec"]["selector"] == selector_labels("llm")
     written = [w for w, _ in kube.writes]
     assert written.index("Service") < written.index("delete Deployment")
     assert {c for c in outcome.changes if c.startswith("deleted")} == {

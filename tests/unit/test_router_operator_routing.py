@@ -26,7 +26,7 @@ def test_router_is_the_default_and_gets_pod_reading_rights_in_its_namespace_only
     s = spec()
     assert s.routing.mode == routing.ROUTER
     objects = {o["kind"]: o for o in routing.build_routing(OWNER, s)}
-    assert set(objects) == {"ServiceAccount", "Role", "RoleBinding", "Deployment"}
+    assert set(objects) == {"ServiceAccount", "Role", "RoleBinding", "Deployment", "PodDisruptionBudget"}
     assert objects["Role"]["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
     assert all(o["metadata"]["namespace"] == "team-a" for o in objects.values())
     assert objects["RoleBinding"]["subjects"] == [{"kind": "ServiceAccount", "name": "chat-router", "namespace": "team-a"}]
@@ -40,6 +40,20 @@ def test_router_is_the_default_and_gets_pod_reading_rights_in_its_namespace_only
     # The InferenceService's Service selects the router pods; the router's selector is not the engines'.
     assert routing.service_selector("chat", s) == deployment["spec"]["selector"]["matchLabels"]
     assert routing.service_selector("chat", s) != selector_labels("chat")
+
+
+def test_the_router_survives_drains_and_stops_without_cutting_streams():
+    objects = {o["kind"]: o for o in routing.build_routing(OWNER, spec())}
+    deployment, budget = objects["Deployment"], objects["PodDisruptionBudget"]
+    assert deployment["spec"]["replicas"] == 2
+    assert budget["spec"] == {"minAvailable": 1, "selector": deployment["spec"]["selector"]}
+    pod = deployment["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    sleep = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    args = container["args"]
+    drain = float(args[args.index("--drain-grace") + 1])
+    # SIGKILL comes only after the preStop sleep and the whole drain, with room for shutdown.
+    assert pod["terminationGracePeriodSeconds"] > sleep + drain
 
 
 def test_router_args_parse_with_the_router_cli():
