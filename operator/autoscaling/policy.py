@@ -2,12 +2,13 @@
 
 Pure: no I/O, no clock of its own, no Kubernetes. The operator's timer and the simulator call
 `decide()` unchanged, once per pool (settings.Pool: the decode pool, and the prefill pool when
-disaggregated), each with its own signal, target, bounds and pods. Replicas follow HPA's formula on an average-value target (total waiting /
-target per replica), with HPA's tolerance, stabilization windows and rate policies, plus the
-guards that other LLM control planes lack: capacity that is still loading counts, warm-up
-samples are ignored, an unreadable pod never blocks the others, missing is never zero, and
-preemptions both add replicas and block scale-down. Per pod, a KV retune lowers max_num_seqs
-multiplicatively under KV pressure and raises it additively once the pod has been quiet.
+disaggregated), each with its own signal, target, bounds and pods. Replicas follow HPA's formula
+on an average-value target (the pool's signal summed over read pods / target per replica, or
+replicas x p95 TTFT / target), with HPA's tolerance, stabilization windows and rate policies,
+plus the guards that other LLM control planes lack: capacity that is still loading counts,
+warm-up samples are ignored, an unreadable pod never blocks the others, missing is never zero,
+and, in a pool whose pods hold sequences, preemptions both add replicas and block scale-down and
+the KV retune (retune.py) tunes each pod's max_num_seqs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,17 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from iterserve.operator.autoscaling.readings import PodSample as PodSample
+from iterserve.operator.autoscaling.readings import PodState as PodState
+from iterserve.operator.autoscaling.readings import (
+    effective_seqs,
+    preemption_rate_per_minute,
+    usable_samples,
+    windowed_ttft_quantile,
+)
+from iterserve.operator.autoscaling.readings import histogram_quantile as histogram_quantile
+from iterserve.operator.autoscaling.retune import SeqsChange as SeqsChange
+from iterserve.operator.autoscaling.retune import kv_retune
 from iterserve.operator.autoscaling.settings import (
     DECODE,
     QUEUED_PROMPT_TOKENS,
@@ -29,39 +41,6 @@ from iterserve.operator.autoscaling.settings import KvRetuneSettings as KvRetune
 from iterserve.operator.autoscaling.settings import RatePolicy as RatePolicy
 
 # -------------------------------------------------------------------------------------- inputs
-
-
-@dataclass(frozen=True)
-class PodSample:
-    """One reading of one pod's engine metrics. `error` set means the reading failed."""
-
-    pod: str
-    at: float
-    waiting: float | None = None
-    running: float | None = None
-    kv_usage: float | None = None
-    preemptions_total: float | None = None
-    max_num_seqs: float | None = None
-    prompt_tokens_total: float | None = None  # prompt tokens of finished requests (for the average prompt)
-    requests_total: float | None = None  # finished requests
-    # The prefill pool's signals: prompt tokens not computed yet, and the TTFT histogram as
-    # cumulative (upper bound, count) pairs, +Inf last.
-    queued_prompt_tokens: float | None = None
-    ttft_buckets: tuple[tuple[float, float], ...] | None = None
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-
-@dataclass(frozen=True)
-class PodState:
-    name: str
-    created_at: float
-    ready_at: float | None = None  # None: not ready
-    max_num_seqs: int | None = None  # effective value the operator last set; None: spec value
-    max_num_seqs_changed_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -87,18 +66,6 @@ class State:
 
 
 # ------------------------------------------------------------------------------------- outputs
-
-
-@dataclass(frozen=True)
-class SeqsChange:
-    pod: str
-    from_max_num_seqs: int
-    to_max_num_seqs: int
-    reason: str  # kv_pressure | kv_recovered | spec_lowered
-    message: str
-    # kv_pressure: the readings that showed it, and the preemption counter's rise at each one.
-    kv_usage_readings: tuple[float, ...] = ()
-    preemptions_at_readings: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -155,36 +122,6 @@ class Decision:
 # ------------------------------------------------------------------------------------- signals
 
 
-def preemption_rate_per_minute(samples: Sequence[PodSample], now: float, window: float) -> float | None:
-    """Counter rate over the window, as Prometheus' rate() would give it; None when unknown.
-
-    Uses the last sample before the window as the base, and treats a drop as a counter reset.
-    """
-    points = [(s.at, s.preemptions_total) for s in samples if s.ok and s.preemptions_total is not None]
-    if not points:
-        return None
-    start = now - window
-    base_index = 0
-    for index, (at, _) in enumerate(points):
-        if at <= start:
-            base_index = index
-    points = points[base_index:]
-    if len(points) < 2 or points[-1][0] <= points[0][0]:
-        return None
-    increase = 0.0
-    for (_, before), (_, after) in zip(points, points[1:], strict=False):
-        increase += after - before if after >= before else after
-    return increase * 60.0 / (points[-1][0] - points[0][0])
-
-
-def _usable(samples: Sequence[PodSample], pod: PodState, settings: Settings) -> list[PodSample]:
-    """Samples taken after the pod's warm-up ended."""
-    if pod.ready_at is None:
-        return []
-    warm_from = pod.ready_at + settings.warmup_seconds
-    return [s for s in samples if s.at >= warm_from]
-
-
 REQUIRED_SIGNALS = ("waiting", "running", "kv_usage", "preemptions_total")  # a reading without one is unusable
 
 
@@ -211,12 +148,12 @@ def _pod_signal(pod: PodState, samples: Sequence[PodSample], settings: Settings,
     missing = _missing_pool_signal(latest, pool)
     if missing is not None:
         return PodSignal(pod.name, "unreadable", error=missing)
-    usable = _usable(samples, pod, settings)
+    usable = usable_samples(samples, pod, settings)
     return PodSignal(
         pod.name, "measured", waiting=latest.waiting, running=latest.running,
         kv_usage=latest.kv_usage,
         preemptions_per_minute=preemption_rate_per_minute(usable, now, settings.preemption_window_seconds),
-        max_num_seqs=_effective_seqs(pod, latest, settings), queued_prompt_tokens=latest.queued_prompt_tokens,
+        max_num_seqs=effective_seqs(pod, latest, settings), queued_prompt_tokens=latest.queued_prompt_tokens,
     )
 
 
@@ -228,12 +165,6 @@ def _missing_pool_signal(latest: PodSample, pool: Pool) -> str | None:
     if pool.signal == TTFT and not latest.ttft_buckets:
         return "TTFT histogram missing"
     return None
-
-
-def _effective_seqs(pod: PodState, latest: PodSample | None, settings: Settings) -> int:
-    if latest is not None and latest.ok and latest.max_num_seqs is not None and not math.isnan(latest.max_num_seqs):
-        return int(latest.max_num_seqs)
-    return pod.max_num_seqs if pod.max_num_seqs is not None else settings.spec_max_num_seqs
 
 
 def _preempted_within(samples: Sequence[PodSample], now: float, window: float) -> bool:
@@ -264,7 +195,7 @@ def decide(settings: Settings, state: State, history: Mapping[str, Sequence[PodS
     measured = [s for s in signals if s.state == "measured"]
     metrics = _metrics_status(signals, state)
     retunes = measured and settings.retunes and spec.holds_sequences
-    seqs_changes = _kv_retune(settings, ready, history, now) if retunes else ()
+    seqs_changes = kv_retune(settings, ready, history, now) if retunes else ()
 
     replicas = _replica_decision(settings.bounded_to(spec), spec, state, history, signals, measured, metrics, now)
     return replace(replicas, seqs_changes=seqs_changes, metrics=metrics, pods=signals, **extra)
@@ -330,7 +261,7 @@ def _read_signal(settings: Settings, pool: Pool, state: State, history, measured
                         "queued_prompt_tokens_above_target", "queued_prompt_tokens_below_target")
     pods = {p.name: p for p in state.pods}
     p95, observed = windowed_ttft_quantile(
-        0.95, [_usable(history.get(s.pod, ()), pods[s.pod], settings) for s in measured], now,
+        0.95, [usable_samples(history.get(s.pod, ()), pods[s.pod], settings) for s in measured], now,
         pool.ttft_window_seconds)
     if p95 is None:
         return _Reading(0.0, None, [], f"no first token in the last {pool.ttft_window_seconds:g} s on "
@@ -476,7 +407,7 @@ def _scale_down_floor(settings, pool, state, history, signals, measured, reading
 def _scale_down_blocked(settings, pool, state, history, signals, reading, now) -> tuple[str, str] | None:
     """(reason, note) when something forbids scaling down this tick, else None."""
     preempting = [p.name for p in state.pods if pool.holds_sequences and p.ready_at is not None and _preempted_within(
-        _usable(history.get(p.name, ()), p, settings), now, settings.preemption_window_seconds)]
+        usable_samples(history.get(p.name, ()), p, settings), now, settings.preemption_window_seconds)]
     coming = [p.name for p in state.pods if p.ready_at is None and now - p.created_at < settings.cold_start_seconds]
     coming += [s.pod for s in signals if s.state == "warming"]
     if preempting:
@@ -542,161 +473,3 @@ def _rate_limit(settings: Settings, state: State, current: int, desired: int, no
         return max(current, min(desired, limit))
     limit = min(limits) if rules.select_policy == "Max" else max(limits)
     return min(current, max(desired, limit))
-
-
-# ------------------------------------------------------------------------------------ KV retune
-
-
-def _kv_retune(settings: Settings, ready: Sequence[PodState], history, now: float) -> tuple[SeqsChange, ...]:
-    changes = []
-    for pod in ready:
-        samples = history.get(pod.name, ())
-        if (not samples or not samples[-1].ok or samples[-1].at < now - settings.stale_sample_seconds
-                or now - pod.ready_at < settings.warmup_seconds):
-            continue
-        change = _retune_pod(settings, pod, samples, now)
-        if change is not None:
-            changes.append(change)
-    return tuple(changes)
-
-
-def _at_cap(samples: Sequence[PodSample], cap: int) -> list[PodSample]:
-    """The latest run of readable samples taken while the engine ran under `cap`. Lowering the
-    cap never evicts running sequences, so until they drain below it the pool may still thrash:
-    that is no evidence against the new value."""
-    run: list[PodSample] = []
-    for sample in reversed(samples):
-        if (not sample.ok or (sample.max_num_seqs is not None and sample.max_num_seqs != cap)
-                or (sample.running is not None and sample.running > cap)):
-            break
-        run.append(sample)
-    return run[::-1]
-
-
-@dataclass(frozen=True)
-class _Pressure:
-    description: str
-    kv_usage: tuple[float, ...]  # each sample's KV usage
-    preemptions: tuple[float, ...]  # each sample's rise of the preemption counter since the one before
-
-
-def _pressure_run(observed: Sequence[PodSample], count: int, threshold: float) -> _Pressure | None:
-    """KV pressure when each of the last `count` samples shows it, else None.
-
-    A sample shows pressure when KV usage is above the threshold, or when the preemption counter
-    rose since the sample before: with recompute preemption usage drops each time a sequence is
-    evicted, so a thrashing pool can read below the threshold at any given instant."""
-    if len(observed) < count:
-        return None
-    parts, usages, rises = [], [], []
-    for index in range(len(observed) - count, len(observed)):
-        sample = observed[index]
-        if not sample.ok or sample.kv_usage is None:
-            return None
-        before = observed[index - 1] if index > 0 else None
-        rise = (sample.preemptions_total - before.preemptions_total
-                if before is not None and before.ok and before.preemptions_total is not None
-                and sample.preemptions_total is not None and sample.preemptions_total > before.preemptions_total
-                else 0.0)
-        if sample.kv_usage > threshold:
-            parts.append(f"{sample.kv_usage:.3f}")
-        elif rise:
-            parts.append(f"{sample.kv_usage:.3f} (+{rise:g} preemptions)")
-        else:
-            return None
-        usages.append(sample.kv_usage)
-        rises.append(rise)
-    return _Pressure(f"KV usage {', '.join(parts)} above {threshold:g} or preempting", tuple(usages), tuple(rises))
-
-
-def _retune_pod(settings: Settings, pod: PodState, samples: Sequence[PodSample], now: float) -> SeqsChange | None:
-    kv = settings.kv_retune
-    current = _effective_seqs(pod, samples[-1], settings)
-    spec = settings.spec_max_num_seqs
-    if current > spec:
-        return SeqsChange(pod.name, current, spec, "spec_lowered", f"spec maxNumSeqs is {spec}, pod runs {current}")
-    since = pod.ready_at + settings.warmup_seconds
-    if pod.max_num_seqs_changed_at is not None:
-        since = max(since, pod.max_num_seqs_changed_at)
-    observed = [s for s in samples if s.at >= since]
-
-    pressure = _pressure_run(_at_cap(observed, current), kv.consecutive_samples, kv.threshold)
-    if pressure is not None:
-        lowered = max(kv.floor, math.floor(current * kv.step_factor))
-        if lowered < current:
-            return SeqsChange(pod.name, current, lowered, "kv_pressure",
-                              f"{pressure.description} for {kv.consecutive_samples} samples: "
-                              f"max_num_seqs {current} x {kv.step_factor:g} -> {lowered} (floor {kv.floor})",
-                              pressure.kv_usage, pressure.preemptions)
-        return None
-
-    if current >= spec or since > now - kv.recovery_window_seconds:
-        return None
-    window = [s for s in observed if s.at >= now - kv.recovery_window_seconds]
-    quiet = window and all(s.ok and s.kv_usage is not None and s.kv_usage < kv.recovery_threshold for s in window)
-    if not quiet:
-        return None
-    rate = preemption_rate_per_minute(observed, now, kv.recovery_window_seconds)
-    if rate is not None and rate > 0:
-        return None
-    raised = min(spec, current + kv.recovery_step)
-    return SeqsChange(pod.name, current, raised, "kv_recovered",
-                      f"KV usage below {kv.recovery_threshold:g} with no preemptions for "
-                      f"{kv.recovery_window_seconds:g} s: max_num_seqs {current} + {kv.recovery_step} -> {raised}")
-
-
-# ------------------------------------------------------------------------------ the prefill pool
-
-
-def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
-    """Prometheus' histogram_quantile over cumulative (upper bound, count) buckets, +Inf last:
-    linear inside the bucket that holds the q-th observation; None without observations. An
-    answer in the +Inf bucket is the highest finite bound (what Prometheus returns too)."""
-    if not buckets or buckets[-1][1] <= 0:
-        return None
-    rank = q * buckets[-1][1]
-    lower_bound, lower_count = 0.0, 0.0
-    for bound, count in buckets:
-        if count >= rank:
-            if math.isinf(bound):
-                return lower_bound
-            if count == lower_count:
-                return bound
-            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
-        lower_bound, lower_count = bound, count
-    return lower_bound
-
-
-def _bucket_increase(samples: Sequence[PodSample], now: float, window: float) -> dict[float, float] | None:
-    """One pod's TTFT histogram increase over the window: the latest reading less the last one at
-    or before the window's start (else the first usable one); a reset counts from zero."""
-    points = [s for s in samples if s.ok and s.ttft_buckets]
-    if len(points) < 2:
-        return None
-    start = now - window
-    base = points[0]
-    for sample in points:
-        if sample.at <= start:
-            base = sample
-    latest = points[-1]
-    if latest is base:
-        return None
-    before = dict(base.ttft_buckets)
-    after = dict(latest.ttft_buckets)
-    reset = any(after.get(bound, 0.0) < count for bound, count in before.items())
-    return {bound: count - (0.0 if reset else before.get(bound, 0.0)) for bound, count in after.items()}
-
-
-def windowed_ttft_quantile(q: float, histories: Sequence[Sequence[PodSample]], now: float,
-                           window: float) -> tuple[float | None, int]:
-    """(the q-quantile of TTFT over the last `window` seconds across pods, observations in it),
-    from bucket deltas between readings, as rate()-then-histogram_quantile would give it."""
-    total: dict[float, float] = {}
-    for samples in histories:
-        increase = _bucket_increase(samples, now, window)
-        for bound, count in (increase or {}).items():
-            total[bound] = total.get(bound, 0.0) + count
-    buckets = sorted(total.items())
-    if not buckets:
-        return None, 0
-    return histogram_quantile(q, buckets), int(round(buckets[-1][1]))
