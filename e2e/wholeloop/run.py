@@ -55,7 +55,7 @@ def run(cluster, workdir: Path, scenario: Scenario | disaggregated.Disaggregated
                 if not split:
                     return f"{names.ROUTER_ENDPOINT_IN_FLIGHT}{{" in text
                 # Disaggregated: a ready prefill pod too, and the router knows it.
-                prefill = (body.get("status") or {}).get("prefillReadyReplicas") or 0
+                prefill = ((body.get("status") or {}).get("prefill") or {}).get("readyReplicas") or 0
                 return prefill >= 1 and text.count(f"{names.ROUTER_ENDPOINT_IN_FLIGHT}{{") >= 2
 
             wait_for(serving,
