@@ -12,6 +12,8 @@ import json
 import os
 import platform
 import random
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,9 +102,30 @@ def _cell(value) -> str:
     return str(value)
 
 
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_record() -> dict:
+    """What makes a result reproducible: the commit it ran (and whether the tree differed from it),
+    the CPU, and the command, with the script's path relative to the repository (no machine paths)."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    script = Path(sys.argv[0]).resolve()
+    shown = str(script.relative_to(REPO)) if script.is_relative_to(REPO) else script.name
+    return {"commit": git("rev-parse", "HEAD") or None,
+            "tree_modified": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "cpu_model": cpu_model(), "command": ["python", shown, *sys.argv[1:]]}
+
+
 def write_json(path: str | None, data: dict) -> None:
     if not path:
         return
+    data = {**data, "run": data.get("run") or run_record()}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as out:
         json.dump(data, out, indent=2)

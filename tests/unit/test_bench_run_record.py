@@ -1,0 +1,31 @@
+"""Every benchmark JSON written through bench/common.py says which commit, CPU and command made it,
+with no path of the machine it ran on, so a figure in the docs can be traced and re-run."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+
+import common  # noqa: E402  (bench/ scripts import it the same way)
+
+
+def test_a_result_records_its_commit_cpu_and_command_without_machine_paths(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [str(REPO / "bench" / "kv_waste.py"), "--quick", "--json", "out.json"])
+    out = tmp_path / "result.json"
+    common.write_json(str(out), {"benchmark": "kv_waste"})
+    run = json.loads(out.read_text())["run"]
+    assert re.fullmatch(r"[0-9a-f]{40}", run["commit"])
+    assert isinstance(run["tree_modified"], bool) and run["cpu_model"]
+    assert run["command"] == ["python", "bench/kv_waste.py", "--quick", "--json", "out.json"]
+    assert str(REPO) not in json.dumps(run)
+
+
+def test_a_run_record_the_script_already_made_is_kept(tmp_path):
+    out = tmp_path / "result.json"
+    common.write_json(str(out), {"run": {"command": ["python", "bench/peers.py"]}})
+    assert json.loads(out.read_text())["run"] == {"command": ["python", "bench/peers.py"]}
