@@ -1,7 +1,8 @@
 """The ceiling of AVX2's 8-bit multiply on this CPU: a register-only loop of the w8a8 kernel's
 inner step (vpmaddubsw, vpmaddwd against ones, vpaddd) in 8 independent chains, no memory
-traffic, one thread. The w8a8 linear (engine/model/cpu_w8a8.py) is compared with it in the
-README: a kernel close to this figure can only get faster by doing fewer multiplies. Not run in CI.
+traffic, one thread. The reference point for the w8a8 linear (engine/model/cpu_w8a8.py,
+bench/quant_linear.py): a kernel close to this figure can only get faster by doing fewer
+multiplies. Not run in CI.
 
     python bench/int8_peak.py
 """
