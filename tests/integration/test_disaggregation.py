@@ -123,9 +123,9 @@ def engines(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokens(engines):
-    """README.md's text as the model's token ids: prompts of real text, cut at exact lengths."""
+    """The README's and docs' text as the model's token ids: prompts of real text, cut at exact lengths."""
     both = engines[0]
-    ids = HTTP.post(f"{both.url}/tokenize", json={"prompt": README.read_text()[:24000]}, timeout=120).json()["tokens"]
+    ids = HTTP.post(f"{both.url}/tokenize", json={"prompt": "".join(p.read_text() for p in [README, *sorted(README.parent.glob("docs/*.md"))])[:24000]}, timeout=120).json()["tokens"]
     assert len(ids) > 4000
     return ids
 
