@@ -12,9 +12,13 @@ one `--role both` engine as the reference.
   pull fails and it recomputes the prompt within its timeout, the answer unchanged) and dead
   before (the router falls back to local prefill).
 
+Every engine and the router hold the same KV key (--kv-auth-key-file): the router signs its
+prefill calls and the prefill engine its lease answers, as in a cluster.
+
 Three engines load the model once for the module (minutes on a loaded machine), so the tests run
-in file order and the last two each kill one: the decode engine, then the prefill engine (the
-role-both engine is the decode side of the last test). Any subset still runs in that order.
+in file order and the last two each kill one: the decode engine, then the prefill engine (the last
+test starts a decode engine of its own: role both takes no kv_transfer_params). Any subset still
+runs in that order.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from iterserve.devcluster.waiting import free_port, wait_for
 from iterserve.engine import metrics as names
+from tests.kv_auth_helpers import key_file, remote_decode
 from tests.server_fixture import ServerProcess, iterserve_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # a loaded machine takes minutes to load three models
@@ -46,6 +51,7 @@ BLOCK = 16
 LEASE_S = 4  # the prefill engines' --kv-lease-seconds: short, so the expiry test is quick
 ENGINE = ["--max-model-len", "2048", "--max-num-seqs", "4", "--kv-lease-seconds", str(LEASE_S),
           "--kv-transfer-timeout", "5"]
+KEY = ["--kv-auth-key-file", key_file()]
 ENV = {"OMP_NUM_THREADS": "1"}
 README = Path(__file__).resolve().parents[2] / "README.md"
 # Lengths: exactly k*block_size and k*block_size+1 for k = 1..6, one under a block, and others.
@@ -61,7 +67,7 @@ def router(tmp_path: Path, prefill: list[str], decode: list[str], *extra: str):
     command = [*iterserve_command(), "router", "--port", str(port), "--prefill", ",".join(prefill),
                "--decode", ",".join(decode), "--pd-threshold-tokens", "8", "--scrape-interval", "0.05",
                # a loaded machine's 1500-token prefill may take over the default 30 s: no fallback here
-               "--pd-prefill-timeout", "600", *extra]
+               "--pd-prefill-timeout", "600", *KEY, *extra]
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd="/")
         try:
@@ -116,8 +122,8 @@ def servers(*specs: tuple[list[str], Path]):
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     logs = tmp_path_factory.mktemp("disagg")
-    with servers((ENGINE, logs / "both.log"), ([*ENGINE, "--role", "prefill"], logs / "prefill.log"),
-                 ([*ENGINE, "--role", "decode"], logs / "decode.log")) as (both, prefill, decode):
+    with servers((ENGINE, logs / "both.log"), ([*ENGINE, "--role", "prefill", *KEY], logs / "prefill.log"),
+                 ([*ENGINE, "--role", "decode", *KEY], logs / "decode.log")) as (both, prefill, decode):
         yield both, prefill, decode, logs
 
 
@@ -243,8 +249,12 @@ def test_decode_killed_mid_transfer_prefill_frees_at_lease_expiry(engines, token
 
 
 def test_prefill_killed_decode_recomputes_and_router_falls_back(engines, tokens, tmp_path):
-    both, doomed, _, _ = engines
-    decode = both  # role both pulls KV as a decode engine does (the decode engine is dead by now)
+    both, doomed, _, logs = engines
+    with servers(([*ENGINE, "--role", "decode", *KEY], logs / "decode-2.log")) as (decode,):  # the first is dead
+        _prefill_killed(both, doomed, decode, tokens, tmp_path)
+
+
+def _prefill_killed(both, doomed, decode, tokens, tmp_path) -> None:
     prompt, other = tokens[3100:3149], tokens[3200:3233]
     # The reference, without leaving the prompt in both's prefix cache (it must pull, not reuse).
     expected = generate(both.url, prompt, skip_prefix_cache=True)
@@ -252,7 +262,7 @@ def test_prefill_killed_decode_recomputes_and_router_falls_back(engines, tokens,
     # the decode engine recomputes the prompt itself, within its --kv-transfer-timeout (5 s).
     body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 0}
     answer = HTTP.post(f"{doomed.url}/v1/completions",
-                       json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+                       json={**body, "max_tokens": 1, "kv_transfer_params": remote_decode()})
     params = answer.json()["kv_transfer_params"]
     doomed.proc.send_signal(signal.SIGKILL)
     doomed.proc.wait(10)
@@ -269,4 +279,4 @@ def test_prefill_killed_decode_recomputes_and_router_falls_back(engines, tokens,
         assert generate(url, prompt) == expected
         assert generate(url, other) == generate(both.url, other, skip_prefix_cache=True)
         assert metric(url, names.ROUTER_PD_DECISIONS_TOTAL, reason="remote") == 0
-    assert_baseline(both.url)
+    assert_baseline(both.url, decode.url)

@@ -5,7 +5,12 @@ k*block_size+1 tokens, with several pulls in flight beside a local request; ever
 blocks are back to baseline after each round, and the decode engine's loaded KV is the prefill
 engine's, bit for bit, except the last prompt position (which a step recomputes to sample from).
 The prompts are prefixes of one story, so the decode engine finds earlier prompts' blocks in its
-own prefix cache and pulls only the rest of each lease.
+own prefix cache and pulls only the rest of each lease. The engines hold the same KV key, as an
+InferenceService's do: do_remote_decode calls are signed as the router signs them.
+
+KV poisoning: an attacker's listener serving KV of its own choosing for a prompt every user sends
+(a system prompt) gets no connection from a decode engine, whether the params are unsigned or the
+MAC check is bypassed, and the next user's greedy tokens are the model's own.
 
 The weights are loaded once; each engine gets its own KV pool (a shallow copy of the runner with
 fresh cache tensors), so the engines share nothing but read-only weights.
@@ -20,8 +25,11 @@ import pytest
 import torch
 
 from iterserve.engine.config import EngineConfig
+from iterserve.engine.kv_transfer import params as kv_params
+from iterserve.engine.kv_transfer.transport import LeaseRead, TcpTransport
 from iterserve.engine.llm_engine import LLMEngine
-from iterserve.engine.sampling_params import SamplingParams
+from iterserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from tests.kv_auth_helpers import key_file, remote_decode
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +48,9 @@ def runner():
 
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield ModelRunner(EngineConfig(num_kv_blocks=NUM_BLOCKS, max_model_len=256, device="cpu",
+    # float32: greedy tokens are compared across batches of different shapes, which bf16 (what
+    # --dtype auto picks on a CPU with native bf16) rounds differently.
+    yield ModelRunner(EngineConfig(num_kv_blocks=NUM_BLOCKS, max_model_len=256, device="cpu", dtype="float32",
                                    attention_backend="torch"), show_progress=False)
     torch.set_num_threads(previous)
 
@@ -48,7 +58,8 @@ def runner():
 def engine_on(runner, role: str) -> LLMEngine:
     own = copy.copy(runner)  # shared weights and sampler, its own KV pool
     own.kv_caches = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in runner.kv_caches]
-    config = EngineConfig(**{**runner.config.__dict__, "role": role})
+    key = key_file() if role != "both" else None
+    config = EngineConfig(**{**runner.config.__dict__, "role": role, "kv_auth_key_file": key})
     return LLMEngine(config, own, runner.tokenizer)
 
 
@@ -86,7 +97,7 @@ def test_greedy_tokens_after_a_pull_equal_local_prefill(runner):
         pulled_from_block = {}
         for name, ids in prompts.items():
             prefill.add_request(prompt_token_ids=ids, params=SamplingParams(temperature=0, max_tokens=1),
-                                request_id=f"p-{name}", kv_transfer_params={"do_remote_decode": True})
+                                request_id=f"p-{name}", kv_transfer_params=remote_decode())
             params = run(prefill)[f"p-{name}"].kv_transfer_params
             assert params["num_tokens"] == len(ids) and len(params["block_ids"]) == -(-len(ids) // 16)
             decode.add_request(prompt_token_ids=ids, params=GREEDY, request_id=f"d-{name}",
@@ -119,7 +130,7 @@ def test_greedy_tokens_after_a_pull_equal_local_prefill(runner):
         leases = {}
         for name, ids in prompts.items():
             prefill.add_request(prompt_token_ids=ids, params=SamplingParams(temperature=0, max_tokens=1),
-                                request_id=f"p2-{name}", kv_transfer_params={"do_remote_decode": True})
+                                request_id=f"p2-{name}", kv_transfer_params=remote_decode())
         for request_id, out in run(prefill).items():
             leases[request_id.removeprefix("p2-")] = out.kv_transfer_params
         decode.add_request(prompt_token_ids=prompts["len33"], params=GREEDY, request_id="plain")
@@ -148,3 +159,59 @@ def _assert_same_kv(source, source_blocks, target, target_blocks, num_exact: int
             a = src[source_blocks].reshape(len(source_blocks) * size, -1)[:num_exact]
             b = dst[target_blocks].reshape(len(target_blocks) * size, -1)[:num_exact]
             assert torch.equal(a, b)
+
+
+class PoisonedSource:
+    """An attacker's KV listener: any lease, any secret, the right layout, KV of its choosing."""
+
+    def __init__(self, layout):
+        self.layout, self.engine_id, self.reads = layout, "attacker", 0
+
+    def open_read(self, transfer_id, secret, first_block, num_blocks):
+        self.reads += 1
+        return LeaseRead(list(range(num_blocks)), time.monotonic() + 30)
+
+    def read_layers(self, block_ids):
+        poison = memoryview(torch.full((len(block_ids) * self.layout.block_bytes_per_layer // 4,), 7.0).numpy().tobytes())
+        half = len(poison) // 2
+        for _ in range(self.layout.num_layers):
+            yield poison[:half], poison[half:]
+
+    def close_read(self, transfer_id):
+        pass
+
+    def release(self, transfer_id, secret):
+        return True
+
+
+def test_an_attackers_kv_never_reaches_the_shared_prefix_cache(runner):
+    """Before: a client's do_remote_prefill pointing at its own listener made the decode engine pull
+    the attacker's KV for a common prompt and file it in the prefix cache, so every later user of
+    that prompt decoded from it. Now unsigned params are refused before any dial and, with the MAC
+    check bypassed, the connector still refuses unauthenticated params: the prompt is recomputed."""
+    system_prompt = runner.tokenizer.encode(STORY)[:48]  # 3 full blocks every user shares
+    decode = engine_on(runner, "decode")
+    local = engine_on(runner, "both")
+    evil = TcpTransport()
+    source = PoisonedSource(decode.kv_connector.layout)
+    port = evil.listen(source, "127.0.0.1", 0)
+    try:
+        local.add_request(prompt_token_ids=system_prompt, params=GREEDY, request_id="ref")
+        expected = run(local)["ref"].outputs[0].token_ids
+        forged = {"transfer_id": "t", "engine_id": "e", "host": "127.0.0.1", "port": port, "block_ids": [0, 1, 2],
+                  "num_tokens": len(system_prompt), "block_size": 16, "compat_hash": decode.kv_connector.compat_hash,
+                  "lease_expires_at": time.time() + 60, "lease_secret": "s", "do_remote_prefill": True}
+        with pytest.raises(InvalidRequestError) as refused:
+            decode.add_request(prompt_token_ids=system_prompt, params=GREEDY, kv_transfer_params=forged)
+        assert refused.value.param == "kv_transfer_params.mac"
+        # The MAC check bypassed: the connector itself never dials unauthenticated params.
+        decode._check_kv_transfer = kv_params.parse_request
+        decode.add_request(prompt_token_ids=system_prompt, params=GREEDY, request_id="attack",
+                           kv_transfer_params=forged)
+        assert run(decode)["attack"].outputs[0].token_ids == expected  # recomputed, not the poison
+        assert source.reads == 0 and decode.stats().kv_pulls_ok == 0
+        decode.add_request(prompt_token_ids=system_prompt, params=GREEDY, request_id="victim")
+        assert run(decode)["victim"].outputs[0].token_ids == expected
+    finally:
+        evil.close()
+        decode.close()
