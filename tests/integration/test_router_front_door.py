@@ -5,7 +5,9 @@ attack did to the router's former hand-written HTTP/1.1 framing."""
 from __future__ import annotations
 
 import json
+import os
 import select
+import signal
 import socket
 import socketserver
 import threading
@@ -15,10 +17,10 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from iterserve.devcluster.waiting import free_port
+from iterserve.devcluster.waiting import free_port, wait_for
 from iterserve.engine import metrics as names
-from tests.integration.test_router import router
-from tests.server_fixture import running_server
+from tests.integration.test_router import _status, process, router
+from tests.server_fixture import iterserve_command, running_server
 
 pytestmark = pytest.mark.slow
 BODY = json.dumps({"model": "fake", "prompt": [101] * 8, "max_tokens": 2, "ignore_eos": True}).encode()
@@ -27,9 +29,11 @@ HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/j
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    # Slowed down 5x (about 12 ms a token) so a drain test's long stream outlives the grace period.
+    # Slowed down 5x (about 12 ms a token) so a drain test's long stream outlives the grace period;
+    # prefix caching on (the fake model's default is off) for the tenant-salt test.
     log = tmp_path_factory.mktemp("engine") / "engine.log"
-    with running_server(["--fake-model", "--max-num-seqs", "8", "--fake-step-time-scale", "5"], log_path=log) as e:
+    args = ["--fake-model", "--max-num-seqs", "8", "--fake-step-time-scale", "5", "--enable-prefix-caching"]
+    with running_server(args, log_path=log) as e:
         yield e
 
 
@@ -230,3 +234,97 @@ def test_an_upstream_connection_with_unread_bytes_is_never_reused(tmp_path):
             assert client.post(f"{url}/v1/completions", json={}).text == "ok"
             assert [client.post(f"{url}/v1/completions", json={}).text for _ in range(3)] == ["fresh"] * 3
         assert _Smuggler.connections >= 2
+
+
+def test_client_kv_transfer_params_never_reach_an_engine(door):
+    # Before: forwarded as sent, and every engine (role both included) dialed the client's
+    # host:port for "its" KV: an SSRF and port scanner inside the cluster, and poisoned KV.
+    port, engine = door
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.settimeout(1.0)
+        target = listener.getsockname()[1]
+        params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": target, "host": "127.0.0.1",
+                  "port": target, "transfer_id": "t", "engine_id": "e", "block_ids": [0], "num_tokens": 16,
+                  "block_size": 16, "compat_hash": "x", "lease_expires_at": time.time() + 30, "lease_secret": "s"}
+        plain = json.dumps({**json.loads(BODY), "kv_transfer_params": params})
+        escaped = plain.replace('"kv_transfer_params"', '"kv\\u005ftransfer_params"')  # the same key to JSON
+        headers = {"content-type": "application/json"}
+        # The engine itself refuses them (unsigned), so a 200 through the router shows they were removed.
+        assert httpx.post(f"{engine.url}/v1/completions", content=plain, headers=headers, timeout=30).status_code == 400
+        for body in (plain, escaped):
+            answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", content=body, headers=headers, timeout=30)
+            assert answer.status_code == 200, answer.text
+        with pytest.raises(TimeoutError):
+            listener.accept()
+
+
+def test_tenants_never_share_prefix_cache_kv(engine, tmp_path):
+    # Before: one cache for everyone, and a client's own cache_salt chose whose KV it shared;
+    # hit counters and timing told one user whether another had sent a prefix.
+    key = tmp_path / "salt.key"
+    key.write_bytes(os.urandom(32))
+    with router([engine.url], tmp_path, "--tenant-salt-header", "X-Tenant", "--tenant-salt-key-file", str(key)) as (url, _):
+        body = {"model": "fake", "prompt": [(7 * i) % 250 + 3 for i in range(64)], "max_tokens": 1, "cache_salt": "shared"}
+
+        def hits_after(tenant: str) -> float:
+            answer = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Tenant": tenant}, timeout=30)
+            assert answer.status_code == 200, answer.text
+            return engine.metrics().get(names.PREFIX_CACHE_HITS_TOTAL, 0.0)
+
+        before = engine.metrics().get(names.PREFIX_CACHE_HITS_TOTAL, 0.0)
+        first_a, second_a, first_b = hits_after("a"), hits_after("a"), hits_after("b")
+        assert first_a == before  # nothing cached yet
+        assert second_a >= first_a + 48  # a tenant shares its own prefix (3 full blocks of 16)
+        assert first_b == second_a  # another tenant, the same prompt and client salt: no hit
+        missing = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert missing.status_code == 400 and "X-Tenant" in missing.json()["error"]["message"]
+
+
+def _stream(url: str, max_tokens: int, started: threading.Event, out: list) -> None:
+    body = {"model": "fake", "prompt": [101] * 8, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    text = ""
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as answer:
+            for chunk in answer.iter_text():
+                text += chunk
+                started.set()
+    except httpx.HTTPError as error:
+        text += f"<{type(error).__name__}>"
+    out.append(text)
+
+
+def test_sigterm_finishes_requests_in_grace_then_cuts_with_an_error_event(engine, tmp_path):
+    # Before: SIGTERM closed the router at once and cut every stream; the OpenAI SDK read the
+    # EOF without [DONE] as a finished (truncated) answer.
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [*iterserve_command(), "router", "--port", str(port), "--endpoints", engine.url, "--drain-grace", "3"]
+    with process(command, tmp_path / "router.log") as proc:
+        wait_for(lambda: _status(f"{url}/health") == 200, 30, 0.1, what="router up")
+        short, long, blocked = [], [], []
+        events = [threading.Event(), threading.Event()]
+        threads = [threading.Thread(target=_stream, args=(url, 2000, events[0], long)),
+                   threading.Thread(target=_stream, args=(url, 100, events[1], short)),
+                   threading.Thread(target=lambda: blocked.append(httpx.post(
+                       f"{url}/v1/completions", json={**json.loads(BODY), "max_tokens": 2000}, timeout=60)))]
+        for thread in threads:
+            thread.start()
+        assert all(e.wait(30) for e in events)
+        time.sleep(0.2)  # the non-streamed one is in flight too
+        proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        time.sleep(0.5)
+        with pytest.raises(OSError):  # no longer accepting
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        assert proc.wait(15) == 0
+        took = time.monotonic() - started
+        for thread in threads:
+            thread.join(30)
+    assert short[0].endswith("data: [DONE]\n\n")  # finished within the grace period
+    assert "[DONE]" not in long[0]
+    last = long[0].rstrip("\n").rsplit("\n\n", 1)[-1]
+    assert json.loads(last.removeprefix("data: "))["error"]["code"] == "router_draining"
+    assert blocked[0].status_code == 503 and blocked[0].json()["error"]["code"] == "router_draining"
+    assert 2.5 < took < 10
