@@ -100,13 +100,18 @@ def router_args(owner: Owner, spec: InferenceServiceSpec | None = None) -> list[
 
 
 def build_router_rbac(owner: Owner) -> list[dict[str, Any]]:
-    """A ServiceAccount, and a Role + RoleBinding granting it get/list/watch on pods here only."""
+    """A ServiceAccount, and a Role + RoleBinding granting it get/list/watch on pods here only, and
+    the reads of its engines' controller chain (ReplicaSets, its two engine Deployments)."""
     name, labels = router_name(owner.name), router_labels(owner.name)
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(owner, name, labels),
          "automountServiceAccountToken": True},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _metadata(owner, name, labels),
-         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]},
+         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+                   # the controller chain the router checks before routing to a pod (discovery.py)
+                   {"apiGroups": ["apps"], "resources": ["replicasets"], "verbs": ["list"]},
+                   {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get"],
+                    "resourceNames": [owner.name, f"{owner.name}-prefill"]}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _metadata(owner, name, labels),
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
          "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}]},

@@ -222,7 +222,7 @@ async def _main(args: argparse.Namespace, options: RouterOptions) -> int:
 
         watch = PodWatch(api_client(args.kubeconfig), args.namespace, selector,
                          lambda pools: loop.call_soon_threadsafe(on_change, pools), args.port_name,
-                         by_role=True).start()
+                         by_role=True, infsvc=args.infsvc).start()
         source = (f"the ready pods of InferenceService {args.namespace}/{args.infsvc} ({selector}; "
                   f"{ROLE_LABEL}=prefill pods prefill)")
     log.info("routing on http://%s:%d to %s (metrics at /metrics)", options.host, router.port, source)

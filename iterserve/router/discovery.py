@@ -8,6 +8,12 @@ picker watches pods too. A terminating pod leaves the list at once, before its e
 For prefill/decode disaggregation the pods carry their engine's role in the ROLE_LABEL label
 (set by the operator): `prefill` pods form the router's prefill pool; `decode`, `both` and
 unlabelled pods take requests.
+
+Labels prove nothing (anyone who may create pods in the namespace can copy them), so with
+`infsvc` set the watch routes only to pods whose controller chain holds (ChainReader, over
+iterserve/controller_chain.py): the InferenceService's Deployment -> its ReplicaSet -> the pod,
+running that ReplicaSet's template. A look-alike pod gets no request, and so sees no user's
+prompt and no signed KV parameters. The router's Role lets it read exactly these objects.
 """
 
 from __future__ import annotations
@@ -16,9 +22,11 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from iterserve import controller_chain
 from iterserve.labels import PREFILL as PREFILL_ROLE
 from iterserve.labels import ROLE_LABEL as ROLE_LABEL
 from iterserve.labels import selector_string
@@ -84,14 +92,64 @@ def api_client(kubeconfig: str | None = None):
     return config.new_client_from_config(config_file=kubeconfig)
 
 
+class ChainReader:
+    """The InferenceService's own Deployments (the engine one and NAME-prefill, each checked to be
+    controlled by it) and the ReplicaSets of its pods, read from the API server when a pod names a
+    ReplicaSet not seen yet or the last read is over `max_age_s` old; at most one read per
+    `min_interval_s`, so pods naming made-up owners cannot make the router hammer the API."""
+
+    def __init__(self, api, namespace: str, infsvc: str, selector: str, max_age_s: float = 10.0,
+                 min_interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
+        self.api, self.namespace, self.infsvc, self.selector = api, namespace, infsvc, selector
+        self.max_age_s, self.min_interval_s, self.clock = max_age_s, min_interval_s, clock
+        self._read_at: float | None = None
+        self._deployments: list[dict] = []
+        self._replica_sets: list[dict] = []
+
+    def verified(self, pods: list[dict]) -> list[dict]:
+        wanted = {(controller_chain.controller(p) or {}).get("uid") for p in pods}
+        known = {rs["metadata"]["uid"] for rs in self._replica_sets}
+        now = self.clock()
+        stale = self._read_at is None or now - self._read_at > self.max_age_s or not wanted <= known
+        if stale and (self._read_at is None or now - self._read_at >= self.min_interval_s):
+            self._read_at = now
+            self._deployments, self._replica_sets = self._read()
+        verified, refused = controller_chain.verify(pods, self._deployments, self._replica_sets)
+        if refused:
+            logger.warning("pod watch: not routing to pods whose controller chain does not hold: %s",
+                           ", ".join(f"{r.pod} ({r.reason})" for r in refused))
+        return verified
+
+    def _read(self) -> tuple[list[dict], list[dict]]:
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        apps = client.AppsV1Api(self.api)
+        deployments = []
+        for name in (self.infsvc, f"{self.infsvc}-prefill"):
+            try:
+                found = json.loads(apps.read_namespaced_deployment(name, self.namespace, _preload_content=False).data)
+            except ApiException as error:
+                if error.status != 404:
+                    raise
+                continue
+            if controller_chain.deployment_is_owned(found, self.infsvc):
+                deployments.append(found)
+        listing = json.loads(apps.list_namespaced_replica_set(
+            self.namespace, label_selector=self.selector, _preload_content=False).data)
+        return deployments, listing["items"]
+
+
 class PodWatch:
     """Calls on_change(urls) (from its own thread) whenever the set of ready URLs changes; with
     by_role, on_change(RolePools) whenever either pool changes."""
 
     def __init__(self, api, namespace: str, selector: str, on_change: Callable[[list[str]], None],
-                 port_name: str = "http", by_role: bool = False):
+                 port_name: str = "http", by_role: bool = False, infsvc: str | None = None):
+        """`infsvc`: route only to pods whose controller chain reaches this InferenceService."""
         self.api, self.namespace, self.selector = api, namespace, selector
         self.on_change, self.port_name, self.by_role = on_change, port_name, by_role
+        self.chain = ChainReader(api, namespace, infsvc, selector) if infsvc else None
         self._stop = threading.Event()
         self._last: list[str] | RolePools | None = None
         self._thread = threading.Thread(target=self._run, name="pod watch", daemon=True)
@@ -105,6 +163,8 @@ class PodWatch:
 
     def _emit(self, pods: dict[str, dict]) -> None:
         pods_ = list(pods.values())
+        if self.chain is not None:
+            pods_ = self.chain.verified(pods_)
         urls = ready_pools(pods_, self.port_name) if self.by_role else ready_urls(pods_, self.port_name)
         if urls != self._last:
             self._last = urls

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from iterserve import controller_chain
 from iterserve.operator.autoscaling import memory as mem
 from iterserve.operator.autoscaling.engine_admin import EngineAdmin, apply_seqs_changes
 from iterserve.operator.autoscaling.metrics_source import (
@@ -75,11 +76,10 @@ def trusted_pods(pods: Sequence[dict], deployment: dict | None,
     by_uid = {rs["metadata"]["uid"]: rs for rs in ours}
     trusted, strangers = [], []
     for pod in pods:
-        owner = by_uid.get(_controller_uid(pod))
-        template_hash = (pod["metadata"].get("labels") or {}).get(TEMPLATE_HASH_LABEL)
-        if owner is None or template_hash != (owner["metadata"].get("labels") or {}).get(TEMPLATE_HASH_LABEL):
+        # The chain check (iterserve/controller_chain.py): owner, hash, creation time, and the template run.
+        if controller_chain.check_pod(pod, by_uid) is not None:
             strangers.append(pod["metadata"]["name"])
-        elif owner is current:
+        elif by_uid.get(_controller_uid(pod)) is current:
             trusted.append(pod)
     return trusted, strangers
 

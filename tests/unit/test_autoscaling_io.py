@@ -231,7 +231,8 @@ def test_external_mode_status_leaves_desired_replicas_alone():
 
 def _owned(kind: str, name: str, uid: str, owner_uid: str | None, **meta) -> dict:
     refs = [{"kind": kind, "uid": owner_uid, "controller": True}] if owner_uid else []
-    return {"metadata": {"name": name, "uid": uid, "ownerReferences": refs, **meta}}
+    return {"metadata": {"name": name, "uid": uid, "ownerReferences": refs,
+                         "creationTimestamp": "2026-01-01T00:00:00Z", **meta}}
 
 
 def test_only_pods_of_the_current_replica_set_are_trusted():

@@ -44,7 +44,9 @@ def test_router_mode_deploys_the_router_and_the_service_moves_to_it_once_it_is_r
     assert pod["serviceAccountName"] == "llm-router" and pod["nodeSelector"] == {"pool": "gpu"}
     assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
     assert kube.objects[("Role", "llm-router")]["rules"] == [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["apps"], "resources": ["replicasets"], "verbs": ["list"]},
+        {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get"], "resourceNames": ["llm", "llm-prefill"]}]
 
     reconciler.reconcile("ns", "llm")  # MemoryKube's Deployments are ready at once
     assert kube.objects[("Service", "llm")]["spec"]["selector"] == routing.router_labels("llm")

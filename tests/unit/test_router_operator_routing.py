@@ -27,7 +27,10 @@ def test_router_is_the_default_and_gets_pod_reading_rights_in_its_namespace_only
     assert s.routing.mode == routing.ROUTER
     objects = {o["kind"]: o for o in routing.build_routing(OWNER, s)}
     assert set(objects) == {"ServiceAccount", "Role", "RoleBinding", "Deployment", "PodDisruptionBudget"}
-    assert objects["Role"]["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    assert objects["Role"]["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["apps"], "resources": ["replicasets"], "verbs": ["list"]},  # the controller chain
+        {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get"], "resourceNames": ["chat", "chat-prefill"]}]
     assert all(o["metadata"]["namespace"] == "team-a" for o in objects.values())
     assert objects["RoleBinding"]["subjects"] == [{"kind": "ServiceAccount", "name": "chat-router", "namespace": "team-a"}]
     deployment = objects["Deployment"]

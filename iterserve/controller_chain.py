@@ -1,0 +1,105 @@
+"""Which engine pods belong to an InferenceService: the rule the router (where it routes) and the
+autoscaler (whom it reads and sends the admin token) share.
+
+Labels prove nothing, and neither does an ownerReference alone: anyone who may create pods in
+the namespace can copy both, the ReplicaSet's UID and its pod-template-hash included (they are
+readable, and the hash is a function of the template). So a pod is verified only through the
+chain the Deployment controller builds, as read from the API server:
+
+1. the Deployment is the InferenceService's (its controller ownerReference names the
+   InferenceService; `owner_uid` checks the UID where the caller knows it);
+2. the ReplicaSet's controller ownerReference is that Deployment's UID;
+3. the pod's controller ownerReference is that ReplicaSet's UID, its pod-template-hash label is
+   the ReplicaSet's, and it was created no earlier than the ReplicaSet;
+4. what the pod runs is the ReplicaSet's template: the same containers (name, image, command,
+   args, env, envFrom, volumeMounts), init containers and volumes. A copy that runs our engine
+   with our arguments on our volumes is our engine; one that differs in any of these is not.
+
+Pure: objects in, verdicts out (with a machine-readable reason for each refused pod).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+TEMPLATE_HASH_LABEL = "pod-template-hash"
+CONTAINER_FIELDS = ("name", "image", "command", "args", "env", "envFrom", "volumeMounts")
+# Refusal reasons (Refused.reason)
+NO_DEPLOYMENT = "no_verified_deployment"
+NOT_OUR_REPLICA_SET = "owner_not_our_replica_set"
+HASH_MISMATCH = "template_hash_mismatch"
+PREDATES_REPLICA_SET = "created_before_replica_set"
+SPEC_MISMATCH = "spec_differs_from_template"
+
+
+@dataclass(frozen=True)
+class Refused:
+    pod: str
+    reason: str
+
+
+def controller(obj: dict) -> dict | None:
+    return next((r for r in (obj.get("metadata") or {}).get("ownerReferences") or [] if r.get("controller")), None)
+
+
+def deployment_is_owned(deployment: dict | None, owner_name: str, owner_uid: str | None = None) -> bool:
+    """Whether the Deployment's controller is the InferenceService `owner_name` (and `owner_uid`)."""
+    ref = controller(deployment) if deployment else None
+    return bool(ref and ref.get("kind") == "InferenceService" and ref.get("name") == owner_name
+                and (owner_uid is None or ref.get("uid") == owner_uid))
+
+
+def _created(obj: dict) -> datetime | None:
+    stamp = (obj.get("metadata") or {}).get("creationTimestamp")
+    try:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")) if stamp else None
+    except (AttributeError, ValueError):
+        return None
+
+
+def _containers(spec: dict, key: str) -> list[dict]:
+    return [{f: c.get(f) or None for f in CONTAINER_FIELDS} for c in spec.get(key) or []]
+
+
+def runs_template(pod: dict, replica_set: dict) -> bool:
+    template = ((replica_set.get("spec") or {}).get("template") or {}).get("spec") or {}
+    spec = pod.get("spec") or {}
+    return (_containers(spec, "containers") == _containers(template, "containers")
+            and _containers(spec, "initContainers") == _containers(template, "initContainers")
+            and (spec.get("volumes") or []) == (template.get("volumes") or []))
+
+
+def check_pod(pod: dict, replica_sets_by_uid: dict[str, dict]) -> str | None:
+    """None when the pod's chain holds up to `replica_sets_by_uid` (the verified ReplicaSets), else why not."""
+    ref = controller(pod)
+    replica_set = replica_sets_by_uid.get(ref.get("uid")) if ref and ref.get("kind") == "ReplicaSet" else None
+    if replica_set is None:
+        return NOT_OUR_REPLICA_SET
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    if labels.get(TEMPLATE_HASH_LABEL) != ((replica_set["metadata"].get("labels") or {}).get(TEMPLATE_HASH_LABEL)):
+        return HASH_MISMATCH
+    pod_created, rs_created = _created(pod), _created(replica_set)
+    if pod_created is None or rs_created is None or pod_created < rs_created:
+        return PREDATES_REPLICA_SET
+    if not runs_template(pod, replica_set):
+        return SPEC_MISMATCH
+    return None
+
+
+def verify(pods: Sequence[dict], deployments: Sequence[dict],
+           replica_sets: Sequence[dict]) -> tuple[list[dict], list[Refused]]:
+    """The pods whose chain reaches one of `deployments` (already checked to be the
+    InferenceService's), and a Refused for each other pod."""
+    deployment_uids = {d["metadata"]["uid"] for d in deployments}
+    ours = {rs["metadata"]["uid"]: rs for rs in replica_sets
+            if (controller(rs) or {}).get("kind") == "Deployment" and (controller(rs) or {}).get("uid") in deployment_uids}
+    verified, refused = [], []
+    for pod in pods:
+        reason = check_pod(pod, ours) if deployment_uids else NO_DEPLOYMENT
+        if reason is None:
+            verified.append(pod)
+        else:
+            refused.append(Refused(pod["metadata"]["name"], reason))
+    return verified, refused
