@@ -1,6 +1,6 @@
 """bench/sim_validate.py on the shipped evidence (real runs of the embedded model, recorded by
 bench/sim_record.py): the shipped default profile is exactly the fit of that evidence, the committed
-validate.json (whose figures docs/simulator.md and the README quote) is what the script computes from
+validate.json (whose figures docs/simulator.md quotes) is what the script computes from
 it, and the printout carries the checks and the residual analysis."""
 
 import json
@@ -14,7 +14,7 @@ import pytest
 from iterserve.simulate import profile as profiles
 
 ROOT = Path(__file__).resolve().parents[2]
-EVIDENCE = ROOT / "docs" / "perf" / "sim" / "v3"  # the recording the shipped smollm2-135m-cpu profile is fitted on
+EVIDENCE = ROOT / "docs" / "perf" / "sim" / "cpu_profile"  # the recording the shipped smollm2-135m-cpu profile is fitted on
 
 
 def _numbers(value, path=""):
