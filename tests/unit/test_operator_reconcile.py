@@ -1,6 +1,9 @@
-"""The drift check the reconcile uses to decide whether to write at all."""
+"""The drift check the reconcile uses to decide whether to write at all, and the order it applies
+the wanted objects in."""
 
-from iterserve.operator.reconcile import first_difference
+from iterserve.operator.reconcile import first_difference, wanted_objects
+from iterserve.operator.resources import Owner
+from iterserve.operator.validation import parse_spec
 
 LIVE = {
     "metadata": {"name": "llm", "labels": {"a": "1", "added-by-someone": "x"}, "resourceVersion": "7"},
@@ -86,3 +89,18 @@ def test_status_already_current_is_not_written():
     body = {"metadata": {"namespace": "ns", "name": "llm", "resourceVersion": "5"}, "status": {"replicas": 1}}
     assert Reconciler(kube).write_status(body, lambda prev: {"replicas": 1}) == (body, False)
     assert kube.patches == []
+
+
+def test_the_wanted_objects_come_in_apply_order():
+    """The ConfigMap before the pods that read it, the NetworkPolicy before any pod, the router
+    before the Service that may select it, and the prefill pool last."""
+    spec = parse_spec({"model": {"uri": "m"}, "routing": {"mode": "Router"}, "disaggregation": {"enabled": True}})
+    objects = wanted_objects(Owner("llm", "ns", "uid-1"), spec, 16, router_serving=False, pool_served=True)
+    kinds = [(o["kind"], o["metadata"]["name"]) for o in objects]
+    assert kinds[0] == ("ConfigMap", "llm-engine")
+    assert kinds[-3:] == [("Service", "llm"), ("Deployment", "llm"), ("Deployment", "llm-prefill")]
+    router = kinds.index(("Deployment", "llm-router"))
+    assert kinds.index(("Role", "llm-router")) < kinds.index(("RoleBinding", "llm-router")) < router
+    assert all(kinds.index(k) < router for k in kinds if k[0] == "NetworkPolicy")
+    aggregated = wanted_objects(Owner("llm", "ns", "uid-1"), parse_spec({"model": {"uri": "m"}}), 16, False, True)
+    assert "llm-prefill" not in [o["metadata"]["name"] for o in aggregated]

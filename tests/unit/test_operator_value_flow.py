@@ -176,6 +176,7 @@ def test_a_disaggregated_tick_decides_each_pool_on_its_own_pods_and_scales_the_p
     prefill = tick.pool(PREFILL).decision
     assert prefill.desired_replicas == 4 and prefill.signal_value == 3500
     assert kube.writes == [("spec.disaggregation.prefill.replicas", "4")]
+    assert sorted(autoscaler._memories) == [("ns", "llm", "decode"), ("ns", "llm", "prefill")]  # one per pool
 
     reconciler.reconcile("ns", "llm", tick=tick)
     assert kube.objects[("Deployment", "llm-prefill")]["spec"]["replicas"] == 4  # the reconcile follows the spec
@@ -187,6 +188,8 @@ def test_a_disaggregated_tick_decides_each_pool_on_its_own_pods_and_scales_the_p
     assert [(h["action"], h.get("pool"), h["toReplicas"]) for h in kube.body["status"]["scalingHistory"]] == [
         ("ScaleUp", "prefill", 4)]
     assert "ScaleUp" in kube.events
+    autoscaler.forget("ns", "llm")
+    assert autoscaler._memories == {}
 
 
 def test_with_autoscaling_off_the_prefill_pool_follows_its_spec_replicas():
