@@ -5,7 +5,7 @@ the score and value reductions into indirect loads, so no padded KV batch is mat
 SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim 64, 16-token blocks), one
 layer's decode step for several (sequences, context) shapes, the two versions timed interleaved
 (min and median of --repeats), the compile time and the largest difference between the outputs.
-Used to decide whether the engine takes the compiled path (see the README's performance section).
+Used to decide whether the engine takes the compiled path (docs/performance.md).
 
     python bench/cpu_paged_attention.py --json docs/perf/cpu_paged_attention.json
     python bench/cpu_paged_attention.py --quick

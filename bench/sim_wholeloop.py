@@ -1,5 +1,5 @@
-"""Replays the whole-loop e2e's load (e2e/wholeloop/scenario.py, the full shape of the README's
-run) through the simulator with the loop's own InferenceService and its pods' start-up delay, and
+"""Replays the whole-loop e2e's load (e2e/wholeloop/scenario.py, the full shape of the recorded
+run in docs/getting-started.md) through the simulator with the loop's own InferenceService and its pods' start-up delay, and
 compares the replica timeline with the recorded run's (docs/whole_loop.png; the times below are
 read off that plot, to about a second).
 
@@ -23,8 +23,8 @@ from iterserve.simulate.report import Slo, plot
 from iterserve.simulate.traces import Lengths, TraceRequest, poisson
 
 # docs/whole_loop.png (fake model, full scenario; seconds since the InferenceService was applied).
-# Its heavy phase started at ~24 s; the 110-126 s scale-down-and-back predates the scale-down
-# floor change (README), so the current policy is not expected to repeat it.
+# Its heavy phase started at ~24 s; the 110-126 s scale-down-and-back came from a policy
+# without the scale-down floor, so the current policy is not expected to repeat it.
 RECORDED = {
     "first_ready_s": 3, "heavy_start_s": 24, "heavy_end_s": 174, "end_s": 240,
     "scale_events": [(25, 1, 2), (30, 2, 3), (110, 3, 2), (120, 2, 1), (121, 1, 2), (126, 2, 3), (206, 3, 1)],
