@@ -5,8 +5,7 @@ server's other work (the HTTP loop, tokenization, detokenization, streaming): th
 same process between and during steps, and every time one of them takes a core, an OpenMP
 parallel region waits at its barrier for the thread that lost its core. Measured with
 `bench/peers.py` on a 2-vCPU machine shared with other work, the same int8 server ran the tail
-load at 3.0 tok/s with one compute thread and 0.5 tok/s with torch's default two (README,
-performance section). So small steps leave one of the process's cores to that work (at least one
+load at 3.0 tok/s with one compute thread and 0.5 tok/s with torch's default two (docs/performance.md). So small steps leave one of the process's cores to that work (at least one
 thread); OMP_NUM_THREADS, when set, is obeyed as is.
 
 Idle OpenMP workers also spin for a while after each parallel region (libgomp's default), taking
@@ -21,7 +20,7 @@ docs/perf/step_split_served.json), so PASSIVE stays the default.
 With `--threads auto` (the default) the count is chosen per engine step: a step of at least
 BIG_STEP_TOKENS tokens (prefill chunks, full decode batches) is compute-bound and takes every usable
 CPU, a smaller one keeps one core free. Measured on the 2-vCPU EPYC with `--quantization w8a8`, load
-~1 (README, performance section): 2 threads against 1 made a 128-token prefill 1.87x and a 512-token
+~1 (docs/performance.md): 2 threads against 1 made a 128-token prefill 1.87x and a 512-token
 one 1.59x faster, 32-64 decodes 1.15-1.18x, but 2-4 decodes 0.88x (a few rows' linears are too short
 to split, and the HTTP loop then shares the cores). `--threads N` or OMP_NUM_THREADS=N fix N for
 every step.
