@@ -49,12 +49,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "w8a8"],
                        help="quantized linears on CPU: int8 (weight-only, bf16 activations), int4 (weight-only, "
                             "from the GGUF's Q4_1 blocks), w8a8 (int8 weights and int8 activations per row: "
-                            "fastest for full batches) (default none: exact fp32; see README Performance for "
+                            "fastest for full batches) (default none: exact fp32; see docs/performance.md for "
                             "the accuracy cost of each)")
     model.add_argument("--compile", action="store_true",
                        help="CPU: torch.compile the decoder's dense work between attentions (inductor C++ "
                             "code, fused norms/rotary/SiLU); compiles at start-up, cached in "
-                            "~/.cache/iterserve/inductor (see README Performance for what it gains)")
+                            "~/.cache/iterserve/inductor (see docs/performance.md for what it gains)")
     model.add_argument("--threads", default="auto",
                        help="CPU: torch compute threads, auto or a count (default auto: every usable CPU on "
                             "steps of >= 32 tokens, one fewer on smaller ones, and big steps of several "
