@@ -302,6 +302,9 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 413, 429, 500, 503)}  # in the OpenAPI
+
+
 # -- admin -----------------------------------------------------------------------------------
 class AdminConfigPatch(_Request):
     max_num_seqs: int = Field(ge=1, description="Cap on running sequences, applied at the next step.")
