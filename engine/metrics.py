@@ -2,7 +2,7 @@
 the Helm chart's alerts and the Grafana dashboard all take names from here, so a rename breaks a
 test instead of silently breaking a dashboard or an autoscaler."""
 
-# The design note's names.
+# The engine's metric names.
 WAITING_REQUESTS = "llm_scheduler_waiting_requests"
 RUNNING_SEQS = "llm_scheduler_running_seqs"
 PREEMPTIONS_TOTAL = "llm_scheduler_preemptions_total"
