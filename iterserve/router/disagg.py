@@ -15,7 +15,7 @@ decode body passes on unchanged. A client's own kv_transfer_params carry no vali
 engine refuses them with a 400 naming the field.
 
 `decide` is a pure function, like `picking.pick`: remote prefill only when the uncached prompt is
-longer than `threshold_tokens` (the design note: not worth it under 512) and the least-loaded
+longer than `threshold_tokens` (moving the KV of a shorter prompt costs more than computing it) and the least-loaded
 prefill replica has fewer than `max_prefill_queue` requests (Dynamo's conditional
 disaggregation). Anything else goes straight to the decode replica, which prefills locally.
 """
