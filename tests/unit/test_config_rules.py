@@ -1,4 +1,4 @@
-"""The design note's start-up rules and per-request bad input."""
+"""The engine's start-up rules and per-request bad input."""
 
 from __future__ import annotations
 
