@@ -295,3 +295,76 @@ def test_deletes_complete_with_the_operator_stopped(env):
     elapsed = time.monotonic() - started
     print(f"\nInferenceService and namespace deleted in {elapsed:.1f} s with the operator stopped")
     assert elapsed < 60
+
+
+def test_a_pod_with_a_forged_owner_reference_gets_no_traffic_and_no_token(k8s_cluster):
+    """Labels, the ReplicaSet's UID as controller and its pod-template-hash are all copied onto a
+    hand-made pod. Before the controller-chain check the autoscaler trusted exactly these two
+    facts, so the forgery passed as one of the Deployment's pods; now the router's discovery and
+    the autoscaler both refuse it, read from the real API server (it runs another image)."""
+    from iterserve import controller_chain
+    from iterserve.operator.autoscaling.loop import trusted_pods
+    from iterserve.router.discovery import ChainReader
+
+    fx.install_crd(k8s_cluster)
+    fx.ensure_node(k8s_cluster)
+    namespace, kubeconfig = fx.operator_namespace(k8s_cluster, prefix="forge")
+    admin_api = k8s_cluster.api_client()
+    custom, core = client.CustomObjectsApi(admin_api), client.CoreV1Api(admin_api)
+    kube = Kube(k8s_cluster.api_client(kubeconfig))
+    name = "forged"
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, minimal(name))
+    Reconciler(kube).reconcile(namespace, name)
+    real = fx.wait_for(lambda: next((p for p in kube.list_pods(namespace, selector_string(name))
+                                     if controller_chain.controller(p)), None), 60, what="the engine pod")
+    try:
+        for attempt in range(5):  # the ReplicaSet controller may delete the extra pod it now counts
+            core.create_namespaced_pod(namespace, {
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": f"forgery-{attempt}", "labels": real["metadata"]["labels"],
+                             "ownerReferences": real["metadata"]["ownerReferences"]},
+                "spec": {"nodeName": "operator-test-node", "containers": [{"name": "engine", "image": "busybox"}]}})
+            pods = kube.list_pods(namespace, selector_string(name))
+            if any(p["metadata"]["name"] == f"forgery-{attempt}" for p in pods):
+                break
+        else:
+            pytest.fail("the forged pod never stayed long enough to be listed")
+        forged = f"forgery-{attempt}"
+        replica_sets = kube.list_replica_sets(namespace, selector_string(name))
+        deployment = kube.get("Deployment", namespace, name)
+        # the router's check, as its discovery runs it (reading the chain from the API server)
+        routed = ChainReader(admin_api, namespace, name, selector_string(name)).verified(pods)
+        assert [p["metadata"]["name"] for p in routed] == [real["metadata"]["name"]]
+        _, refused = controller_chain.verify(pods, [deployment], replica_sets)
+        assert [(r.pod, r.reason) for r in refused] == [(forged, controller_chain.SPEC_MISMATCH)]
+        # the autoscaler's: never read, never sent the admin token
+        trusted, strangers = trusted_pods(pods, deployment, replica_sets)
+        assert [p["metadata"]["name"] for p in trusted] == [real["metadata"]["name"]] and strangers == [forged]
+    finally:
+        admin_api.close()
+
+
+def test_the_network_policy_is_stored_by_the_api_server_and_removed_when_turned_off(k8s_cluster):
+    """Applied for real with the operator's own rights (rbac.RULES). The local pod runtime does
+    not enforce NetworkPolicy, so what is checked is the object the API server accepted."""
+    from iterserve.operator import network_policy
+
+    fx.install_crd(k8s_cluster)
+    namespace, kubeconfig = fx.operator_namespace(k8s_cluster, prefix="netpol")
+    kube = Kube(k8s_cluster.api_client(kubeconfig))
+    custom = client.CustomObjectsApi(k8s_cluster.api_client())
+    name = "walled"
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, minimal(
+        name, disaggregation={"enabled": True, "kvTransferPort": 8100}))
+    peer = network_policy.parse_peer('{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": '
+                                     '"monitoring"}}, "podSelector": {"matchLabels": {"app": "prometheus"}}}')
+    on = network_policy.NetworkPolicySettings(True, (peer,))
+    Reconciler(kube, network=on).reconcile(namespace, name)
+    stored = kube.get("NetworkPolicy", namespace, network_policy.policy_name(name))
+    assert stored is not None and stored["metadata"]["ownerReferences"][0]["kind"] == "InferenceService"
+    http, kv = stored["spec"]["ingress"]
+    assert http["from"][1] == peer and http["ports"] == [{"protocol": "TCP", "port": ENGINE_PORT}]
+    assert kv["ports"] == [{"protocol": "TCP", "port": 8100}]
+    assert kv["from"] == [{"podSelector": {"matchLabels": stored["spec"]["podSelector"]["matchLabels"]}}]
+    Reconciler(kube, network=network_policy.NetworkPolicySettings(enabled=False)).reconcile(namespace, name)
+    assert kube.get("NetworkPolicy", namespace, network_policy.policy_name(name)) is None

@@ -80,3 +80,22 @@ def test_the_deployment_must_be_the_inference_services():
     assert not chain.deployment_is_owned(DEPLOYMENT, "chat")
     assert not chain.deployment_is_owned({"metadata": {"name": "llm"}}, "llm")
     assert not chain.deployment_is_owned(None, "llm")
+
+
+def test_the_routers_chain_reader_rereads_for_an_unknown_owner_but_at_most_once_a_second():
+    from iterserve.router.discovery import ChainReader
+
+    now = [0.0]
+    reader = ChainReader(None, "ns", "llm", "sel", clock=lambda: now[0])
+    reads = []
+    reader._read = lambda: (reads.append(now[0]), ([DEPLOYMENT], [REPLICA_SET]))[1]
+    assert [p["metadata"]["name"] for p in reader.verified([pod()])] == ["llm-abc-1"]
+    reader.verified([pod()])
+    assert reads == [0.0]  # known owner, fresh read: no API call
+    made_up = pod(name="spam", owner=("ReplicaSet", "made-up"))
+    for _ in range(50):
+        assert [p["metadata"]["name"] for p in reader.verified([pod(), made_up])] == ["llm-abc-1"]
+    assert reads == [0.0]  # an unknown owner within the minimum interval: still no call
+    now[0] = 1.5
+    reader.verified([pod(), made_up])
+    assert reads == [0.0, 1.5]
