@@ -80,3 +80,36 @@ def test_template_tool_support_is_read_from_the_template():
     assert template_defines_tools("{% if tools %}{{ tools | tojson }}{% endif %}")
     assert not template_defines_tools("{% for message in messages %}{{ message['content'] }}{% endfor %}")
     assert not template_defines_tools(None)
+
+
+# Model output is steerable by the prompt. The parser was a regex, <tool_call>\s*(.*?)\s*(?:</tool_call>|$),
+# whose lazy body retried the whitespace run at every character: 20 KB of spaces after an opening tag
+# took 17 s on the event loop (200 KB: about half an hour), and "[[[[..." raised RecursionError (a 500).
+PATHOLOGICAL = {
+    "spaces after an unclosed call": "<tool_call>x" + " " * 200_000 + "x",
+    "spaces inside a closed call": "<tool_call>{" + " " * 200_000 + "}</tool_call>",
+    "many opening tags": "<tool_call>" * 18_000,
+    "many closed empty calls": "<tool_call> </tool_call>" * 8_000,
+    "nested brackets": "<tool_call>" + "[" * 200_000,
+}
+
+
+@pytest.mark.parametrize("name", PATHOLOGICAL)
+def test_hermes_parsing_is_linear_on_pathological_200_kb_outputs(name):
+    import time
+
+    text = PATHOLOGICAL[name]
+    assert len(text) >= 190_000
+    started = time.perf_counter()
+    content, calls = parse_hermes(text, check_tools(TOOLS))
+    assert time.perf_counter() - started < 0.5
+    assert (content, calls) == (text, [])  # none is a call: the text stays the content
+
+
+def test_hermes_blocks_end_at_their_own_close_tag_and_text_between_blocks_is_skipped():
+    functions = check_tools(TOOLS)
+    text = ('<tool_call> {"name": "ping", "arguments": {"s": "a</tool"}} </tool_call> chatter '
+            '<tool_call>{"name": "get_weather", "parameters": {"city": "Oslo"}}')  # unclosed: to the end
+    content, calls = parse_hermes(text, functions)
+    assert content is None and [c.name for c in calls] == ["ping", "get_weather"]
+    assert json.loads(calls[0].arguments) == {"s": "a</tool"} and json.loads(calls[1].arguments) == {"city": "Oslo"}
