@@ -62,7 +62,7 @@ def measure(num_tokens: int, dtype_name: str, repeats: int) -> dict:
                       head_size=HEAD_SIZE, block_size=BLOCK, itemsize=dtype.itemsize)
     source, target = pool(num_blocks, dtype, True), pool(num_blocks, dtype, False)
     manager = BlockManager(num_blocks, BLOCK)
-    config = EngineConfig(model="fake")
+    config = EngineConfig(model="fake", kv_max_leased_fraction=1.0)  # each lease holds the whole pool
     connector = KVConnector(config, manager, layout, lambda ids: ModelRunner.read_kv(source, ids))
     port = connector.listen("127.0.0.1", 0)
     client = TcpTransport()
@@ -73,7 +73,8 @@ def measure(num_tokens: int, dtype_name: str, repeats: int) -> dict:
             manager.allocate(seq, num_tokens)
             params = connector.pin(seq)
             manager.free(seq)
-            request = PullRequest("127.0.0.1", port, params["transfer_id"], 0, num_blocks, time.monotonic() + 60)
+            request = PullRequest("127.0.0.1", port, params["transfer_id"], params["lease_secret"], 0, num_blocks,
+                                  time.monotonic() + 60)
             pulled = client.pull(request, layout, "bench")
             started = time.perf_counter()
             ModelRunner._load_kv(target, [KVLoad(seq, list(range(num_blocks)), pulled.layers)])
