@@ -37,6 +37,7 @@ import itertools
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import subprocess
@@ -391,10 +392,13 @@ def main(argv: list[str] | None = None) -> int:
         # The fake model turns prefix caching off by default; on, as with the real model, the
         # plumbing check sees the prefix cache hits a shared prompt would cause.
         procs.engine_args = ["--fake-model", "--enable-prefix-caching"] if args.fake_model else []
+        key = Path(tmp) / "kv-auth.key"  # the KV key the P/D engines and routers share, as in a cluster
+        key.write_text(secrets.token_urlsafe(32))
+        kv_auth = ["--kv-auth-key-file", str(key)]
         try:
             engines = {"both0": procs.engine("both0", 0), "both1": procs.engine("both1", 1),
-                       "prefill": procs.engine("prefill", 0, "--role", "prefill"),
-                       "decode": procs.engine("decode", 1, "--role", "decode")}
+                       "prefill": procs.engine("prefill", 0, "--role", "prefill", *kv_auth),
+                       "decode": procs.engine("decode", 1, "--role", "decode", *kv_auth)}
             for name, url in engines.items():
                 wait_for(lambda url=url: _ok(f"{url}/ready"), 900, 0.5, what=f"engine {name} ready")
             MODEL[0] = httpx.get(f"{engines['both0']}/v1/models", timeout=30).json()["data"][0]["id"]
@@ -423,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
             aggregated = procs.router("router-agg", "--endpoints", f"{engines['both0']},{engines['both1']}")
             # A prefill slower than the router's default timeout (30 s) would fall back to local prefill;
             # here every remote prefill is waited for, so the arm measures disaggregation itself.
-            pd = ["--prefill", engines["prefill"], "--decode", engines["decode"], "--pd-prefill-timeout", "900"]
+            pd = ["--prefill", engines["prefill"], "--decode", engines["decode"], "--pd-prefill-timeout", "900",
+                  *kv_auth]
             disaggregated = procs.router("router-pd", *pd, "--pd-threshold-tokens", str(args.threshold))
             forced = procs.router("router-pd0", *pd, "--pd-threshold-tokens", "0")
             agg_engines = {e: engines[e] for e in ("both0", "both1")}
