@@ -10,7 +10,9 @@ Admission control lives here too: a bounded waiting queue (beyond it, QueueFull 
 draining (NotAccepting -> 503).
 
 A request that fails on its own (see engine/step_result.py) ends its stream with RequestError; the
-engine carries on. If the engine loop itself dies, every stream ends with EngineFailed, `failed`
+engine carries on. A request still running when a drain runs out of time ends with RequestCut, never
+as a finished output: its text is incomplete, and the server answers it as an error (503, or an SSE
+error event without `[DONE]`) so that neither the router nor the client takes it for a whole answer. If the engine loop itself dies, every stream ends with EngineFailed, `failed`
 is set and `alive` turns false, which GET /health reports as 503.
 """
 
@@ -43,6 +45,11 @@ class EngineFailed(Exception):
 
 class RequestError(Exception):
     """This request failed on its own (its output carries the error); the engine carried on."""
+
+
+class RequestCut(Exception):
+    """The server stopped this request before it finished (the drain timeout passed): what was
+    generated so far is not an answer."""
 
 
 class RequestStream:
@@ -135,8 +142,13 @@ class AsyncEngine:
             self.engine.abort_request(request_id)
             self._notify()
 
-    def abort_all(self) -> None:
-        for request_id in list(self._streams):
+    def abort_all(self, reason: str = "the server shut down (its --drain-timeout passed) before this request "
+                  "finished") -> None:
+        """Cut every request in flight: each stream ends with RequestCut(reason) now, and the engine
+        frees their KV at its next step (its "abort" outputs then find no stream)."""
+        streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            stream.put(RequestCut(reason))
             self.engine.abort_request(request_id)
         self._notify()
 

@@ -61,6 +61,16 @@ def unavailable(message: str, code: str) -> APIError:
     return APIError(503, message, "service_unavailable", None, code, {"Retry-After": "1"})
 
 
+CUT_CODE = "request_cut"
+
+
+def request_cut(reason: str) -> APIError:
+    """The server stopped this request before it finished (the drain timeout passed): a 503, never a
+    200 with truncated text, so the router and the client know the answer is incomplete and may retry."""
+    return unavailable(f"{reason}; the answer is incomplete: retry the request (another replica serves it)",
+                       CUT_CODE)
+
+
 def _describe_validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     # A string that is not valid Unicode fails every alternative of a union; say that, not the union.

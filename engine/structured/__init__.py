@@ -7,9 +7,11 @@ get -inf), and, once a token is chosen, the request's matcher advanced by it. Wh
 complete only the end-of-sequence token is allowed, so a constrained request finishes with "stop".
 
 `Grammars` owns xgrammar's view of the vocabulary and compiles each distinct spec once (an LRU cache
-shared by every request; the server compiles in a worker thread before submitting, so an invalid
-schema is a 400 and the engine thread only ever hits the cache). `GrammarMatchers` keeps one
-matcher per running request and is what the sampler calls.
+shared by every request), after checking it against limits.py. The server compiles on `Grammars.pool`
+(compile_pool.py: its own bounded threads, a deadline) before submitting, so an invalid or too costly
+schema is a 400, and pins the compiled grammar on the request's spec: the engine thread never
+compiles, whatever the cache has evicted since. `GrammarMatchers` keeps one matcher per running
+request and is what the sampler calls.
 
 JSON is generated compact (no free whitespace between tokens): a small model offered free
 whitespace can spend its whole max_tokens on newlines.
@@ -17,6 +19,7 @@ whitespace can spend its whole max_tokens on newlines.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -28,6 +31,7 @@ from typing import Literal
 import torch
 
 from iterserve.engine.sampling_params import InvalidRequestError
+from iterserve.engine.structured.limits import check_limits
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +45,13 @@ CACHE_SIZE = 128
 class StructuredOutput:
     """What a request's output must match. spec: the JSON schema (as JSON text), the regex, the EBNF
     grammar, or the choices as a JSON list; empty for json_object. `field` is the request field it
-    came from, named in errors."""
+    came from, named in errors. `compiled`: the grammar pinned by the server's compile (see `pinned`);
+    not part of the spec's identity, so the cache key stays the spec."""
 
     kind: Kind
     spec: str = ""
     field: str = "response_format"
+    compiled: object = dataclasses.field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -64,6 +70,10 @@ class StructuredOutput:
     def choice(cls, choices: list[str], field: str = "guided_choice") -> StructuredOutput:
         return cls("choice", json.dumps(list(choices)), field)
 
+    def pinned(self, compiled) -> StructuredOutput:
+        """This spec carrying its compiled grammar, which the engine thread then uses as is."""
+        return dataclasses.replace(self, compiled=compiled)
+
 
 class Grammars:
     """xgrammar's compiler over one tokenizer's vocabulary, with compiled grammars cached by spec."""
@@ -77,6 +87,17 @@ class Grammars:
         self._compiler = None
         self.hits = 0
         self.misses = 0
+        self._pool = None
+
+    @property
+    def pool(self):
+        """The server's bounded compile pool over this vocabulary (threads start on first use)."""
+        from iterserve.engine.structured.compile_pool import CompilePool
+
+        with self._lock:
+            if self._pool is None:
+                self._pool = CompilePool(self)
+            return self._pool
 
     @property
     def compiler(self):
@@ -100,14 +121,22 @@ class Grammars:
         size = backend.get_vocab_size(with_added_tokens=True)
         return ["" if i in special else (backend.id_to_token(i) or "") for i in range(size)]
 
-    def compile(self, structured: StructuredOutput):
-        """The compiled grammar (cached); InvalidRequestError naming the field if the spec is invalid."""
+    def cached(self, structured: StructuredOutput):
+        """The compiled grammar if the cache holds it (counted as a hit), else None; never compiles."""
         with self._lock:
             compiled = self._cache.get(structured)
             if compiled is not None:
                 self._cache.move_to_end(structured)
                 self.hits += 1
-                return compiled
+            return compiled
+
+    def compile(self, structured: StructuredOutput):
+        """The compiled grammar (cached); InvalidRequestError naming the field if the spec is invalid
+        or over a limit (limits.py)."""
+        compiled = self.cached(structured)
+        if compiled is not None:
+            return compiled
+        check_limits(structured.kind, structured.spec, structured.field)
         compiled = self._compile(structured)
         with self._lock:
             self.misses += 1
@@ -148,7 +177,9 @@ class GrammarMatchers:
         if matcher is None:
             import xgrammar as xgr
 
-            matcher = xgr.GrammarMatcher(self.grammars.compile(structured))
+            # The server pins the grammar on every request; only a direct LLMEngine caller compiles here.
+            compiled = structured.compiled if structured.compiled is not None else self.grammars.compile(structured)
+            matcher = xgr.GrammarMatcher(compiled)
             self._matchers[request_id] = matcher
         return matcher
 
