@@ -1,5 +1,6 @@
-"""What the autoscaler remembers between ticks for one InferenceService: recent samples per pod,
-its raw proposals, the replica changes it made and the max_num_seqs it set on each pod.
+"""What the autoscaler remembers between ticks for one pool of one InferenceService (the loop keeps
+one Memory per pool): recent samples per pod, its raw proposals, the replica changes it made and
+the max_num_seqs it set on each pod.
 
 Pure functions over a frozen value, so the operator's timer and the simulator keep it the same
 way. Lost on operator restart: `fresh_memory` seeds it with the current replicas as a proposal,
