@@ -216,80 +216,108 @@ def _pool_changes(rows: list[dict], prefix: str) -> list[list]:
 
 
 def evaluate(result: dict) -> tuple[dict, list[Check]]:
-    scenario = result["scenario"]
+    """(the summary of the run's figures, each judgement) for one disaggregated whole-loop run."""
     rows = [r for r in result["timeline"] if "error" not in r and "prefill_desired" in r]
     decisions = result["decisions"]
-    (long_start, _), (short_start, short_end) = result["phases"]["long"], result["phases"]["short"]
-    light_end = result["phases"]["light"][1]
-    prefill_ups = [d for d in decisions if d["action"] == "ScaleUp" and d.get("pool") == "prefill"]
-    prefill_downs = [d for d in decisions if d["action"] == "ScaleDown" and d.get("pool") == "prefill"]
-    decode_ups = [d for d in decisions if d["action"] == "ScaleUp" and d.get("pool") == "decode"]
-    decode_downs = [d for d in decisions if d["action"] == "ScaleDown" and d.get("pool") == "decode"]
+    failed = [r for r in result["requests"] if not r["ok"]]
+    checks = [*_long_phase(result, rows, decisions), *_short_phase(result, rows, decisions),
+              *_bounds_checks(result, rows, decisions), *_request_checks(result, failed),
+              _decisions_per_pool(result, decisions),
+              Check("operator_least_privilege", not result["operator_forbidden"],
+                    f"{len(result['operator_forbidden'])} forbidden API calls in the operator log"),
+              Check("load_through_the_router", bool(result.get("load_via_router")),
+                    result.get("load_address") or "no load address recorded")]
+    return _summary(result, rows, decisions, failed), checks
 
-    def when(records: list[dict]) -> str:
-        return ", ".join(f"{d['fromReplicas']}->{d['toReplicas']} at t={_t(result, d['time']):.0f}s ({d['reason']})"
-                         for d in records) or "none"
 
-    checks = []
-    # 1-2. Long prompts: the prefill pool scales up, the decode pool holds.
+def _changes(decisions: list[dict], action: str, pool: str) -> list[dict]:
+    return [d for d in decisions if d["action"] == action and d.get("pool") == pool]
+
+
+def _when(result: dict, records: list[dict]) -> str:
+    return ", ".join(f"{d['fromReplicas']}->{d['toReplicas']} at t={_t(result, d['time']):.0f}s ({d['reason']})"
+                     for d in records) or "none"
+
+
+def _long_phase(result: dict, rows: list[dict], decisions: list[dict]) -> list[Check]:
+    """Long prompts: the prefill pool scales up, the decode pool holds."""
+    (long_start, _), (short_start, _) = result["phases"]["long"], result["phases"]["short"]
+    prefill_ups = _changes(decisions, "ScaleUp", "prefill")
     prefill_ready_long = _max(rows, "prefill_ready", long_start, short_start + 5)
-    checks.append(Check("prefill_pool_scaled_up_under_long_prompts", prefill_ready_long >= 2
-                        and any(long_start <= _t(result, d["time"]) <= short_start + 5 for d in prefill_ups),
-                        f"max ready prefill replicas in the long phase: {prefill_ready_long}; prefill scale-ups: "
-                        f"{when(prefill_ups)}; queued prompt tokens up to "
-                        f"{_max(rows, 'prefill_queued_prompt_tokens', long_start, short_start)}"))
     decode_desired_long = _max(rows, "replicas_desired", long_start, short_start)
-    checks.append(Check("decode_pool_held_under_long_prompts", decode_desired_long == scenario["min_replicas"],
-                        f"decode desired replicas in the long phase: at most {decode_desired_long}; waiting at most "
-                        f"{_max(rows, 'waiting_total', long_start, short_start)}"))
-    # 3-4. Short prompts: the decode pool scales up, the prefill pool never rises.
+    return [Check("prefill_pool_scaled_up_under_long_prompts", prefill_ready_long >= 2
+                  and any(long_start <= _t(result, d["time"]) <= short_start + 5 for d in prefill_ups),
+                  f"max ready prefill replicas in the long phase: {prefill_ready_long}; prefill scale-ups: "
+                  f"{_when(result, prefill_ups)}; queued prompt tokens up to "
+                  f"{_max(rows, 'prefill_queued_prompt_tokens', long_start, short_start)}"),
+            Check("decode_pool_held_under_long_prompts", decode_desired_long == result["scenario"]["min_replicas"],
+                  f"decode desired replicas in the long phase: at most {decode_desired_long}; waiting at most "
+                  f"{_max(rows, 'waiting_total', long_start, short_start)}")]
+
+
+def _short_phase(result: dict, rows: list[dict], decisions: list[dict]) -> list[Check]:
+    """Short prompts: the decode pool scales up, the prefill pool never rises."""
+    short_start, short_end = result["phases"]["short"]
+    decode_ups = _changes(decisions, "ScaleUp", "decode")
     decode_ready_short = _max(rows, "replicas_ready", short_start, short_end + 5)
-    checks.append(Check("decode_pool_scaled_up_under_short_prompts", decode_ready_short >= 2
-                        and any(short_start <= _t(result, d["time"]) <= short_end + 5 for d in decode_ups),
-                        f"max ready decode replicas in the short phase: {decode_ready_short}; decode scale-ups: "
-                        f"{when(decode_ups)}; waiting up to {_max(rows, 'waiting_total', short_start, short_end)}"))
-    prefill_up_in_short = [d for d in prefill_ups if short_start + 2 <= _t(result, d["time"]) <= short_end]
-    checks.append(Check("prefill_pool_held_under_short_prompts", not prefill_up_in_short,
-                        f"prefill scale-ups in the short phase: {when(prefill_up_in_short)}; queued prompt tokens "
-                        f"there up to {_max(rows, 'prefill_queued_prompt_tokens', short_start + 5, short_end)}"))
-    # 5. Both pools back down to their minimum.
-    final = rows[-1] if rows else {}
-    checks.append(Check("both_pools_back_to_min", both_at_min(final, _Bounds(scenario))
-                        and bool(prefill_downs) and bool(decode_downs),
-                        f"final: decode desired {final.get('replicas_desired')} ready {final.get('replicas_ready')}, "
-                        f"prefill desired {final.get('prefill_desired')} ready {final.get('prefill_ready')}; "
-                        f"prefill scale-downs {when(prefill_downs)}; decode scale-downs {when(decode_downs)}"))
-    # 6. Within bounds at all times.
+    prefill_up_in_short = [d for d in _changes(decisions, "ScaleUp", "prefill")
+                           if short_start + 2 <= _t(result, d["time"]) <= short_end]
+    return [Check("decode_pool_scaled_up_under_short_prompts", decode_ready_short >= 2
+                  and any(short_start <= _t(result, d["time"]) <= short_end + 5 for d in decode_ups),
+                  f"max ready decode replicas in the short phase: {decode_ready_short}; decode scale-ups: "
+                  f"{_when(result, decode_ups)}; waiting up to {_max(rows, 'waiting_total', short_start, short_end)}"),
+            Check("prefill_pool_held_under_short_prompts", not prefill_up_in_short,
+                  f"prefill scale-ups in the short phase: {_when(result, prefill_up_in_short)}; queued prompt "
+                  f"tokens there up to {_max(rows, 'prefill_queued_prompt_tokens', short_start + 5, short_end)}")]
+
+
+def _bounds_checks(result: dict, rows: list[dict], decisions: list[dict]) -> list[Check]:
+    """Both pools back down to their minimum, and within their bounds at all times."""
+    scenario, final = result["scenario"], rows[-1] if rows else {}
+    prefill_downs, decode_downs = _changes(decisions, "ScaleDown", "prefill"), _changes(decisions, "ScaleDown", "decode")
     over = [r["t"] for r in rows if (r.get("replicas_desired") or 0) > scenario["max_replicas"]
             or (r.get("prefill_desired") or 0) > scenario["prefill_max_replicas"]]
-    checks.append(Check("within_each_pools_bounds", not over, f"above a pool's maxReplicas at t={over[:3]}"
-                        if over else "every row within both pools' bounds"))
-    # 7. Every request answered, none failed; the long prompts went through the prefill pool.
-    requests = result["requests"]
-    failed = [r for r in requests if not r["ok"]]
+    return [Check("both_pools_back_to_min", both_at_min(final, _Bounds(scenario))
+                  and bool(prefill_downs) and bool(decode_downs),
+                  f"final: decode desired {final.get('replicas_desired')} ready {final.get('replicas_ready')}, "
+                  f"prefill desired {final.get('prefill_desired')} ready {final.get('prefill_ready')}; "
+                  f"prefill scale-downs {_when(result, prefill_downs)}; decode scale-downs "
+                  f"{_when(result, decode_downs)}"),
+            Check("within_each_pools_bounds", not over, f"above a pool's maxReplicas at t={over[:3]}"
+                  if over else "every row within both pools' bounds")]
+
+
+def _request_checks(result: dict, failed: list[dict]) -> list[Check]:
+    """Every request answered, none failed; the long prompts went through the prefill pool."""
+    requests, pd = result["requests"], result.get("router_pd_decisions") or {}
     statuses = sorted({r["status"] for r in failed})
-    checks.append(Check("no_failed_requests", bool(requests) and not failed,
-                        f"{len(requests)} requests answered, {len(failed)} failed"
-                        + (f" ({', '.join(statuses)})" if failed else "")))
-    pd = result.get("router_pd_decisions") or {}
-    checks.append(Check("long_prompts_prefilled_remotely", pd.get("remote", 0) > 0,
-                        f"router P/D decisions: {pd or 'not read'}; fallbacks: {result.get('router_pd_fallbacks')}"))
-    # 8. Every decision is an Event and a scalingHistory record naming its pool.
+    return [Check("no_failed_requests", bool(requests) and not failed,
+                  f"{len(requests)} requests answered, {len(failed)} failed"
+                  + (f" ({', '.join(statuses)})" if failed else "")),
+            Check("long_prompts_prefilled_remotely", pd.get("remote", 0) > 0,
+                  f"router P/D decisions: {pd or 'not read'}; fallbacks: {result.get('router_pd_fallbacks')}")]
+
+
+def _decisions_per_pool(result: dict, decisions: list[dict]) -> Check:
+    """Every decision is an Event and a scalingHistory record naming its pool."""
     events = [e for e in result["events"] if e["reason"] in ("ScaleUp", "ScaleDown")]
     unmatched_events = [e for e in events if not any(_same(e, d) for d in decisions)]
     unmatched_records = [d for d in decisions if not any(_same(e, d) for e in events)]
     poolless = [d for d in decisions if d.get("pool") not in ("prefill", "decode")]
+    # An Event has no field for the pool: its message must name it for whoever reads the Events.
     unnamed = [e for e in events if not e["message"].startswith(("prefill pool:", "decode pool:"))]
-    checks.append(Check("decisions_are_events_and_history_per_pool",
-                        bool(decisions) and not (unmatched_events or unmatched_records or poolless or unnamed),
-                        f"{len(decisions)} records, {len(events)} Events; unmatched Events "
-                        f"{[e['message'][:80] for e in unmatched_events]}, unmatched records "
-                        f"{[d['message'][:80] for d in unmatched_records]}, records without a pool {len(poolless)}, "
-                        f"Events not naming the pool {len(unnamed)}"))
-    checks.append(Check("operator_least_privilege", not result["operator_forbidden"],
-                        f"{len(result['operator_forbidden'])} forbidden API calls in the operator log"))
-    checks.append(Check("load_through_the_router", bool(result.get("load_via_router")),
-                        result.get("load_address") or "no load address recorded"))
+    return Check("decisions_are_events_and_history_per_pool",
+                 bool(decisions) and not (unmatched_events or unmatched_records or poolless or unnamed),
+                 f"{len(decisions)} records, {len(events)} Events; unmatched Events "
+                 f"{[e['message'][:80] for e in unmatched_events]}, unmatched records "
+                 f"{[d['message'][:80] for d in unmatched_records]}, records without a pool {len(poolless)}, "
+                 f"Events not naming the pool {len(unnamed)}")
+
+
+def _summary(result: dict, rows: list[dict], decisions: list[dict], failed: list[dict]) -> dict:
+    (long_start, _), (short_start, short_end) = result["phases"]["long"], result["phases"]["short"]
+    light_end, requests = result["phases"]["light"][1], result["requests"]
+    final = rows[-1] if rows else {}
 
     def ttft_p95(phase: str) -> float | None:
         start, end = result["phases"][phase]
@@ -297,7 +325,7 @@ def evaluate(result: dict) -> tuple[dict, list[Check]]:
                         and start <= r["start"] - result["started_at"] <= end)
         return round(values[int(0.95 * (len(values) - 1))], 3) if values else None
 
-    summary = {
+    return {
         "model": result["model"],
         "wall_seconds": result["wall_seconds"],
         "requests": len(requests),
@@ -309,14 +337,13 @@ def evaluate(result: dict) -> tuple[dict, list[Check]]:
         "max_queued_prompt_tokens_long_phase": _max(rows, "prefill_queued_prompt_tokens", long_start, short_start),
         "max_decode_waiting_short_phase": _max(rows, "waiting_total", short_start, short_end),
         "ttft_p95_s": {phase: ttft_p95(phase) for phase in ("long", "short")},
-        "router_pd_decisions": pd,
+        "router_pd_decisions": result.get("router_pd_decisions") or {},
         "decisions": [f"t={_t(result, d['time']):.0f}s {d.get('pool')} {d['action']} "
                       f"{d['fromReplicas']}->{d['toReplicas']} ({d['reason']})" for d in decisions],
         "prefill_over_time": _pool_changes(rows, "prefill"),  # [t, desired, ready, terminating] at each change
         "decode_over_time": _pool_changes(rows, "decode"),
         "phases": result["phases"],
     }
-    return summary, checks
 
 
 class _Bounds:
