@@ -194,7 +194,7 @@ def decide(settings: Settings, state: State, history: Mapping[str, Sequence[PodS
     signals = tuple(_pod_signal(p, history.get(p.name, ()), settings, now, spec) for p in ready)
     measured = [s for s in signals if s.state == "measured"]
     metrics = _metrics_status(signals, state)
-    retunes = measured and settings.retunes and spec.holds_sequences
+    retunes = bool(measured) and settings.retunes and spec.holds_sequences
     seqs_changes = kv_retune(settings, ready, history, now) if retunes else ()
 
     replicas = _replica_decision(settings.bounded_to(spec), spec, state, history, signals, measured, metrics, now)
