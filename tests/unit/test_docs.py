@@ -1,6 +1,6 @@
 """The docs are checked like code: every relative link in README.md and docs/ resolves (file and
-heading), every doc page is reachable from the README, every `iterserve ...` command shown in a
-fenced code block parses with that subcommand's own argparse parser (built in-process, no servers),
+heading), every repository path named in inline code exists, every doc page is reachable from the
+README, every `iterserve ...` command shown in a fenced code block parses with that subcommand's own argparse parser (built in-process, no servers),
 and the CRD reference equals the text generated from operator/models.py."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ SHELL_OPERATORS = {"|", "||", "&", "&&", ";", ">", ">>", "<", "2>", "2>&1"}
 
 
 def rel(path: Path) -> str:
-    return str(path.relative_to(REPO))
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
 def heading_anchors(path: Path) -> set[str]:
@@ -56,6 +56,40 @@ def broken_links(path: Path) -> list[str]:
 def test_every_relative_link_in_the_docs_resolves():
     bad = [line for path in DOCS for line in broken_links(path)]
     assert not bad, "broken links:\n" + "\n".join(bad)
+
+
+INLINE_CODE = re.compile(r"`([^`\n]+)`")
+REPO_DIRS = ("engine/", "operator/", "iterserve/", "bench/", "tests/", "docs/", "charts/", "crds/", "examples/",
+             "e2e/", "image/")
+
+
+def path_exists(text: str) -> bool:
+    """A path, or the prefix of files a script writes (`--plot docs/perf/sim/policy` writes policy_*.png)."""
+    path = REPO / text
+    return path.exists() or (path.parent.is_dir() and any(p.name.startswith(path.name) for p in path.parent.iterdir()))
+
+
+def missing_paths(path: Path) -> list[str]:
+    """Repository paths named in inline code (`bench/peers.py --quick`, `tests/unit/x.py::test_y`)."""
+    text = FENCE.sub("", path.read_text())
+    bad = []
+    for code in INLINE_CODE.findall(text):
+        for word in code.split():
+            target = word.split("::")[0].rstrip(".,:;)")
+            if target.startswith(REPO_DIRS) and not re.search(r"[*<>{}$\[\]]", target) and not path_exists(target):
+                bad.append(f"{rel(path)}: `{word}`")
+    return bad
+
+
+def test_a_renamed_script_named_in_the_docs_is_caught(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("Run `bench/peers.py --quick` or `bench/no_such_bench.py --quick`; see `docs/perf/peers.json`.\n")
+    assert [line.split(": ", 1)[1] for line in missing_paths(page)] == ["`bench/no_such_bench.py`"]
+
+
+def test_every_repository_path_the_docs_name_exists():
+    bad = [line for path in DOCS for line in missing_paths(path)]
+    assert not bad, "paths named in the docs that do not exist:\n" + "\n".join(bad)
 
 
 def test_every_doc_page_is_linked_from_the_readme():
