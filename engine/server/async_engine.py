@@ -12,8 +12,9 @@ draining (NotAccepting -> 503).
 A request that fails on its own (see engine/step_result.py) ends its stream with RequestError; the
 engine carries on. A request still running when a drain runs out of time ends with RequestCut, never
 as a finished output: its text is incomplete, and the server answers it as an error (503, or an SSE
-error event without `[DONE]`) so that neither the router nor the client takes it for a whole answer. If the engine loop itself dies, every stream ends with EngineFailed, `failed`
-is set and `alive` turns false, which GET /health reports as 503.
+error event without `[DONE]`) so that neither the router nor the client takes it for a whole answer.
+If the engine loop itself dies, every stream ends with EngineFailed, `failed` is set and `alive`
+turns false, which GET /health reports as 503.
 """
 
 from __future__ import annotations

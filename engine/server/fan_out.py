@@ -27,6 +27,7 @@ from iterserve.engine.server.async_engine import (
     EngineFailed,
     NotAccepting,
     QueueFull,
+    RequestCut,
     RequestError,
     RequestStream,
 )
@@ -34,6 +35,7 @@ from iterserve.engine.server.errors import (
     APIError,
     invalid,
     overloaded,
+    request_cut,
     request_failed,
     unavailable,
 )
@@ -120,6 +122,8 @@ async def final_outputs(request: Request, engine: AsyncEngine, choices: Choices)
             raise unavailable(str(error), "engine_failed") from None
         except RequestError as error:
             raise request_failed(str(error)) from None
+        except RequestCut as error:  # cut by the drain: a 503, never a 200 with truncated text
+            raise request_cut(str(error)) from None
         except ClientDisconnected:
             raise APIError(499, "client closed the request", "client_closed_request") from None
     return [finals[index] for index in range(choices.count)]

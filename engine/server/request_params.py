@@ -4,17 +4,17 @@ is a 400), the logprobs cap, and the accepted-but-ignored fields named back to t
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from fastapi import Request
 
 from iterserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.engine.server.async_engine import AsyncEngine
-from iterserve.engine.server.errors import invalid
+from iterserve.engine.server.errors import invalid, unavailable
 from iterserve.engine.server.protocol import IGNORED_FIELDS_HEADER, _SamplingFields
 from iterserve.engine.server.state import ServerState
 from iterserve.engine.structured import StructuredOutput
+from iterserve.engine.structured.compile_pool import CompileBusy
 
 logger = logging.getLogger(__name__)
 STRUCTURED_FIELDS = "response_format, guided_json, guided_regex, guided_choice, guided_grammar"
@@ -63,8 +63,8 @@ def _asked_structured(body: _SamplingFields) -> list[StructuredOutput]:
 async def structured_output(body: _SamplingFields, engine: AsyncEngine,
                             forced_call: StructuredOutput | None = None) -> StructuredOutput | None:
     """The request's structured output (a forced tool call, response_format or one guided_* field),
-    compiled here in a worker thread so an invalid schema is a 400 and the engine thread finds it in
-    the cache."""
+    compiled here on the grammar pool (engine/structured/compile_pool.py) so an invalid or too costly
+    schema is a 400, with the compiled grammar pinned on it: the engine thread never compiles."""
     asked = ([forced_call] if forced_call is not None else []) + _asked_structured(body)
     if not asked:
         return None
@@ -77,10 +77,11 @@ async def structured_output(body: _SamplingFields, engine: AsyncEngine,
         raise invalid(f"{structured.field}: structured outputs need a real model's vocabulary; this server "
                       "runs the fake model (--fake-model)", structured.field)
     try:
-        await asyncio.to_thread(grammars.compile, structured)
+        return await grammars.pool.compile(structured)
     except InvalidRequestError as error:
         raise invalid(str(error), error.param) from None
-    return structured
+    except CompileBusy as error:
+        raise unavailable(str(error), "structured_output_busy") from None
 
 
 def _check_length(prompt_len: int, max_tokens: int | None, max_model_len: int, prompt_field: str) -> None:

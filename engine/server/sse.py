@@ -3,7 +3,8 @@
 In: an async iterator of event objects (completion or chat chunks). Out: a streaming response of
 `data: {json}` events ending with `data: [DONE]`, shaped exactly like OpenAI's. An error after the
 stream began (the engine failed, the request failed, a later choice was refused) becomes one error
-event before [DONE]; a client that went away gets nothing more. Closing the events at once, not
+event before [DONE]; a request cut by the drain timeout ends with an error event and no [DONE];
+a client that went away gets nothing more. Closing the events at once, not
 at garbage collection, aborts the unfinished choices in the engine.
 """
 
@@ -14,8 +15,8 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from iterserve.engine.server.async_engine import EngineFailed, RequestError
-from iterserve.engine.server.errors import APIError, error_body, request_failed
+from iterserve.engine.server.async_engine import EngineFailed, RequestCut, RequestError
+from iterserve.engine.server.errors import APIError, error_body, request_cut, request_failed
 from iterserve.engine.server.fan_out import ClientDisconnected
 
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -34,6 +35,10 @@ async def _frames(events: AsyncIterator[dict]) -> AsyncIterator[str]:
         async for event in events:
             yield _frame(event)
     except ClientDisconnected:
+        return
+    except RequestCut as error:  # cut by the drain: no [DONE], which clients read as a whole answer
+        cut = request_cut(str(error))
+        yield _frame(error_body(cut.message, cut.type, None, cut.code))
         return
     except EngineFailed as error:
         yield _frame(error_body(str(error), "server_error", None, "engine_failed"))

@@ -6,6 +6,7 @@ long enough to act on it mid-flight."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import socket
 import subprocess
@@ -160,3 +161,33 @@ def test_bad_options_exit_2_and_a_model_that_fails_to_load_exits_1(tmp_path):
     assert server.proc.wait(60) == 1
     assert "missing.gguf" in server.log() and "Traceback" not in server.log()
     server.stop()
+
+
+@pytest.mark.slow
+def test_requests_cut_at_the_drain_timeout_are_errors_not_finished_answers(tmp_path):
+    # Before, a request still running at the drain timeout was answered 200 with its text so far and
+    # finish_reason "abort" (a stream even ended with [DONE]): the router and the OpenAI client took
+    # the truncated text for a whole answer.
+    server = ServerProcess(["--fake-model", "--drain-timeout", "0.5"], log_path=tmp_path / "log")
+    try:
+        server.wait_ready()
+        results: list = []
+        threads = _stream_in_background(server.url, LONG, results)
+        whole: list = []
+        threads.append(threading.Thread(target=lambda: whole.append(httpx.post(
+            f"{server.url}/v1/completions", json={**LONG, "stream": False}, timeout=30)), daemon=True))
+        threads[-1].start()
+        server.wait_metric(names.RUNNING_SEQS, lambda v: v == 2, timeout=5)
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0
+        for thread in threads:
+            thread.join(5)
+        [(status, lines, _)] = results
+        assert status == 200 and "data: [DONE]" not in lines  # the stream was already under way
+        error = json.loads(lines[-1].removeprefix("data: "))["error"]
+        assert error["code"] == "request_cut" and "--drain-timeout" in error["message"]
+        assert all('"finish_reason":"abort"' not in line for line in lines)
+        [answer] = whole
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "request_cut"
+    finally:
+        server.stop()
