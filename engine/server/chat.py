@@ -83,14 +83,14 @@ async def _choice(index: int, final: RequestOutput, tokenizer, logprobs: bool | 
     entries = None
     if logprobs:
         entries = {"content": await asyncio.to_thread(chat_logprobs, tokenizer, out.logprobs or [])}
-    message, finish_reason = tools.message(out.text, out.finish_reason)
+    message, finish_reason = await tools.answer(out.text, out.finish_reason)
     return {"index": index, "message": message, "logprobs": entries, "finish_reason": finish_reason}
 
 
-def _tool_deltas(tools: ChatTools, out: RequestOutput) -> tuple[dict, str | None]:
+async def _tool_deltas(tools: ChatTools, out: RequestOutput) -> tuple[dict, str | None]:
     """A held-back choice's whole answer as one delta (content and/or tool calls) and its finish reason."""
     completion = out.outputs[0]
-    message, finish_reason = tools.message(completion.text, completion.finish_reason)
+    message, finish_reason = await tools.answer(completion.text, completion.finish_reason)
     delta = {"content": message["content"]} if message["content"] else {}
     if message.get("tool_calls"):
         delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
@@ -122,7 +122,7 @@ async def _chat_events(outputs, ids: ResponseIds, usage: StreamUsage, n: int, to
                 if chunk_logprobs:
                     yield chunk(index, out, {}, None, chunk_logprobs)
                 if out.finished:
-                    delta, finish_reason = _tool_deltas(tools, out)
+                    delta, finish_reason = await _tool_deltas(tools, out)
                     if delta:
                         yield chunk(index, out, delta, None)
                     yield chunk(index, out, {}, finish_reason)

@@ -4,11 +4,14 @@ answer's message (content, or tool calls)."""
 
 from __future__ import annotations
 
+import asyncio
+
 from iterserve.engine.sampling_params import InvalidRequestError
 from iterserve.engine.server.errors import invalid
 from iterserve.engine.server.protocol import ChatCompletionRequest
 from iterserve.engine.structured import StructuredOutput
 from iterserve.engine.tools import (
+    OFF_LOOP_CHARS,
     ToolChoice,
     check_tools,
     forced_schema,
@@ -55,6 +58,13 @@ class ChatTools:
     def active(self) -> bool:
         """Whether the answer may hold tool calls (a stream then holds a choice's text until it ends)."""
         return self.tool_choice.mode != "none"
+
+    async def answer(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """`message`, in a worker thread for a long text: parsing is linear, but megabytes of model
+        output would still hold every other stream on the event loop."""
+        if not self.active or len(text) <= OFF_LOOP_CHARS:
+            return self.message(text, finish_reason)
+        return await asyncio.to_thread(self.message, text, finish_reason)
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         mode = self.tool_choice.mode
