@@ -18,7 +18,8 @@ Split as vLLM v1 splits its KV connector, written afresh for this engine:
   executor's `read_kv` / KVLoad at the step's start play the worker side (save_kv_layer /
   start_load_kv), whole prompts at a time rather than layer by layer.
 - `params.py` reads and writes the `kv_transfer_params` objects of the wire contract
-  (docs/disaggregation.md).
+  (docs/disaggregation.md); `auth.py` signs and checks them with the InferenceService's KV key, so
+  only the router and peer engines can drive a transfer (docs/security.md).
 
 Threads: the block pool belongs to the engine thread. The transport's server threads only read
 pinned blocks (under a read count that keeps the lease alive) and queue releases; the decode
