@@ -15,7 +15,8 @@ Scenarios (each on fresh engine processes):
   (a Go HTTP load generator: `GOBIN=~/.cache/iterserve-peers/bin go install
   github.com/rakyll/hey@v0.1.4`, or on PATH, or $ITERSERVE_HEY), which holds 200 req/s on 2 vCPUs;
   without it (or with --python-loadgen) iterserve's Python loadgen, which reaches ~60 req/s on a
-  busy 2-vCPU machine. The JSON's `loadgen` says which one ran.
+  busy 2-vCPU machine. The JSON's `loadgen` says which one ran. With --old-router COMMIT, that
+  commit's router runs as a third arm in the same rounds (its figures under `old_router`).
 
 Round robin is the loadgen spreading requests over the engine URLs itself, as a Kubernetes
 Service would; the router runs as its own process. Round robin and the router take turns in
@@ -25,6 +26,7 @@ loop of max_num_seqs requests per replica for a few seconds.
 
     python bench/routing.py --json docs/perf/routing.json --plot docs/perf/routing.png
     python bench/routing.py --quick
+    python bench/routing.py --scenarios overhead --old-router COMMIT --json docs/perf/routing.json
 """
 
 from __future__ import annotations
@@ -62,11 +64,11 @@ class Procs:
         self.logdir = logdir
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, name: str, command: list[str]) -> subprocess.Popen:
+    def start(self, name: str, command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.logdir / f"{name}.log", "wb")  # noqa: SIM115
         # Not from the repository root: its folder operator/ must not shadow the stdlib module.
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd="/",
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
         self.procs.append(proc)
         return proc
 
@@ -78,10 +80,13 @@ class Procs:
         wait_for(lambda: _ok(f"{url}/ready"), 60, 0.1, what=f"engine {name} ready")
         return url
 
-    def router(self, urls: list[str], *extra: str) -> str:
+    def router(self, urls: list[str], *extra: str, command: list[str] | None = None,
+               env: dict[str, str] | None = None) -> str:
+        """A router process (command: another build's `iterserve`, with env)."""
         port = free_port()
-        self.start("router" if not extra else f"router-{port}", [*ITERSERVE, "router", "--port", str(port), "--endpoints", ",".join(urls),
-                              "--seed", "0", "--log-level", "warning", *extra])
+        name = "router" if not extra and command is None else f"router-{port}"
+        self.start(name, [*(command or ITERSERVE), "router", "--port", str(port), "--endpoints", ",".join(urls),
+                          "--seed", "0", "--log-level", "warning", *extra], env)
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: _ok(f"{url}/ready"), 30, 0.1, what="router ready")
         return url
@@ -368,105 +373,134 @@ def hey_run(hey: str, url: str, body: str, *, rate: float | None, seconds: float
     return rows
 
 
-def paired_added_ms(per_round: list[dict]) -> list[float]:
+def paired_added_ms(per_round: list[dict], arm: str = "router") -> list[float]:
     by_round: dict[int, dict] = {}
     for r in per_round:
         by_round.setdefault(r["round"], {})[r["path"]] = r["p50_ms"]
-    return [round(r["router"] - r["direct"], 3) for _, r in sorted(by_round.items())
-            if r.get("router") is not None and r.get("direct") is not None]
+    return [round(r[arm] - r["direct"], 3) for _, r in sorted(by_round.items())
+            if r.get(arm) is not None and r.get("direct") is not None]
+
+
+def old_router_command(commit: str) -> tuple[list[str], dict[str, str]]:
+    """The router of an earlier commit, for a side-by-side run: a git worktree of that commit
+    (made once, outside the repository) whose iterserve/ shadows this one's on PYTHONPATH; the
+    engine modules it imports (metrics names, prefix hashes) stay this checkout's."""
+    repo = BENCH.parent
+    sha = subprocess.run(["git", "rev-parse", "--short=12", commit], cwd=repo, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    tree = Path(tempfile.gettempdir()) / f"iterserve-router-{sha}"
+    if not (tree / "iterserve" / "router").is_dir():
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), sha], cwd=repo, check=True,
+                       capture_output=True)
+    return [sys.executable, "-m", "iterserve.cli"], {"PYTHONPATH": str(tree)}
+
+
+def _overhead_round(args, hey, target: str, rate: float, seconds: float, seed: int) -> tuple[list, dict, int, list]:
+    """One round at the offered rate: (e2e seconds of the good requests, statuses of the others,
+    requests started in time, TTFTs (Python loadgen only))."""
+    statuses: dict[str, int] = {}
+    if hey:
+        rows = hey_run(hey, target, _hey_body(16, 4), rate=rate, seconds=seconds, streams=args.hey_streams)
+        for _, status, _ in rows:
+            if status != 200:
+                statuses[str(status)] = statuses.get(str(status), 0) + 1
+        # hey -z sends one more request after its timer fires: the rate counts those started in time.
+        return [t for t, status, _ in rows if status == 200], statuses, sum(1 for *_, o in rows if o < seconds), []
+    kept: list = []
+    report = asyncio.run(run_load(spec(args, target, rate=rate, duration=seconds, prompt_len=16, max_tokens=4,
+                                       output_dist="fixed", seed=seed, on_result=kept.append)))
+    return ([r.end - r.start for r in kept if r.ok], dict(report["errors_by_status"]), len(kept),
+            [r.first_token - r.start for r in kept if r.ok and r.first_token])
+
+
+def _one_at_a_time(args, hey, target: str, n: int, seed: int) -> list[float]:
+    if hey:
+        return [t for t, status, _ in hey_run(hey, target, _hey_body(16, 4), rate=None, requests=n) if status == 200]
+    kept: list = []
+    asyncio.run(run_load(spec(args, target, rate=float("inf"), duration=None, requests=n, concurrency=1,
+                              prompt_len=16, max_tokens=4, output_dist="fixed", seed=seed, on_result=kept.append)))
+    return [r.end - r.start for r in kept if r.ok]
 
 
 def scenario_overhead(args, procs: Procs) -> dict:
+    """Direct, through this router and (with --old-router COMMIT) through that commit's router, in
+    rounds that rotate which goes first, so every arm sees the same drift of the machine's load."""
     url = procs.engine("engine0", 0.25, 64)
-    router = procs.router([url])
+    targets = {"direct": url, "router": procs.router([url])}
+    pids = {"router": procs.procs[-1].pid}
+    if args.old_router:
+        command, env = old_router_command(args.old_router)
+        targets["old_router"] = procs.router([url], command=command, env=env)
+        pids["old_router"] = procs.procs[-1].pid
+    arms = list(targets)
     rate = 50.0 if args.quick else 200.0
     rounds = 2 if args.quick else args.overhead_rounds
     seconds = 3.0 if args.quick else 10.0
     hey = None if args.python_loadgen else find_hey()
-    router_pid = procs.procs[-1].pid
-    e2e: dict[str, list] = {"direct": [], "router": []}
-    ttft: dict[str, list] = {"direct": [], "router": []}
-    statuses: dict[str, dict] = {"direct": {}, "router": {}}
-    cpu = 0.0
+    e2e, ttft = {a: [] for a in arms}, {a: [] for a in arms}
+    statuses, started, cpu = {a: {} for a in arms}, dict.fromkeys(arms, 0), dict.fromkeys(arms, 0.0)
     per_round = []
-    started = {"direct": 0, "router": 0}
-    body = _hey_body(16, 4)
     for i in range(rounds):
-        # Alternating which goes first: both see the same drift of the machine's background load.
-        for path in ("direct", "router") if i % 2 == 0 else ("router", "direct"):
-            target = url if path == "direct" else router
-            before = _cpu_seconds(router_pid)
-            if hey:
-                rows = hey_run(hey, target, body, rate=rate, seconds=seconds, streams=args.hey_streams)
-                ok = [t for t, status, _ in rows if status == 200]
-                for _, status, _ in rows:
-                    if status != 200:
-                        statuses[path][str(status)] = statuses[path].get(str(status), 0) + 1
-                # hey -z sends one more request after its timer fires: the rate counts those started in time.
-                sent = sum(1 for *_, offset in rows if offset < seconds)
-            else:
-                kept: list = []
-                report = asyncio.run(run_load(spec(args, target, rate=rate, duration=seconds, prompt_len=16,
-                                                   max_tokens=4, output_dist="fixed", seed=args.seed + i,
-                                                   on_result=kept.append)))
-                ok = [r.end - r.start for r in kept if r.ok]
-                ttft[path] += [r.first_token - r.start for r in kept if r.ok and r.first_token]
-                for status, n in report["errors_by_status"].items():
-                    statuses[path][status] = statuses[path].get(status, 0) + n
-                sent = len(kept)
-            if path == "router":
-                cpu += _cpu_seconds(router_pid) - before
-            e2e[path] += ok
-            started[path] += sent
-            per_round.append({"round": i, "path": path, "requests": sent, "achieved_rate_per_s": sent / seconds,
+        for arm in arms[i % len(arms):] + arms[:i % len(arms)]:
+            before = _cpu_seconds(pids[arm]) if arm in pids else 0.0
+            ok, errors, sent, first = _overhead_round(args, hey, targets[arm], rate, seconds, args.seed + i)
+            if arm in pids:
+                cpu[arm] += _cpu_seconds(pids[arm]) - before
+            for status, n in errors.items():
+                statuses[arm][status] = statuses[arm].get(status, 0) + n
+            e2e[arm] += ok
+            ttft[arm] += first
+            started[arm] += sent
+            per_round.append({"round": i, "path": arm, "requests": sent, "achieved_rate_per_s": sent / seconds,
                               "p50_ms": 1000 * percentiles(ok)["p50"] if ok else None,
                               "load_average_1m": os.getloadavg()[0]})
-    p = {k: _quantiles(v) for k, v in e2e.items()}
-    added = (p["router"]["p50"] - p["direct"]["p50"]) * 1000
-    paired = paired_added_ms(per_round)
-    added_p90 = (p["router"]["p90"] - p["direct"]["p90"]) * 1000
     # One request at a time: the hop itself, without the machine's queueing at the offered rate.
-    one: dict[str, list] = {"direct": [], "router": []}
-    n_one = 50 if args.quick else 100
+    one = {a: [] for a in arms}
     for i in range(rounds):
-        for path in ("direct", "router") if i % 2 == 0 else ("router", "direct"):
-            target = url if path == "direct" else router
-            if hey:
-                one[path] += [t for t, status, _ in hey_run(hey, target, body, rate=None, requests=n_one) if status == 200]
-            else:
-                kept = []
-                asyncio.run(run_load(spec(args, target, rate=float("inf"), duration=None, requests=n_one,
-                                          concurrency=1, prompt_len=16, max_tokens=4, output_dist="fixed",
-                                          seed=args.seed + i, on_result=kept.append)))
-                one[path] += [r.end - r.start for r in kept if r.ok]
+        for arm in arms[i % len(arms):] + arms[:i % len(arms)]:
+            one[arm] += _one_at_a_time(args, hey, targets[arm], 50 if args.quick else 100, args.seed + i)
+    out = _overhead_figures(args, hey, rate, rounds, seconds, e2e, ttft, statuses, started, cpu, per_round, one)
+    if args.old_router:
+        out["old_router_commit"] = subprocess.run(["git", "rev-parse", args.old_router], cwd=BENCH.parent,
+                                                  capture_output=True, text=True).stdout.strip()
+    out["pass"] = judge("overhead", out)
+    return out
+
+
+def _overhead_figures(args, hey, rate, rounds, seconds, e2e, ttft, statuses, started, cpu, per_round, one) -> dict:
+    p = {k: _quantiles(v) for k, v in e2e.items()}
     sequential = {k: _quantiles(v) for k, v in one.items()}
-    routed = len(e2e["router"]) + sum(statuses["router"].values())
-    out = {"loadgen": ({"tool": "hey", "version": HEY_VERSION, "path": hey, "processes": args.hey_streams,
+    out = {"loadgen": ({"tool": "hey", "version": HEY_VERSION, "path": "hey", "processes": args.hey_streams,
                         "arrivals": f"evenly spaced: {args.hey_streams} one-worker hey processes at "
                                     f"{rate / args.hey_streams:g} req/s each, started {1000 / rate:g} ms apart"}
                        if hey else {"tool": "iterserve loadgen (Python, asyncio)", "arrivals": "Poisson",
                                     "why": "--python-loadgen" if args.python_loadgen else "hey not found"}),
            "request": "POST /v1/completions, stream, 16 prompt tokens, max_tokens 4 (ignore_eos)",
            "rate_per_s": rate, "rounds": rounds, "seconds_per_round": seconds,
-           "requests": {k: len(v) for k, v in e2e.items()}, "errors": statuses,
-           "e2e_s": p, "added_p50_ms": added, "added_p90_ms": added_p90,
-           # Router p50 - direct p50 of the two back-to-back runs of each round: the round-to-round
-           # drift of the shared machine's load cancels; their spread is the noise of the figure.
-           "added_p50_ms_per_round": paired,
-           "added_p50_ms_per_round_median": statistics.median(paired) if paired else None,
-           "router_cpu_ms_per_request": 1000 * cpu / max(1, routed),
-           # What one core could relay if the router's CPU were the only limit (it is one process).
-           "router_max_rate_per_core_est": routed / cpu if cpu else None,
+           "requests": {k: len(v) for k, v in e2e.items()}, "errors": statuses, "e2e_s": p,
            "achieved_rate_per_s": {k: n / (rounds * seconds) for k, n in started.items()},
-           "per_round": per_round,
-           "sequential_e2e_s": sequential,
-           "sequential_added_p50_ms": (sequential["router"]["p50"] - sequential["direct"]["p50"]) * 1000,
+           "per_round": per_round, "sequential_e2e_s": sequential,
            "target": "< 2 ms added p50 (at >= 90% of the offered rate achieved)", "pass": False}
-    if not hey:
-        t = {k: percentiles(v) for k, v in ttft.items()}
-        out["ttft_s"] = t
-        out["added_p50_ttft_ms"] = (t["router"]["p50"] - t["direct"]["p50"]) * 1000
-    out["pass"] = judge("overhead", out)
+    for arm in [a for a in e2e if a != "direct"]:
+        # "router" keeps the top-level keys; another arm (old_router) gets the same figures under its name.
+        paired = paired_added_ms(per_round, arm)
+        routed = len(e2e[arm]) + sum(statuses[arm].values())
+        figures = {"added_p50_ms": (p[arm]["p50"] - p["direct"]["p50"]) * 1000,
+                   "added_p90_ms": (p[arm]["p90"] - p["direct"]["p90"]) * 1000,
+                   # Arm p50 - direct p50 of the back-to-back runs of each round: the round-to-round
+                   # drift of the shared machine's load cancels; their spread is the noise of the figure.
+                   "added_p50_ms_per_round": paired,
+                   "added_p50_ms_per_round_median": statistics.median(paired) if paired else None,
+                   "router_cpu_ms_per_request": 1000 * cpu[arm] / max(1, routed),
+                   # What one core could relay if the router's CPU were the only limit (it is one process).
+                   "router_max_rate_per_core_est": routed / cpu[arm] if cpu[arm] else None,
+                   "sequential_added_p50_ms": (sequential[arm]["p50"] - sequential["direct"]["p50"]) * 1000}
+        if ttft[arm]:
+            figures["added_p50_ttft_ms"] = (percentiles(ttft[arm])["p50"] - percentiles(ttft["direct"])["p50"]) * 1000
+        if arm == "router":
+            out.update(figures)
+        else:
+            out[arm] = figures
     return out
 
 
@@ -507,7 +541,9 @@ def plot(results: dict, path: str) -> None:
                                     f"{r['ejected_after_s'] if r['ejected_after_s'] is None else round(r['ejected_after_s'], 2)} s",
                   "overhead": lambda r: f"added p50 {r['added_p50_ms']:.2f} ms at {r['rate_per_s']:.0f} req/s "
                                         f"({r['achieved_rate_per_s']['router']:.0f} achieved, "
-                                        f"{(r.get('loadgen') or {}).get('tool', 'loadgen').split(' ')[0]})"}[name](r)
+                                        f"{(r.get('loadgen') or {}).get('tool', 'loadgen').split(' ')[0]})"
+                                        + (f";\n  old router {r['old_router']['added_p50_ms']:.2f} ms"
+                                           if "old_router" in r else "")}[name](r)
         lines.append(f"{name}: {figure} [{'pass' if r['pass'] else 'FAIL'}]")
     axes[1].axis("off")
     axes[1].text(0, 0.9, "\n\n".join(lines), va="top", fontsize=9, family="monospace", wrap=True)
@@ -536,6 +572,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="overhead: alternating direct/router rounds of 10 s each (default 6; quick: 2)")
     parser.add_argument("--hey-streams", type=int, default=20,
                         help="overhead: one-worker hey processes sharing the rate, evenly staggered (default 20)")
+    parser.add_argument("--old-router", metavar="COMMIT",
+                        help="overhead: also run the router of this commit (from a git worktree), side by side "
+                             "in the same rounds")
     parser.add_argument("--python-loadgen", action="store_true",
                         help="overhead: use iterserve's Python loadgen even when hey is installed")
     args = parser.parse_args(argv)
@@ -605,11 +644,15 @@ def _summary(name: str, r: dict) -> str:
     p90 = f", p90 {r['added_p90_ms']:.2f} ms" if "added_p90_ms" in r else ""
     per_round = r.get("added_p50_ms_per_round_median")
     per_round = "" if per_round is None else f" (median of per-round pairs {per_round:.2f} ms)"
+    old = r.get("old_router")
+    old = "" if old is None else (
+        f"; old router ({r.get('old_router_commit', '?')[:10]}, same rounds): added p50 {old['added_p50_ms']:.2f} ms, "
+        f"one at a time {old['sequential_added_p50_ms']:.2f} ms, CPU {old['router_cpu_ms_per_request']:.2f} ms/request")
     return (f"added e2e p50 {r['added_p50_ms']:.2f} ms{per_round}{p90}{extra} at "
             f"{r['rate_per_s']:.0f} req/s offered by {tool} ({achieved['direct']:.0f} direct / {achieved['router']:.0f} "
             f"routed achieved); one at a time {r.get('sequential_added_p50_ms', float('nan')):.2f} ms; router CPU "
             f"{r['router_cpu_ms_per_request']:.2f} ms/request (~{r.get('router_max_rate_per_core_est') or 0:.0f} "
-            "req/s per core)")
+            f"req/s per core){old}")
 
 
 if __name__ == "__main__":

@@ -66,6 +66,11 @@ async def read_body(request: web.BaseRequest, max_bytes: int, timeout_s: float) 
     if request.content_length is not None and request.content_length > max_bytes:
         raise BodyRefused(413, "request_too_large", f"the body is {request.content_length} bytes; the "
                           f"limit is {max_bytes} (--max-request-body)")
+    if request.content.is_eof():  # the whole body came with the head (a small request): no wait
+        body = request.content.read_nowait()
+        if len(body) > max_bytes:
+            raise BodyRefused(413, "request_too_large", f"the body is over {max_bytes} bytes (--max-request-body)")
+        return body
     if request.headers.get("expect", "").lower() == "100-continue":
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits 1 s for this before a big body
     parts, total = [], 0

@@ -183,17 +183,20 @@ class Router:
     # -- the process ----------------------------------------------------------------------------
     async def start(self) -> None:
         o = self.options
-        # Upstream: one pool for requests to every replica. No decompression (bytes pass through as
-        # sent), no headers of aiohttp's own beyond Host and Content-Length.
+        # Upstream: one pool for requests to every replica. No cookie jar (one user's Set-Cookie must
+        # never ride on another's request), no decompression (bytes pass through as sent), no headers
+        # of aiohttp's own beyond Host and Content-Length.
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=o.max_idle_conn_s),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=o.connect_timeout_s),
-            auto_decompress=False, skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"))
+            cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"))
         # Scrapes keep a connection per replica of their own: a scrape never waits for a free
         # request connection, and a replica that answers scrapes but fails requests still fails them.
         self.scrape_session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=1, keepalive_timeout=o.max_idle_conn_s),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=o.connect_timeout_s))
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=o.connect_timeout_s),
+            cookie_jar=aiohttp.DummyCookieJar())
         self.door = FrontDoor(self._handle, o.max_connections, o.head_timeout_s)
         await self.door.listen(o.host, o.port)
 
