@@ -18,6 +18,7 @@ from iterserve.engine.server.errors import invalid
 from iterserve.engine.server.fan_out import Choices, final_outputs, stream_choices
 from iterserve.engine.server.logprobs_format import chat_logprobs
 from iterserve.engine.server.pd_params import answer_kv_transfer, request_kv_transfer
+from iterserve.engine.server.prompt_length import check_prompt_chars
 from iterserve.engine.server.protocol import (
     ERROR_RESPONSES,
     IGNORED_FIELDS_HEADER,
@@ -48,6 +49,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     if tools.active:
         headers = _tools_honour_parallel_calls(headers)
     messages = chat_messages(body, tools.template_tools)
+    chars = sum(len(m["content"] or "") for m in messages)  # the template only adds to them
+    check_prompt_chars(chars, tokenizer, engine.engine.config.max_model_len, "messages")  # before tokenizing
     text, token_ids = await asyncio.to_thread(render_chat, tokenizer, messages, tools.template_tools)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")

@@ -17,6 +17,7 @@ from iterserve.engine.server.fan_out import Choices, Prompt, final_outputs, stre
 from iterserve.engine.server.fim import fill_in_the_middle
 from iterserve.engine.server.logprobs_format import completion_logprobs
 from iterserve.engine.server.pd_params import answer_kv_transfer, request_kv_transfer
+from iterserve.engine.server.prompt_length import check_prompt_chars
 from iterserve.engine.server.protocol import ERROR_RESPONSES, CompletionRequest, CompletionResponse
 from iterserve.engine.server.request_params import (
     check_logprobs,
@@ -43,7 +44,10 @@ async def create_completion(body: CompletionRequest, request: Request, response:
     if prompt_only and (not body.echo or body.stream):
         raise invalid("max_tokens: 0 only with echo: true and without stream", "max_tokens")
     tokenizer = engine.engine.tokenizer
-    encoded = await _encode(tokenizer, _prompts(body, tokenizer))
+    prompts = _prompts(body, tokenizer)
+    longest = max((len(p) for p in prompts if isinstance(p, str)), default=0)
+    check_prompt_chars(longest, tokenizer, engine.engine.config.max_model_len, "prompt")  # before tokenizing
+    encoded = await _encode(tokenizer, prompts)
     check_logprobs(body.logprobs, state, "logprobs")
     structured = await structured_output(body, engine)
     params = [

@@ -3,7 +3,8 @@
 /tokenize takes a `prompt` (encoded with special tokens by default, as a completion prompt is) or
 chat `messages` (rendered with the model's chat template, as /v1/chat/completions renders them) and
 answers `{count, max_model_len, tokens, token_strs}`; /detokenize takes `tokens` and answers
-`{prompt}`. Both run the tokenizer in a worker thread.
+`{prompt}`. Both run the tokenizer in a worker thread; a text that cannot fit in max_model_len
+tokens (prompt_length.py) is refused before it is tokenized.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, model_validator
 
 from iterserve.engine.server.errors import invalid
+from iterserve.engine.server.prompt_length import check_prompt_chars
 from iterserve.engine.server.protocol import (
     MAX_MESSAGES,
     ChatMessage,
@@ -67,6 +69,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     engine = state.require_engine()
     state.check_model(body.model)
     tokenizer = engine.engine.tokenizer
+    chars = len(body.prompt) if body.prompt is not None else sum(len(m.text() or "") for m in body.messages)
+    check_prompt_chars(chars, tokenizer, engine.engine.config.max_model_len,
+                       "prompt" if body.prompt is not None else "messages")  # before tokenizing
 
     def run() -> list[int]:
         if body.prompt is not None:

@@ -1,6 +1,7 @@
 """One bad request never takes a replica down, against real server processes: a request
 whose sampling fails gets an error while the others finish with their greedy tokens; an engine
-loop that dies turns GET /health to 503; oversized and malformed requests get 4xx error bodies;
+loop that dies turns GET /health to 503; oversized and malformed requests get 4xx error bodies (a
+prompt too long for the model before it is tokenized);
 SIGTERM during model loading exits at once; an idle server does not spin."""
 
 from __future__ import annotations
@@ -119,6 +120,18 @@ def test_oversized_and_malformed_requests_get_4xx_error_bodies(tmp_path):
             error = assert_openai_error(httpx.post(f"{server.url}{path}", content=raw.encode(),
                                                    headers={"content-type": "application/json"}), 400, param=param)
             assert "not valid Unicode" in error["message"]
+        # A prompt that cannot fit is refused by its length before tokenizing: before, all of it was
+        # tokenized first (8 MiB took seconds of a worker thread), then refused for its token count.
+        huge = "a" * 1_000_000  # over 2048 tokens x 128 characters, the fake tokenizer's bound
+        for path, body, param in [("/v1/completions", {"prompt": ["ok", huge]}, "prompt"),
+                                  ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]},
+                                   "messages"),
+                                  ("/tokenize", {"prompt": huge}, "prompt")]:
+            error = assert_openai_error(httpx.post(f"{server.url}{path}", json=body, timeout=30), 400, param=param,
+                                        code="context_length_exceeded")
+            assert "1000000 characters" in error["message"] and "2048 tokens" in error["message"]
+        counted = assert_openai_error(httpx.post(url, json={"prompt": "a" * 5000}), 400, param="prompt")
+        assert "5000 tokens" in counted["message"]  # under the character bound: counted in tokens as before
         assert httpx.post(url, json={"prompt": "still serving", "max_tokens": 3}).status_code == 200
 
 
