@@ -6,6 +6,7 @@ Out: the image in podman's local storage under three tags:
   localhost/iterserve:dev[-gpu]              a short local name
   localhost/iterserve:<content hash>[-gpu]   the Containerfile, lock and sources it was built
                                              from: the image test reuses a build by this tag
+podman runs with iterserve/devcluster/podman.py's containers.conf (runc, no default ulimits).
 The base rootfs comes from image/base.sh (built once, then reused). A host pip cache is mounted
 during the build, so a rebuild does not download torch again; the host's CA bundle is mounted
 too when it exists. Neither is written into a layer.
@@ -24,10 +25,11 @@ import time
 import tomllib
 from pathlib import Path
 
+from iterserve.devcluster.podman import podman_env
+
 ROOT = Path(__file__).resolve().parent.parent
 CONTAINERFILE = ROOT / "image" / "Containerfile"
 IGNOREFILE = ROOT / "image" / "Containerfile.dockerignore"
-CONTAINERS_CONF = ROOT / "image" / "containers.conf"
 BASE_TAG = "localhost/iterserve-base:bookworm"
 REPOSITORY = "ghcr.io/iterserve/engine"
 LOCAL = "localhost/iterserve"
@@ -36,11 +38,6 @@ CONTEXT_FILES = ("image/requirements.lock", "pyproject.toml", "setup.py", "READM
 CONTEXT_DIRS = ("iterserve", "engine", "operator")
 HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
 PIP_CACHE = Path(os.environ.get("IMAGE_PIP_CACHE", Path.home() / ".cache" / "iterserve-image-pip"))
-
-
-def podman_env() -> dict[str, str]:
-    """podman's environment: the repo's containers.conf (runc, no default ulimits)."""
-    return {**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)}
 
 
 def version() -> str:
@@ -76,7 +73,7 @@ def image_exists(tag: str) -> bool:
     return subprocess.run(["podman", "image", "exists", tag], env=podman_env()).returncode == 0
 
 
-def build_command(target: str) -> list[str]:
+def build_command(target: str, tag_list: list[str]) -> list[str]:
     PIP_CACHE.mkdir(parents=True, exist_ok=True)
     cmd = [
         "podman", "build", "--network", "host", "--layers",
@@ -86,7 +83,7 @@ def build_command(target: str) -> list[str]:
     ]
     if HOST_CA.is_file():
         cmd += ["--volume", f"{HOST_CA}:/etc/iterserve-build/ca.crt:ro"]
-    for tag in tags(target):
+    for tag in tag_list:
         cmd += ["--tag", tag]
     return cmd + [str(ROOT)]
 
@@ -99,7 +96,7 @@ def build(target: str = "cpu", if_missing: bool = False) -> str:
     env = podman_env()
     subprocess.run(["bash", str(ROOT / "image" / "base.sh"), BASE_TAG], check=True, env=env)
     started = time.monotonic()
-    subprocess.run(build_command(target), check=True, env=env, cwd=ROOT)
+    subprocess.run(build_command(target, wanted), check=True, env=env, cwd=ROOT)
     print(f"built {', '.join(wanted)} in {time.monotonic() - started:.0f} s", file=sys.stderr)
     return wanted[-1]
 

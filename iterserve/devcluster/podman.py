@@ -5,20 +5,53 @@ filesystem with only an emptyDir-like tmpfs at /tmp, uid 10001, every capability
 no new privileges. Containers join the host network (loopback addresses stand in for pod IPs),
 so tests and benchmarks reach them on 127.0.0.0/8 only.
 
-runc is asked for by name (crun refuses hybrid cgroup hierarchies), and the open-files limit is
-the caller's own (podman's default can exceed a VM's hard limit and the start fails).
+Every podman call here (and image/build.py's build) runs with CONTAINERS_CONF below: runc,
+since crun refuses hybrid cgroup hierarchies, and no default ulimits, since podman's defaults
+(open files, processes) can exceed a VM's hard limits and runc then fails to start the container;
+the container inherits the caller's limits instead.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import resource
+import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 POD_USER = "10001:10001"
 TMP_SIZE = "512m"  # the emptyDir at /tmp holds caches only; the model is in the image
+CONTAINERS_CONF = """\
+[containers]
+default_ulimits = []
+
+[engine]
+runtime = "runc"
+"""
+
+
+@functools.cache
+def _conf_file() -> Path:
+    fd, path = tempfile.mkstemp(prefix="iterserve-containers-", suffix=".conf")
+    with os.fdopen(fd, "w") as conf:
+        conf.write(CONTAINERS_CONF)
+    return Path(path)
+
+
+def podman_env() -> dict[str, str]:
+    """The environment for podman and buildah: this module's containers.conf."""
+    return {**os.environ, "CONTAINERS_CONF": str(_conf_file())}
+
+
+def _podman(*args: str, timeout: float, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout,
+                          env=podman_env())
+    if check and done.returncode != 0:
+        raise RuntimeError(f"podman {args[0]} failed ({done.returncode}): {done.stderr.strip()[-800:]}")
+    return done
 
 
 def unavailable_reason() -> str | None:
@@ -26,16 +59,10 @@ def unavailable_reason() -> str | None:
     for tool in ("podman", "runc"):
         if shutil.which(tool) is None:
             return f"{tool} is not installed (sudo bash .ci/system-packages.sh installs it)"
-    probe = subprocess.run(["podman", "info", "--format", "json"], capture_output=True,
-                           text=True, timeout=60)
+    probe = _podman("info", "--format", "json", timeout=60, check=False)
     if probe.returncode != 0:
         return f"`podman info` failed: {probe.stderr.strip()[-300:]}"
     return None
-
-
-def runtime_args() -> list[str]:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return ["--runtime", "runc", "--ulimit", f"nofile={soft}:{hard}"]
 
 
 def pod_security_args() -> list[str]:
@@ -53,19 +80,15 @@ def run_detached(image: str, name: str, command: Sequence[str],
                  env: dict[str, str] | None = None) -> str:
     """Start `command` in a pod-like container on the host network; return its id."""
     env_args = [arg for key, value in (env or {}).items() for arg in ("--env", f"{key}={value}")]
-    cmd = ["podman", "run", "--detach", "--name", name, "--network", "host",
-           *runtime_args(), *pod_security_args(), *env_args, image, *command]
-    return subprocess.run(cmd, check=True, capture_output=True, text=True,
-                          timeout=120).stdout.strip()
+    return _podman("run", "--detach", "--name", name, "--network", "host",
+                   *pod_security_args(), *env_args, image, *command, timeout=120).stdout.strip()
 
 
 def terminate(name: str, grace_s: float) -> int | None:
     """SIGTERM, as the kubelet sends it; the exit code, or None if still running after grace_s."""
-    subprocess.run(["podman", "kill", "--signal", "TERM", name], check=True,
-                   capture_output=True, timeout=30)
+    _podman("kill", "--signal", "TERM", name, timeout=30)
     try:
-        waited = subprocess.run(["podman", "wait", name], capture_output=True, text=True,
-                                timeout=grace_s)
+        waited = _podman("wait", name, timeout=grace_s)
     except subprocess.TimeoutExpired:
         return None
     return int(waited.stdout.strip().splitlines()[-1])
@@ -73,26 +96,23 @@ def terminate(name: str, grace_s: float) -> int | None:
 
 def changed_paths(name: str) -> list[str]:
     """Paths the container added or changed in its image's filesystem (`podman diff`)."""
-    out = subprocess.run(["podman", "diff", "--format", "json", name], check=True,
-                         capture_output=True, text=True, timeout=60).stdout
+    out = _podman("diff", "--format", "json", name, timeout=60).stdout
     changes = json.loads(out or "{}")
     return sorted(path for kind in ("added", "changed", "deleted") for path in changes.get(kind) or [])
 
 
 def logs(name: str) -> str:
-    out = subprocess.run(["podman", "logs", name], capture_output=True, text=True, timeout=30)
+    out = _podman("logs", name, timeout=30, check=False)
     return (out.stdout + out.stderr)[-4000:]
 
 
 def remove(name: str) -> None:
-    subprocess.run(["podman", "rm", "--force", "--time", "0", name], capture_output=True,
-                   timeout=60)
+    _podman("rm", "--force", "--time", "0", name, timeout=60, check=False)
 
 
 def image_facts(tag: str) -> dict:
     """Size, id and digest of a local image, as podman records them."""
-    out = subprocess.run(["podman", "image", "inspect", tag], check=True, capture_output=True,
-                         text=True, timeout=60).stdout
+    out = _podman("image", "inspect", tag, timeout=60).stdout
     info = json.loads(out)[0]
     return {
         "tag": tag,
