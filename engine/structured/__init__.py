@@ -31,6 +31,7 @@ from typing import Literal
 import torch
 
 from iterserve.engine.sampling_params import InvalidRequestError
+from iterserve.engine.structured.compile_pool import CompilePool
 from iterserve.engine.structured.limits import check_limits
 
 logger = logging.getLogger(__name__)
@@ -92,8 +93,6 @@ class Grammars:
     @property
     def pool(self):
         """The server's bounded compile pool over this vocabulary (threads start on first use)."""
-        from iterserve.engine.structured.compile_pool import CompilePool
-
         with self._lock:
             if self._pool is None:
                 self._pool = CompilePool(self)
