@@ -1,4 +1,4 @@
-"""Engine configuration and the design note's start-up rules.
+"""Engine configuration and its start-up rules.
 
 Every rule refuses to start with a message that names the options involved and how to fix them.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 
 logger = logging.getLogger(__name__)
 
@@ -17,6 +17,18 @@ DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_MAX_WAITING_REQUESTS = 256
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
                "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+
+
+# The help groups of serve's flags (engine/server/cli.py declares each group once).
+MODEL = "model"
+SCHEDULING = "scheduling and KV cache"
+PD = "prefill/decode disaggregation"
+
+
+def flag(group: str, help: str, choices: tuple[str, ...] = (), metavar: str | None = None) -> dict:
+    """A field's `iterserve serve` flag (engine/config_flags.py builds it): its help group, help text,
+    allowed values, and metavar (PATH for a flag naming a file). A field without it has no flag."""
+    return {"group": group, "help": help, "choices": choices, "metavar": metavar}
 
 
 class ConfigError(ValueError):
@@ -38,48 +50,76 @@ class EngineConfig:
     """The engine's options. Immutable: `resolve()` returns a new value with every model-dependent
     default filled in and every rule checked, and the engine runs on that value alone."""
 
-    model: str = DEFAULT_MODEL
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None  # default: 512 with chunked prefill, else max_model_len
-    max_model_len: int | None = None  # default: the model's context length, capped at 2048
-    block_size: int = 16
-    kv_cache_memory: str | int = "512MiB"
-    num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests, simulations)
-    swap_space: str | int = "256MiB"
-    num_cpu_blocks: int | None = None  # overrides swap_space
-    chunked_prefill: bool = True
-    # Most prompt tokens one sequence may prefill in a step while requests are waiting, so a long
-    # prompt cannot hold the whole budget for many steps (vLLM's long_prefill_token_threshold).
-    # None: an eighth of the budget, at least 16; 0: no cap.
-    long_prefill_token_threshold: int | None = None
-    preemption_mode: str = "recompute"
-    scheduling: str = "continuous"
-    attention_backend: str = "auto"
-    device: str = "auto"
-    dtype: str = "auto"
-    # Quantized linears on CPU (engine/model/quant.py): none (exact fp32), int8 / int4 (weight-only),
-    # w8a8 (int8 weights and per-row int8 activations).
-    quantization: str = "none"
-    # torch.compile the decoder's dense work on CPU (engine/model/compiled.py); off by default.
-    compile: bool = False
-    seed: int = 0
-    step_log: str | None = None
-    watermark: float = 0.01
-    # Reuse the KV blocks of cached prompt prefixes (engine/prefix_cache.py). None: on, except for the
-    # static-batching baseline and the fake model, which stay as they were.
-    enable_prefix_caching: bool | None = None
-    # The fake model's modelled step time is multiplied by this (2.0: a replica twice as slow).
-    fake_step_time_scale: float = 1.0
-    # Prefill/decode disaggregation (engine/kv_transfer). role: both (default; serves plain requests and
-    # either half of a split one), prefill (never pulls KV) or decode (never leases KV).
-    role: str = "both"
-    kv_lease_seconds: float = 30.0  # a prefill engine frees unpulled leased blocks after this
-    kv_transfer_timeout: float = 10.0  # a decode engine gives up a pull after this
-    kv_failure_policy: str = "recompute"  # after a failed pull: recompute the prompt locally, or fail
-    # The InferenceService's KV key (engine/kv_transfer/auth.py): kv_transfer_params are trusted only
-    # with its MAC. Required by roles prefill and decode.
-    kv_auth_key_file: str | None = None
-    kv_max_leased_fraction: float = 0.5  # most of the KV pool a prefill engine holds under leases
+    model: str = DEFAULT_MODEL  # serve's --model / --fake-model (the server CLI declares them)
+    max_num_seqs: int = field(default=64, metadata=flag(SCHEDULING, "cap on running sequences"))
+    max_num_batched_tokens: int | None = field(default=None, metadata=flag(
+        SCHEDULING, "token budget per step (default 512 with chunked prefill, else max-model-len)"))
+    max_model_len: int | None = field(default=None, metadata=flag(
+        SCHEDULING, "context length (default: the model's, at most 2048)"))
+    block_size: int = field(default=16, metadata=flag(SCHEDULING, "tokens per KV block"))
+    kv_cache_memory: str | int = field(default="512MiB", metadata=flag(
+        SCHEDULING, "KV pool size, e.g. 512MiB or 2GiB"))
+    num_kv_blocks: int | None = field(default=None, metadata=flag(
+        SCHEDULING, "KV pool size in blocks (overrides --kv-cache-memory; tests, simulations)"))
+    swap_space: str | int = field(default="256MiB", metadata=flag(
+        SCHEDULING, "CPU swap pool size for --preemption-mode swap"))
+    num_cpu_blocks: int | None = None  # overrides swap_space (tests, simulations; no flag)
+    chunked_prefill: bool = field(default=True, metadata=flag(
+        SCHEDULING, "split long prompts into chunks that share steps with decodes"))
+    # vLLM's long_prefill_token_threshold: a long prompt cannot hold the whole budget for many steps.
+    long_prefill_token_threshold: int | None = field(default=None, metadata=flag(
+        SCHEDULING, "most prompt tokens one sequence prefills per step while others wait "
+                    "(default: an eighth of the step budget, at least 16; 0: no cap)"))
+    preemption_mode: str = field(default="recompute", metadata=flag(
+        SCHEDULING, "what a preempted sequence loses: its KV (recompute) or nothing (swap to CPU)",
+        ("recompute", "swap")))
+    scheduling: str = field(default="continuous", metadata=flag(
+        SCHEDULING, "static = the request-level batching baseline", ("continuous", "static")))
+    attention_backend: str = field(default="auto", metadata=flag(
+        SCHEDULING, "attention kernels", ("auto", "torch", "triton")))
+    device: str = field(default="auto", metadata=flag(MODEL, "where the model runs", ("auto", "cpu", "cuda")))
+    dtype: str = field(default="auto", metadata=flag(
+        MODEL, "weights' and activations' type (auto: bf16 on CUDA; on a CPU fp32, or bf16 where it "
+               "measures faster)",
+        ("auto", "float32", "float16", "bfloat16")))
+    quantization: str = field(default="none", metadata=flag(
+        MODEL, "quantized linears on CPU (engine/model/quant.py): int8 (weight-only, bf16 activations), int4 "
+               "(weight-only, from the GGUF's Q4_1 blocks), w8a8 (int8 weights and int8 activations per row: "
+               "fastest for full batches); none: exact fp32 (see docs/performance.md for the accuracy "
+               "cost of each)", ("none", "int8", "int4", "w8a8")))
+    compile: bool = field(default=False, metadata=flag(
+        MODEL, "CPU: torch.compile the decoder's dense work between attentions (inductor C++ code, fused "
+               "norms/rotary/SiLU); compiles at start-up, cached in ~/.cache/iterserve/inductor (see "
+               "docs/performance.md for what it gains)"))
+    seed: int = field(default=0, metadata=flag(MODEL, "seed of the sampling of requests that send none"))
+    step_log: str | None = field(default=None, metadata=flag(
+        SCHEDULING, "write one JSON line per engine step to this file", metavar="PATH"))
+    watermark: float = 0.01  # share of the KV pool admission keeps free (no flag)
+    # engine/prefix_cache.py. None: on, except for the static-batching baseline and the fake model.
+    enable_prefix_caching: bool | None = field(default=None, metadata=flag(
+        SCHEDULING, "reuse the KV blocks of cached prompt prefixes (default: on, except with "
+                    "--scheduling static or --fake-model)"))
+    fake_step_time_scale: float = field(default=1.0, metadata=flag(
+        MODEL, "multiply the fake model's step time (2: a replica twice as slow)"))
+    # Prefill/decode disaggregation (engine/kv_transfer).
+    role: str = field(default="both", metadata=flag(
+        PD, "both: plain requests only (no kv_transfer_params); prefill: runs prompts and leases their KV "
+            "(the only role with a KV listener); decode: pulls KV and generates", ("both", "prefill", "decode")))
+    kv_lease_seconds: float = field(default=30.0, metadata=flag(
+        PD, "a prefill engine frees leased KV blocks no decode engine released after this"))
+    kv_transfer_timeout: float = field(default=10.0, metadata=flag(
+        PD, "seconds a decode engine waits for a KV pull before its failure policy applies"))
+    kv_failure_policy: str = field(default="recompute", metadata=flag(
+        PD, "after a failed or timed-out pull: recompute the prompt locally or fail the request (HTTP 500)",
+        ("recompute", "fail")))
+    # engine/kv_transfer/auth.py: kv_transfer_params are trusted only with this key's MAC.
+    kv_auth_key_file: str | None = field(default=None, metadata=flag(
+        PD, "file holding the InferenceService's KV key (required by roles prefill and decode): "
+            "kv_transfer_params are accepted only with its HMAC, made by the router or a prefill engine; "
+            "role both accepts none", metavar="PATH"))
+    kv_max_leased_fraction: float = field(default=0.5, metadata=flag(
+        PD, "most of the KV pool a prefill engine keeps leased to decode engines; beyond it a prefill call "
+            "is answered without a lease"))
 
     def resolve(self, model_context_len: int | None = None) -> EngineConfig:
         """A copy with the defaults that depend on the model filled in, every rule checked."""
@@ -115,14 +155,9 @@ class EngineConfig:
         _positive("--block-size", self.block_size)
         if self.block_size > 256 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"--block-size must be a power of two up to 256, got {self.block_size}")
-        _choice("--preemption-mode", self.preemption_mode, ("recompute", "swap"))
-        _choice("--scheduling", self.scheduling, ("continuous", "static"))
-        _choice("--attention-backend", self.attention_backend, ("auto", "torch", "triton"))
-        _choice("--device", self.device, ("auto", "cpu", "cuda"))
-        _choice("--dtype", self.dtype, ("auto", "float32", "float16", "bfloat16"))
-        _choice("--quantization", self.quantization, ("none", "int8", "int4", "w8a8"))
-        _choice("--role", self.role, ("both", "prefill", "decode"))
-        _choice("--kv-failure-policy", self.kv_failure_policy, ("recompute", "fail"))
+        for f in fields(self):  # the allowed values of every field with choices, as its flag declares
+            if f.metadata.get("choices"):
+                _choice(f"--{f.name.replace('_', '-')}", getattr(self, f.name), f.metadata["choices"])
         if not self.kv_lease_seconds > 0:
             raise ConfigError(f"--kv-lease-seconds must be above 0, got {self.kv_lease_seconds}")
         if not self.kv_transfer_timeout > 0:

@@ -14,6 +14,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from iterserve.engine.server.cli import flags_of
 from iterserve.labels import DECODE, PREFILL, ROLE_LABEL, selector_labels
 from iterserve.labels import selector_string as selector_string  # the pods' selector, re-exported
 from iterserve.operator import kv_auth
@@ -36,11 +37,13 @@ SPEC_MAX_NUM_SEQS_ANNOTATION = "iterserve.dev/spec-max-num-seqs"  # the roll tri
 # sleep, the drain and uvicorn's own shutdown.
 PRESTOP_SLEEP_SECONDS = 5
 SHUTDOWN_MARGIN_SECONDS = 10
-# Flags built from typed spec fields; extraArgs may not repeat them (validation.py).
-MANAGED_FLAGS = (
-    "--host", "--port", "--model", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
-    "--block-size", "--chunked-prefill", "--no-chunked-prefill", "--preemption-mode", "--kv-cache-memory",
-    "--drain-timeout", "--role", "--kv-transfer-port", "--kv-advertise-host", kv_auth.FLAG,
+# Flags built from typed spec fields; extraArgs may not repeat them (validation.py). Named by the
+# serve options they set and read from serve's own parser, so every form of each is listed and a
+# flag serve does not have cannot be.
+MANAGED_FLAGS = flags_of(
+    "host", "port", "model", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
+    "chunked_prefill", "preemption_mode", "kv_cache_memory", "drain_timeout", "role", "kv_transfer_port",
+    "kv_advertise_host", "kv_auth_key_file",
 )
 POD_IP_ENV = "POD_IP"
 RESERVED_ENV = (MAX_NUM_SEQS_ENV, ADMIN_TOKEN_ENV, POD_IP_ENV)

@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from iterserve.engine.server.cli import serve_flags
 from iterserve.operator.models import InferenceServiceSpec
 from iterserve.operator.podsecurity import violations
 from iterserve.operator.resources import MANAGED_FLAGS, RESERVED_ENV
@@ -53,11 +54,9 @@ def parse_spec(raw: dict[str, Any] | None, allowed_pod_security: frozenset[str] 
 
 
 def check_semantics(spec: InferenceServiceSpec) -> None:
-    for i, arg in enumerate(spec.engine.extra_args):
-        flag = arg.split("=", 1)[0]
-        if flag in MANAGED_FLAGS:
-            raise SpecError(f"spec.engine.extraArgs[{i}]",
-                            f"{flag} is set by the operator from the spec; use the matching spec.engine field instead")
+    _check_extra_args(spec.engine.extra_args, "spec.engine.extraArgs")
+    _check_extra_args(spec.disaggregation.prefill.extra_args, "spec.disaggregation.prefill.extraArgs")
+    _check_extra_args(spec.disaggregation.decode.extra_args, "spec.disaggregation.decode.extraArgs")
     for i, var in enumerate(spec.engine.env):
         if var.name in RESERVED_ENV:
             raise SpecError(f"spec.engine.env[{i}].name", f"{var.name} is reserved for the operator")
@@ -67,3 +66,20 @@ def check_semantics(spec: InferenceServiceSpec) -> None:
     unknown = sorted(set(patch) - {"metadata", "spec"})
     if unknown:
         raise SpecError("spec.podTemplatePatch", f"only metadata and spec may be patched, not {', '.join(unknown)}")
+
+
+def _check_extra_args(args: list[str], field: str) -> None:
+    """Each flag must be one of serve's (checked here, not by a pod that crash-loops on it), written in
+    full (argparse would expand an abbreviation past the managed-flag check), and not managed."""
+    known = serve_flags()
+    for i, arg in enumerate(args):
+        if not arg.startswith("--"):
+            continue  # a flag's value
+        flag = arg.split("=", 1)[0]
+        if flag in MANAGED_FLAGS:
+            raise SpecError(f"{field}[{i}]",
+                            f"{flag} is set by the operator from the spec; use the matching spec.engine field instead")
+        if flag not in known:
+            raise SpecError(f"{field}[{i}]", f"{flag} is not an `iterserve serve` flag (flags are written in full; "
+                                             "see `iterserve serve --help`)")
+

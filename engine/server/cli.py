@@ -25,91 +25,40 @@ import uvicorn
 from iterserve.engine.config import (
     DEFAULT_MAX_WAITING_REQUESTS,
     DEFAULT_MODEL,
+    MODEL,
+    PD,
+    SCHEDULING,
     ConfigError,
     EngineConfig,
     parse_size,
 )
+from iterserve.engine.config_flags import add_engine_flags, engine_values
 from iterserve.engine.fake_executor import FAKE_MODEL
 
 logger = logging.getLogger("iterserve.server")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    model = parser.add_argument_group("model")
+    """Serve's flags: the server's own, declared here, and one per EngineConfig field
+    (engine/config_flags.py), each in its help group."""
+    model = parser.add_argument_group(MODEL)
     model.add_argument("--model", default=DEFAULT_MODEL,
                        help=f"a .gguf file, a HuggingFace directory, or the alias {DEFAULT_MODEL} (default)")
     model.add_argument("--fake-model", action="store_true",
                        help="serve a fake model (deterministic letters, modelled step time, no weights): "
                             "for tests, load generators and simulations")
-    model.add_argument("--fake-step-time-scale", type=float, default=1.0,
-                       help="multiply the fake model's step time (2: a replica twice as slow; default 1)")
     model.add_argument("--served-model-name", help="the model id clients send and /v1/models lists")
-    model.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    model.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    model.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "w8a8"],
-                       help="quantized linears on CPU: int8 (weight-only, bf16 activations), int4 (weight-only, "
-                            "from the GGUF's Q4_1 blocks), w8a8 (int8 weights and int8 activations per row: "
-                            "fastest for full batches) (default none: exact fp32; see docs/performance.md for "
-                            "the accuracy cost of each)")
-    model.add_argument("--compile", action="store_true",
-                       help="CPU: torch.compile the decoder's dense work between attentions (inductor C++ "
-                            "code, fused norms/rotary/SiLU); compiles at start-up, cached in "
-                            "~/.cache/iterserve/inductor (see docs/performance.md for what it gains)")
     model.add_argument("--threads", default="auto",
                        help="CPU: torch compute threads, auto or a count (default auto: every usable CPU on "
                             "steps of >= 32 tokens, one fewer on smaller ones, and big steps of several "
                             "sequences run as two 1-thread halves at once; OMP_NUM_THREADS, when set, "
                             "fixes the count instead)")
-    model.add_argument("--seed", type=int, default=0)
-
-    http = parser.add_argument_group("HTTP")
-    http.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    http.add_argument("--port", type=int, default=8000)
-    http.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
-                      help="bound on the waiting queue; beyond it requests get 429 with Retry-After "
-                           f"(default {DEFAULT_MAX_WAITING_REQUESTS})")
-    http.add_argument("--max-request-body", default="8MiB",
-                      help="largest request body accepted, e.g. 8MiB (default); larger bodies get 413")
-    http.add_argument("--drain-timeout", type=float, default=30.0,
-                      help="seconds in-flight requests get to finish after SIGTERM (default 30)")
-    http.add_argument("--admin-token-file",
-                      help="file holding the admin bearer token (else the env var ITERSERVE_ADMIN_TOKEN)")
-    http.add_argument("--no-vllm-metric-names", dest="vllm_metric_names", action="store_false",
-                      help="do not export the vllm:* metric aliases")
-    http.add_argument("--max-logprobs", type=int, default=20,
-                      help="most top logprobs per token a request may ask for (default 20)")
-    http.add_argument("--access-log", action="store_true", help="log every HTTP request")
-    http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-
-    engine = parser.add_argument_group("scheduling and KV cache")
-    engine.add_argument("--max-num-seqs", type=int, default=64, help="cap on running sequences (default 64)")
-    engine.add_argument("--max-num-batched-tokens", type=int,
-                        help="token budget per step (default 512 with chunked prefill, else max-model-len)")
-    engine.add_argument("--max-model-len", type=int, help="context length (default: the model's, at most 2048)")
-    engine.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false")
-    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                        help="reuse the KV blocks of cached prompt prefixes (default: on, except with "
-                             "--scheduling static or --fake-model)")
-    engine.add_argument("--long-prefill-token-threshold", type=int,
-                        help="most prompt tokens one sequence prefills per step while others wait "
-                             "(default: an eighth of the step budget, at least 16; 0: no cap)")
-    engine.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    engine.add_argument("--scheduling", default="continuous", choices=["continuous", "static"],
-                        help="static = the request-level batching baseline")
-    engine.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    engine.add_argument("--kv-cache-memory", default="512MiB", help="KV pool size, e.g. 512MiB or 2GiB")
-    engine.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks (overrides --kv-cache-memory)")
-    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    engine.add_argument("--swap-space", default="256MiB", help="CPU swap pool size for --preemption-mode swap")
-    engine.add_argument("--step-log", help="write one JSON line per engine step to this file")
-
+    _http_flags(parser.add_argument_group("HTTP"))
+    scheduling = parser.add_argument_group(SCHEDULING)
     pd = parser.add_argument_group(
-        "prefill/decode disaggregation",
-        "A prefill engine runs prompts and leases their KV blocks to decode engines, which pull them over TCP "
-        "and generate (requests carry kv_transfer_params; the router's P/D path sends them).")
-    pd.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
-                    help="both (default): plain requests only (no kv_transfer_params); prefill: runs prompts and "
-                         "leases their KV (the only role with a KV listener); decode: pulls KV and generates")
+        PD, "A prefill engine runs prompts and leases their KV blocks to decode engines, which pull them over "
+            "TCP and generate (requests carry kv_transfer_params; the router's P/D path sends them).")
+    add_engine_flags({MODEL: model, SCHEDULING: scheduling, PD: pd})
     pd.add_argument("--kv-transfer-port", type=int, default=0,
                     help="port of the KV transfer listener, beside HTTP (role prefill; default 0: any "
                          "free port, reported in kv_transfer_params)")
@@ -118,52 +67,54 @@ def configure(parser: argparse.ArgumentParser) -> None:
     pd.add_argument("--kv-advertise-host",
                     help="address written into kv_transfer_params for decode engines to connect to (default: the "
                          "bind address; this host's address when binding 0.0.0.0 or ::)")
-    pd.add_argument("--kv-lease-seconds", type=float, default=30.0,
-                    help="a prefill engine frees leased KV blocks no decode engine released after this (default 30)")
-    pd.add_argument("--kv-transfer-timeout", type=float, default=10.0,
-                    help="seconds a decode engine waits for a KV pull before its failure policy applies (default 10)")
-    pd.add_argument("--kv-failure-policy", default="recompute", choices=["recompute", "fail"],
-                    help="after a failed or timed-out pull: recompute the prompt locally (default) or fail the "
-                         "request (HTTP 500)")
-    pd.add_argument("--kv-auth-key-file",
-                    help="file holding the InferenceService's KV key (required by roles prefill and decode): "
-                         "kv_transfer_params are accepted only with its HMAC, made by the router or a prefill "
-                         "engine; role both accepts none")
-    pd.add_argument("--kv-max-leased-fraction", type=float, default=0.5,
-                    help="most of the KV pool a prefill engine keeps leased to decode engines; beyond it a "
-                         "prefill call is answered without a lease (default 0.5)")
+
+
+def _http_flags(http: argparse._ArgumentGroup) -> None:
+    http.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    http.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    http.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                      help="bound on the waiting queue; beyond it requests get 429 with Retry-After "
+                           f"(default {DEFAULT_MAX_WAITING_REQUESTS})")
+    http.add_argument("--max-request-body", default="8MiB",
+                      help="largest request body accepted, e.g. 8MiB (default); larger bodies get 413")
+    http.add_argument("--drain-timeout", type=float, default=30.0,
+                      help="seconds in-flight requests get to finish after SIGTERM (default 30)")
+    http.add_argument("--admin-token-file", metavar="PATH",
+                      help="file holding the admin bearer token (else the env var ITERSERVE_ADMIN_TOKEN)")
+    http.add_argument("--no-vllm-metric-names", dest="vllm_metric_names", action="store_false",
+                      help="do not export the vllm:* metric aliases")
+    http.add_argument("--max-logprobs", type=int, default=20,
+                      help="most top logprobs per token a request may ask for (default 20)")
+    http.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """Serve's parser alone: what the operator, the pod runtime and tests check argument lists with."""
+    parser = argparse.ArgumentParser(prog="iterserve serve", allow_abbrev=False)
+    configure(parser)
+    return parser
+
+
+def serve_flags() -> dict[str, bool]:
+    """Every serve flag (the long forms), and whether it takes a value."""
+    return {o: a.nargs != 0 for a in serve_parser()._actions for o in a.option_strings if o.startswith("--")}
+
+
+def serve_path_flags() -> tuple[str, ...]:
+    """The serve flags whose value names a file of the machine (declared with metavar PATH)."""
+    return tuple(o for a in serve_parser()._actions if a.metavar == "PATH" for o in a.option_strings)
+
+
+def flags_of(*dests: str) -> tuple[str, ...]:
+    """Every form of the flags that set these options (--chunked-prefill's is --no-chunked-prefill);
+    a name that is no serve option is a KeyError, so a list built here cannot name a missing flag."""
+    actions = {a.dest: a for a in serve_parser()._actions}
+    return tuple(o for dest in dests for o in actions[dest].option_strings)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=FAKE_MODEL if args.fake_model else args.model,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        num_kv_blocks=args.num_kv_blocks,
-        swap_space=args.swap_space,
-        chunked_prefill=args.chunked_prefill,
-        enable_prefix_caching=args.enable_prefix_caching,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        preemption_mode=args.preemption_mode,
-        scheduling=args.scheduling,
-        attention_backend=args.attention_backend,
-        device=args.device,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        compile=args.compile,
-        seed=args.seed,
-        step_log=args.step_log,
-        fake_step_time_scale=args.fake_step_time_scale,
-        role=args.role,
-        kv_lease_seconds=args.kv_lease_seconds,
-        kv_transfer_timeout=args.kv_transfer_timeout,
-        kv_auth_key_file=args.kv_auth_key_file,
-        kv_max_leased_fraction=args.kv_max_leased_fraction,
-        kv_failure_policy=args.kv_failure_policy,
-    )
+    return EngineConfig(model=FAKE_MODEL if args.fake_model else args.model, **engine_values(args))
 
 
 def served_model_name(model: str) -> str:

@@ -26,7 +26,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from iterserve.engine.config import DEFAULT_MAX_WAITING_REQUESTS
+from iterserve.engine.config import DEFAULT_MAX_WAITING_REQUESTS, EngineConfig
 
 # Pick.reason values (also the `reason` label of the router's picks counter).
 LEAST_LOAD = "least_load"  # one endpoint had the least load
@@ -37,7 +37,7 @@ NONE_READY = "none_ready"  # no pick: no routable endpoint
 ROUND_ROBIN = "round_robin"  # the comparison baseline (`iterserve router --policy round-robin`)
 PICK_REASONS = (LEAST_LOAD, TIE_BREAK, PREFIX_AFFINITY, ROUND_ROBIN, SATURATED, NONE_READY)
 
-DEFAULT_MAX_NUM_SEQS = 64  # the engine's default, assumed until a scrape says otherwise
+DEFAULT_MAX_NUM_SEQS = EngineConfig.max_num_seqs  # the engine's default, assumed until a scrape says otherwise
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,8 @@ PROMPT = "List three colours of the rainbow:\n1. Red\n2."
 def started(tmp_path_factory):
     """The server process, loading its model meanwhile (hf loads the other copy on the other core)."""
     log = tmp_path_factory.mktemp("real-model") / "server.log"
-    server = ServerProcess(["--max-model-len", "512", "--max-num-seqs", "8", "--device", "cpu"],
+    # fp32: transformers' exact parity (--dtype auto picks bf16 where the CPU runs it faster).
+    server = ServerProcess(["--max-model-len", "512", "--max-num-seqs", "8", "--device", "cpu", "--dtype", "float32"],
                            {"OMP_NUM_THREADS": "1"}, log)
     try:
         yield server

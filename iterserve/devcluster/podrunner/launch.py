@@ -32,28 +32,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from iterserve.devcluster.podrunner.secret_files import rewrite_file_flags
+from iterserve.devcluster.podrunner.secret_files import FILE_FLAGS, rewrite_file_flags
+from iterserve.engine.server.cli import serve_flags, serve_path_flags
 
 ENGINE_ENTRYPOINT = ["iterserve", "serve"]
-# `iterserve serve` flags a pod may pass: name -> takes a value. Every other flag is refused.
-SERVE_FLAGS = {
-    "--model": True, "--fake-model": False, "--fake-step-time-scale": True, "--served-model-name": True,
-    "--device": True, "--dtype": True, "--seed": True,
-    "--host": True, "--port": True, "--max-waiting-requests": True, "--drain-timeout": True,
-    "--no-vllm-metric-names": False, "--access-log": False, "--log-level": True,
-    "--max-num-seqs": True, "--max-num-batched-tokens": True, "--max-model-len": True,
-    "--no-chunked-prefill": False, "--long-prefill-token-threshold": True, "--preemption-mode": True,
-    "--scheduling": True, "--attention-backend": True, "--kv-cache-memory": True, "--num-kv-blocks": True,
-    "--block-size": True, "--swap-space": True, "--enable-prefix-caching": False, "--no-enable-prefix-caching": False,
-    "--max-request-body": True, "--quantization": True, "--threads": True, "--max-logprobs": True,
-    "--compile": False,
-    "--role": True, "--kv-transfer-port": True, "--kv-transfer-host": True, "--kv-advertise-host": True,
-    "--kv-lease-seconds": True, "--kv-transfer-timeout": True, "--kv-failure-policy": True,
-    "--kv-auth-key-file": True,  # only from a secret volume (secret_files.py)
-    "--kv-max-leased-fraction": True,
-}
 # `serve` flags a pod may not pass: they name a file of this machine to write or read.
 REFUSED_SERVE_FLAGS = ("--step-log", "--admin-token-file", "--help")
+# `iterserve serve` flags a pod may pass (serve's own list): name -> takes a value. A flag that names
+# a file (metavar PATH) passes only when it is read from a secret volume (FILE_FLAGS), so a new file
+# flag is refused until someone decides otherwise.
+SERVE_FLAGS = {flag: takes_value for flag, takes_value in serve_flags().items()
+               if flag not in REFUSED_SERVE_FLAGS and (flag not in serve_path_flags() or flag in FILE_FLAGS)}
 # `iterserve router` flags a pod may pass: name -> takes a value. Every other flag is refused.
 ROUTER_FLAGS = {
     "--infsvc": True, "-n": True, "--namespace": True, "--port-name": True, "--host": True, "--port": True,
