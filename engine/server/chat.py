@@ -49,9 +49,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     if tools.active:
         headers = _tools_honour_parallel_calls(headers)
     messages = chat_messages(body, tools.template_tools)
+    max_model_len = engine.engine.config.max_model_len
     chars = sum(len(m["content"] or "") for m in messages)  # the template only adds to them
-    check_prompt_chars(chars, tokenizer, engine.engine.config.max_model_len, "messages")  # before tokenizing
-    text, token_ids = await asyncio.to_thread(render_chat, tokenizer, messages, tools.template_tools)
+    check_prompt_chars(chars, tokenizer, max_model_len, "messages")  # before rendering and tokenizing
+    text, token_ids = await asyncio.to_thread(render_chat, tokenizer, messages, tools.template_tools, max_model_len)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
     check_logprobs(body.top_logprobs, state, "top_logprobs")

@@ -8,6 +8,7 @@ import asyncio
 
 from iterserve.engine.sampling_params import InvalidRequestError
 from iterserve.engine.server.errors import invalid
+from iterserve.engine.server.prompt_length import check_prompt_chars
 from iterserve.engine.server.protocol import ChatCompletionRequest
 from iterserve.engine.structured import StructuredOutput
 from iterserve.engine.tools import (
@@ -99,10 +100,13 @@ def chat_messages(body: ChatCompletionRequest, template_tools: list[dict] | None
     return messages
 
 
-def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[int]]:
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                max_model_len: int | None = None) -> tuple[str, list[int]]:
     try:
         extra = {"tools": tools} if tools else {}
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
     except Exception as error:  # noqa: BLE001 - a template that rejects the conversation
         raise invalid(f"messages: the model's chat template rejected them: {error}", "messages") from None
+    if max_model_len is not None:  # the tools' definitions and the template's own text count too
+        check_prompt_chars(len(text), tokenizer, max_model_len, "messages")
     return text, tokenizer.encode(text, add_special_tokens=False)

@@ -69,9 +69,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     engine = state.require_engine()
     state.check_model(body.model)
     tokenizer = engine.engine.tokenizer
+    max_model_len = engine.engine.config.max_model_len
     chars = len(body.prompt) if body.prompt is not None else sum(len(m.text() or "") for m in body.messages)
-    check_prompt_chars(chars, tokenizer, engine.engine.config.max_model_len,
-                       "prompt" if body.prompt is not None else "messages")  # before tokenizing
+    check_prompt_chars(chars, tokenizer, max_model_len, "prompt" if body.prompt is not None else "messages")
 
     def run() -> list[int]:
         if body.prompt is not None:
@@ -82,6 +82,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
         except Exception as error:  # noqa: BLE001 - a template that rejects the conversation
             raise invalid(f"messages: the model's chat template rejected them: {error}", "messages") from None
+        check_prompt_chars(len(text), tokenizer, max_model_len, "messages")  # with the template's own text
         return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
 
     tokens = await asyncio.to_thread(run)

@@ -40,3 +40,15 @@ def test_a_prompt_one_character_past_the_bound_is_refused_naming_the_field(token
     error = refused.value
     assert (error.status, error.param, error.code) == (400, "messages", "context_length_exceeded")
     assert f"{limit + 1} characters" in error.message and "2048 tokens" in error.message
+
+
+def test_a_conversation_is_checked_again_once_rendered_with_the_templates_own_text():
+    from iterserve.engine.fake_executor import FakeTokenizer
+    from iterserve.engine.server.chat_tools import render_chat
+
+    tokenizer = FakeTokenizer()
+    limit = max_prompt_chars(tokenizer, 64)
+    render_chat(tokenizer, [{"role": "user", "content": "a" * (limit - 20)}], None, 64)
+    with pytest.raises(APIError) as refused:  # fits by its content, not with "user: ... assistant: "
+        render_chat(tokenizer, [{"role": "user", "content": "a" * limit}], None, 64)
+    assert refused.value.param == "messages" and refused.value.code == "context_length_exceeded"

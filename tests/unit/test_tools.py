@@ -113,3 +113,29 @@ def test_hermes_blocks_end_at_their_own_close_tag_and_text_between_blocks_is_ski
     content, calls = parse_hermes(text, functions)
     assert content is None and [c.name for c in calls] == ["ping", "get_weather"]
     assert json.loads(calls[0].arguments) == {"s": "a</tool"} and json.loads(calls[1].arguments) == {"city": "Oslo"}
+
+
+def test_a_long_answer_is_parsed_in_a_worker_thread_and_a_short_one_on_the_loop():
+    import asyncio
+    import threading
+
+    from iterserve.engine.server.chat_tools import ChatTools
+    from iterserve.engine.tools import OFF_LOOP_CHARS
+
+    class Recording(ChatTools):
+        def message(self, text, finish_reason):
+            threads.append(threading.current_thread())
+            return super().message(text, finish_reason)
+
+    threads: list[threading.Thread] = []
+    tools = Recording(check_tools(TOOLS), ToolChoice("auto"), None, TOOLS, True)
+    call = '<tool_call>{"name": "ping", "arguments": {}}</tool_call>'
+
+    async def answer(text):
+        return await tools.answer(text, "stop"), threading.current_thread()
+
+    (message, reason), loop_thread = asyncio.run(answer(call))
+    assert reason == "tool_calls" and threads[-1] is loop_thread
+    (message, reason), loop_thread = asyncio.run(answer(" " * OFF_LOOP_CHARS + call))
+    assert reason == "tool_calls" and message["tool_calls"][0]["function"]["name"] == "ping"
+    assert threads[-1] is not loop_thread
