@@ -92,6 +92,14 @@ def test_every_repository_path_the_docs_name_exists():
     assert not bad, "paths named in the docs that do not exist:\n" + "\n".join(bad)
 
 
+def test_the_readme_reads_in_minutes_with_cluster_install_on_its_first_screen():
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines: move detail into docs/ (at most ~200)"
+    headings = [n for n, line in enumerate(lines) if line.startswith("## ")]
+    install = [n for n in headings if "install on a cluster" in lines[n].lower()]
+    assert install and install[0] < 40, "the README's first screen must hold '## Install on a cluster'"
+
+
 def test_every_doc_page_is_linked_from_the_readme():
     linked = {(REPO / t.partition("#")[0]).resolve() for t in LINK.findall((REPO / "README.md").read_text())}
     missing = [rel(p) for p in (REPO / "docs").glob("*.md") if p.resolve() not in linked]
