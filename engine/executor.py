@@ -3,15 +3,19 @@
 token per chunk that reached its sequence's end (None for a mid-prompt chunk).
 
 Two executors implement it: the model runner (engine/model_runner.py) and the fake model
-(engine/fake_executor.py), which needs no weights.
+(engine/fake_executor.py), which needs no weights. Moving KV between engines (P/D disaggregation,
+engine/kv_transfer) is an optional capability: an executor that has it subclasses KVTransferCapable,
+and the engine builds a KV connector for that executor only.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 from iterserve.engine.config import EngineConfig
-from iterserve.engine.fake_executor import FAKE_MODEL, fake_model
+from iterserve.engine.kv_transfer.layout import KVLayout
 from iterserve.engine.scheduler import SchedulerOutput
 from iterserve.engine.step_result import StepToken
 
@@ -28,9 +32,36 @@ class Executor(Protocol):
         """Forget per-request state (random generators) of finished requests."""
 
 
+class KVTransferCapable(ABC):
+    """The optional capability of an executor whose KV pool other engines can read and write into:
+    a prefill engine serves its blocks (read_kv), a decode engine loads pulled blocks at a step's start
+    (SchedulerOutput.kv_loads, in execute)."""
+
+    @abstractmethod
+    def kv_layout(self) -> KVLayout:
+        """The pool's shape and dtype: two engines exchange KV only when theirs match."""
+
+    @abstractmethod
+    def read_kv(self, block_ids: list[int]) -> Iterator[tuple[memoryview, memoryview]]:
+        """Per layer, (K bytes, V bytes) of these blocks; runs on a KV transfer thread, reading only
+        blocks a lease pins (no step writes into them)."""
+
+    @abstractmethod
+    def enable_kv_store(self) -> None:
+        """Called once before a KV transfer listener opens: keep whatever read_kv needs."""
+
+
+def kv_transfer_of(executor: Executor) -> KVTransferCapable | None:
+    """The executor as a KV transfer endpoint, or None when it declares no such capability."""
+    return executor if isinstance(executor, KVTransferCapable) else None
+
+
 def load_executor(config: EngineConfig) -> tuple[Executor, Any, str, EngineConfig]:
     """The executor for config.model (the model runner, or the fake model), with its tokenizer,
     the model's name and the config resolved against the model (the only place it is resolved)."""
+    # Here, not at the top: the fake executor subclasses KVTransferCapable, defined above.
+    from iterserve.engine.fake_executor import FAKE_MODEL, fake_model
+
     if config.model == FAKE_MODEL:
         config = config.resolve()
         executor, tokenizer = fake_model(config)

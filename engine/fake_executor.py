@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from iterserve.engine.config import EngineConfig, kv_pool_blocks
+from iterserve.engine.executor import KVTransferCapable
 from iterserve.engine.kv_transfer.layout import KVLayout
 from iterserve.engine.scheduler import SchedulerOutput
 from iterserve.engine.step_result import RequestFailed
@@ -62,7 +63,7 @@ class FakeTokenizer:
         return "\n".join(lines) + ("\nassistant: " if add_generation_prompt else "")
 
 
-class FakeExecutor:
+class FakeExecutor(KVTransferCapable):
     def __init__(
         self,
         num_kv_blocks: int,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from iterserve.engine.block_manager import BlockManager
 from iterserve.engine.config import ConfigError, EngineConfig
 from iterserve.engine.detokenizer import append_new_text
-from iterserve.engine.executor import Executor, load_executor
+from iterserve.engine.executor import Executor, kv_transfer_of, load_executor
 from iterserve.engine.kv_transfer import params as kv_params
 from iterserve.engine.kv_transfer.connector import KVConnector
 from iterserve.engine.outputs import CompletionOutput, RequestOutput
@@ -98,8 +98,9 @@ class LLMEngine:
         self.num_request_failures = 0
         self.last_timing = StepTiming()
         self.kv_connector: KVConnector | None = None
-        if hasattr(executor, "kv_layout"):
-            self.kv_connector = KVConnector(config, self.block_manager, executor.kv_layout(), executor.read_kv, clock)
+        kv_side = kv_transfer_of(executor)
+        if kv_side is not None:
+            self.kv_connector = KVConnector(config, self.block_manager, kv_side.kv_layout(), kv_side.read_kv, clock)
             self.scheduler.connector = self.kv_connector
 
     def set_wake(self, wake: Callable[[], None]) -> None:
@@ -115,9 +116,7 @@ class LLMEngine:
                               "listener (only --role prefill does)")
         if self.kv_connector is None:
             raise ConfigError("this executor cannot transfer KV")
-        enable = getattr(self.executor, "enable_kv_store", None)
-        if enable is not None:
-            enable()
+        kv_transfer_of(self.executor).enable_kv_store()  # a connector exists only for such an executor
         return self.kv_connector.listen(host, port, advertise_host)
 
     def collect_kv_leases(self) -> int:

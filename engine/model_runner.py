@@ -9,6 +9,7 @@ import torch
 
 from iterserve.engine.attention.backend import AttentionMetadata, get_backend
 from iterserve.engine.config import ConfigError, EngineConfig, kv_pool_blocks
+from iterserve.engine.executor import KVTransferCapable
 from iterserve.engine.kv_transfer.layout import KVLayout
 from iterserve.engine.logprobs import record_prompt_logprobs
 from iterserve.engine.model import cpu_dtype
@@ -48,7 +49,7 @@ def pick_dtype(option: str, device: torch.device, model_config: ModelConfig | No
     return cpu_dtype.auto_cpu_dtype(model_config.hidden_size, model_config.intermediate_size)
 
 
-class ModelRunner:
+class ModelRunner(KVTransferCapable):
     def __init__(self, config: EngineConfig, show_progress: bool = True):
         path, self.model_name = resolve_model_path(config.model)
         self.device = pick_device(config.device)
@@ -203,6 +204,9 @@ class ModelRunner:
     # -- KV transfer (engine/kv_transfer) ----------------------------------------------------------
     def kv_layout(self) -> KVLayout:
         return self._kv_layout
+
+    def enable_kv_store(self) -> None:
+        pass  # the KV pool is the store: read_kv reads the blocks in place
 
     def read_kv(self, block_ids: list[int]):
         """Per layer, (K bytes, V bytes) of these blocks; runs on a KV transfer thread, reading only

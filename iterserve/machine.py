@@ -1,30 +1,11 @@
-"""What machine a figure was measured on: every benchmark records it beside its numbers."""
+"""What machine a figure was measured on: every benchmark records it beside its numbers.
+
+The CPU facts belong to the engine (engine/cpu_info.py, which `--dtype auto` reads); this module
+re-exports them for the benchmarks and the end-to-end scripts.
+"""
 
 from __future__ import annotations
 
-import platform
-from pathlib import Path
+from iterserve.engine.cpu_info import cpu_flags, cpu_model
 
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo, else what the platform module knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
-def cpu_flags(cpuinfo: str | None = None) -> set[str]:
-    """The CPU's flags from /proc/cpuinfo (or the given text of it); empty where it cannot be read."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return set()
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+__all__ = ["cpu_flags", "cpu_model"]

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from iterserve.machine import cpu_flags
+from iterserve.engine.cpu_info import cpu_flags
 
 logger = logging.getLogger(__name__)
 
