@@ -87,8 +87,13 @@ def run_detached(image: str, name: str, command: Sequence[str],
 def terminate(name: str, grace_s: float) -> int | None:
     """SIGTERM, as the kubelet sends it; the exit code, or None if still running after grace_s."""
     _podman("kill", "--signal", "TERM", name, timeout=30)
+    return wait_exit(name, grace_s)
+
+
+def wait_exit(name: str, timeout_s: float) -> int | None:
+    """The container's exit code, or None if it still runs after timeout_s."""
     try:
-        waited = _podman("wait", name, timeout=grace_s)
+        waited = _podman("wait", name, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return None
     return int(waited.stdout.strip().splitlines()[-1])
