@@ -92,6 +92,13 @@ class _Relay:
         self.at_event_end = True  # the last bytes relayed ended an SSE event
 
 
+class _Relayed(web.StreamResponse):
+    """A relayed answer whose head goes out with its first body bytes, in one write (aiohttp's
+    StreamResponse sends it alone; its Response, which knows the whole body, waits)."""
+
+    _send_headers_immediately = False
+
+
 class Router:
     def __init__(self, options: RouterOptions):
         self.options = options
@@ -244,8 +251,7 @@ class Router:
         try:
             path = request.raw_path.split("?", 1)[0]
             if not path.startswith("/v1/"):
-                await request.release()
-                return self._local(path)
+                return self._local(path)  # a body sent here is not read (aiohttp drains it, time-bounded)
             return await self._proxy(request, path)
         finally:
             self.door.idle(request.protocol)
@@ -280,8 +286,8 @@ class Router:
                 raise  # the client went away: nothing to answer
             task.uncancel()
             return await self._cut(request, relay)
-        except ConnectionResetError:  # the client went away mid-answer; the upstream call is closed
-            return relay.response
+        except ConnectionResetError:  # the client went away; the upstream call is closed
+            return relay.response if relay.response is not None else web.Response(status=400)
         finally:
             self._in_flight.discard(task)
             if not self._in_flight:
@@ -418,7 +424,7 @@ class Router:
         if upstream.status == 503:
             raise _Retry  # a draining or loading engine: nothing reached the client yet, so try another
         self.metrics.requests.labels(str(upstream.status)).inc()
-        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        response = _Relayed(status=upstream.status, reason=upstream.reason)
         for name, value in upstream.headers.items():
             if name.lower() not in HOP_BY_HOP:
                 response.headers.add(name, value)
@@ -428,18 +434,36 @@ class Router:
             response.force_close()
         relay.response = response
         await response.prepare(request)
+        try:
+            data = upstream.content.read_nowait()  # what came with the head goes out with it
+        except CONNECTION_ERRORS as error:
+            return self._cut_upstream(endpoint, request, response, error)
+        if not data and not upstream.content.at_eof():
+            await response.write(b"")  # no body yet: the head goes now, as the engine sent it
         while True:
-            try:
-                data = await upstream.content.readany()
-            except CONNECTION_ERRORS as error:
-                self._eject(endpoint, f"mid-answer: {type(error).__name__}: {error}")
-                request.transport.abort()  # a cut answer must not look complete
-                return response
             if not data:
-                break
+                try:
+                    data = await upstream.content.readany()
+                except CONNECTION_ERRORS as error:
+                    return self._cut_upstream(endpoint, request, response, error)
+                if not data:
+                    break
             relay.at_event_end = data.endswith(b"\n\n")
+            if upstream.content.at_eof():  # the last bytes: one write with the end of the body
+                await response.write_eof(data)
+                return response
             await response.write(data)
+            data = b""
         await response.write_eof()
+        return response
+
+    def _cut_upstream(self, endpoint: Endpoint, request: web.BaseRequest, response: web.StreamResponse,
+                      error: BaseException) -> web.StreamResponse:
+        """The replica failed mid-answer: the client's connection is aborted, so a cut answer
+        cannot look complete."""
+        self._eject(endpoint, f"mid-answer: {type(error).__name__}: {error}")
+        if request.transport is not None:
+            request.transport.abort()
         return response
 
     # -- the P/D path ---------------------------------------------------------------------------
