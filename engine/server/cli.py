@@ -144,6 +144,24 @@ def admin_token(args: argparse.Namespace) -> str | None:
     return os.environ.get(ADMIN_TOKEN_ENV) or None
 
 
+def check_server_args(args: argparse.Namespace) -> int:
+    """Checks of the server's own flags (EngineConfig checks its fields); returns the body limit in bytes."""
+    if args.max_waiting_requests < 1:
+        raise ConfigError("--max-waiting-requests must be a positive integer")
+    if not 0 <= args.max_logprobs <= 1024:
+        raise ConfigError("--max-logprobs must be in [0, 1024]")
+    if args.drain_timeout < 0:
+        raise ConfigError("--drain-timeout must be >= 0 seconds")
+    if not 0 <= args.kv_transfer_port < 65536:
+        raise ConfigError("--kv-transfer-port must be in 0..65535 (0: any free port)")
+    if args.kv_transfer_port and args.kv_transfer_port == args.port:
+        raise ConfigError(f"--kv-transfer-port {args.kv_transfer_port} is the HTTP --port; pick another")
+    max_body = parse_size(args.max_request_body, "--max-request-body")
+    if max_body < 1024:
+        raise ConfigError("--max-request-body must be at least 1KiB")
+    return max_body
+
+
 def run(args: argparse.Namespace) -> int:
     from iterserve.engine.model.threads import prefer_passive_wait
 
@@ -153,19 +171,7 @@ def run(args: argparse.Namespace) -> int:
         config = engine_config(args)
         replace(config).resolve()  # fail fast on contradictory options, before binding the port
         token = admin_token(args)
-        if args.max_waiting_requests < 1:
-            raise ConfigError("--max-waiting-requests must be a positive integer")
-        if not 0 <= args.max_logprobs <= 1024:
-            raise ConfigError("--max-logprobs must be in [0, 1024]")
-        if args.drain_timeout < 0:
-            raise ConfigError("--drain-timeout must be >= 0 seconds")
-        if not 0 <= args.kv_transfer_port < 65536:
-            raise ConfigError("--kv-transfer-port must be in 0..65535 (0: any free port)")
-        if args.kv_transfer_port and args.kv_transfer_port == args.port:
-            raise ConfigError(f"--kv-transfer-port {args.kv_transfer_port} is the HTTP --port; pick another")
-        max_body = parse_size(args.max_request_body, "--max-request-body")
-        if max_body < 1024:
-            raise ConfigError("--max-request-body must be at least 1KiB")
+        max_body = check_server_args(args)
     except (ConfigError, OSError) as error:
         print(f"iterserve serve: {error}", file=sys.stderr)
         return 2
