@@ -77,11 +77,15 @@ def pod_security_args() -> list[str]:
 
 
 def run_detached(image: str, name: str, command: Sequence[str],
-                 env: dict[str, str] | None = None) -> str:
-    """Start `command` in a pod-like container on the host network; return its id."""
+                 env: dict[str, str] | None = None,
+                 read_only_files: dict[Path, str] | None = None) -> str:
+    """Start `command` in a pod-like container on the host network; return its id.
+    read_only_files: host file -> path in the container, mounted read-only (like a Secret)."""
     env_args = [arg for key, value in (env or {}).items() for arg in ("--env", f"{key}={value}")]
-    return _podman("run", "--detach", "--name", name, "--network", "host",
-                   *pod_security_args(), *env_args, image, *command, timeout=120).stdout.strip()
+    mounts = [arg for host, inside in (read_only_files or {}).items()
+              for arg in ("--volume", f"{host}:{inside}:ro")]
+    return _podman("run", "--detach", "--name", name, "--network", "host", *pod_security_args(),
+                   *env_args, *mounts, image, *command, timeout=120).stdout.strip()
 
 
 def terminate(name: str, grace_s: float) -> int | None:

@@ -5,11 +5,13 @@ uid 10001, every capability dropped, no new privileges, a tmpfs at /tmp) on the 
 bound to 127.0.0.1. The image is built once per machine and reused by its content-hash tag
 (image/build.py --if-missing): the first build downloads and installs torch (minutes, see
 docs/image.md); later runs with unchanged sources reuse it. Without podman or runc these tests
-skip and say why; the consistency checks at the bottom run everywhere.
+skip and say why; the consistency checks at the bottom run everywhere. The operator test also
+needs the local control plane (`make cluster-tools`).
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import socket
@@ -24,6 +26,8 @@ import pytest
 import yaml
 
 from iterserve.devcluster import podman
+from iterserve.devcluster.kubeconfig import current_cluster
+from tests.operator_fixture import ensure_node, example, install_crd, operator_namespace, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 FIRST_BUILD_TIMEOUT_S = 3600
@@ -160,6 +164,71 @@ def test_sigterm_stops_both_with_exit_0_in_the_grace_period_and_nothing_written_
         written = [p for p in podman.changed_paths(box.name)
                    if p not in runtime_changes and not p.startswith("/tmp")]
         assert written == [], f"{box.name} wrote outside /tmp: {written}"
+
+
+def pod_kubeconfig(kubeconfig: Path, folder: Path) -> Path:
+    """The ServiceAccount kubeconfig as a pod would get it: self-contained (the CA inline, since
+    no host path exists inside) and readable by uid 10001 (a Secret volume's default mode)."""
+    config = yaml.safe_load(kubeconfig.read_text())
+    cluster = current_cluster(kubeconfig)
+    if "certificate-authority" in cluster:
+        ca = Path(cluster.pop("certificate-authority")).read_bytes()
+        cluster["certificate-authority-data"] = base64.b64encode(ca).decode()
+    for entry in config["clusters"]:
+        entry["cluster"] = cluster
+    out = folder / "kubeconfig"
+    out.write_text(yaml.safe_dump(config))
+    out.chmod(0o644)
+    return out
+
+
+def ready_replicas(cluster, namespace: str, name: str) -> int:
+    out = cluster.kubectl("-n", namespace, "get", "infsvc", name, "-o",
+                          "jsonpath={.status.readyReplicas}").stdout.strip()
+    return int(out or 0)
+
+
+@container_test
+@pytest.mark.cluster
+def test_the_operator_in_the_image_reconciles_an_example_on_the_control_plane(
+        image, k8s_cluster, tmp_path):
+    install_crd(k8s_cluster)
+    ensure_node(k8s_cluster)
+    namespace, kubeconfig = operator_namespace(k8s_cluster, "image")
+    liveness, metrics = free_port(), free_port()
+    name = f"iterserve-test-operator-{os.getpid()}"
+    podman.remove(name)
+    podman.run_detached(
+        image, name,
+        ["iterserve", "operator", "run", "-n", namespace, "--kubeconfig", "/var/run/iterserve/kubeconfig",
+         "--resync-seconds", "2", "--liveness", f"http://127.0.0.1:{liveness}/healthz",
+         "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics)],
+        read_only_files={pod_kubeconfig(kubeconfig, tmp_path): "/var/run/iterserve/kubeconfig"})
+    try:
+        wait_ready(name, f"http://127.0.0.1:{liveness}/healthz")
+        sample = example("minimal.yaml")
+        k8s_cluster.kubectl("-n", namespace, "apply", "-f", "-", input=yaml.safe_dump(sample))
+        infsvc = sample["metadata"]["name"]
+        try:
+            wait_for(lambda: ready_replicas(k8s_cluster, namespace, infsvc) == 1, 120, 0.5,
+                     "the InferenceService reconciled by the operator in the image")
+        except Exception:
+            print(podman.logs(name))
+            raise
+        assert httpx.get(f"http://127.0.0.1:{metrics}/metrics", timeout=10).status_code == 200
+        code = podman.terminate(name, GRACE_S)
+        assert code == 0, f"operator: exit {code}\n{podman.logs(name)}"
+        forbidden = [line for line in podman.logs(name).splitlines() if "Forbidden" in line]
+        assert not forbidden, forbidden
+    finally:
+        podman.remove(name)
+
+
+def test_without_podman_the_image_tests_say_why(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    reason = podman.unavailable_reason()
+    assert reason is not None and "podman is not installed" in reason
+    assert "system-packages.sh" in reason
 
 
 def test_make_image_tags_what_the_chart_and_the_crd_pull_by_default():
