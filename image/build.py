@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import time
@@ -88,6 +89,20 @@ def build_command(target: str, tag_list: list[str]) -> list[str]:
     return cmd + [str(ROOT)]
 
 
+def drop_older_builds(keep: str) -> None:
+    """Untag earlier content-hash builds of the same target and prune what no tag holds, so
+    repeated builds of a changing tree do not fill the disk (each holds its own source layers)."""
+    suffix = keep.rsplit(":", 1)[1][16:]
+    listed = subprocess.run(["podman", "images", LOCAL, "--format", "{{.Repository}}:{{.Tag}}"],
+                            capture_output=True, text=True, env=podman_env(), timeout=60).stdout
+    for tag in listed.split():
+        label = tag.rsplit(":", 1)[1]
+        if tag != keep and re.fullmatch(rf"[0-9a-f]{{16}}{re.escape(suffix)}", label):
+            subprocess.run(["podman", "untag", tag], env=podman_env(), timeout=60)
+    subprocess.run(["podman", "image", "prune", "--force"], capture_output=True, env=podman_env(),
+                   timeout=600)
+
+
 def build(target: str = "cpu", if_missing: bool = False) -> str:
     """Build (or with if_missing, reuse) the image; return its content-hash tag."""
     wanted = tags(target)
@@ -98,6 +113,7 @@ def build(target: str = "cpu", if_missing: bool = False) -> str:
     started = time.monotonic()
     subprocess.run(build_command(target, wanted), check=True, env=env, cwd=ROOT)
     print(f"built {', '.join(wanted)} in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    drop_older_builds(wanted[-1])
     return wanted[-1]
 
 
