@@ -95,6 +95,8 @@ def test_a_tick_scales_in_builtin_mode_and_writes_nothing_in_external_mode(k8s_c
         (record,) = status["scalingHistory"]
         assert (record["action"], record["fromReplicas"], record["toReplicas"]) == ("ScaleUp", 1, 3)
         assert record["reason"] == "waiting_above_target" and "target 2/replica" in record["message"]
+        # The numbers as fields survive the CRD's structural schema (the API server prunes unknown ones).
+        assert (record["signal"], record["target"]) == ("WaitingRequests", 2) and record["metricReplicas"] >= 5
         assert status["desiredReplicas"] == 3 and status.get("lastScaleTime")
         limited = _condition(after, "ScalingLimited")
         assert (limited["status"], limited["reason"]) == ("True", "TooManyReplicas")
