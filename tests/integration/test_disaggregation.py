@@ -49,8 +49,10 @@ HTTP = httpx.Client(timeout=120, limits=httpx.Limits(keepalive_expiry=1.0))
 
 BLOCK = 16
 LEASE_S = 4  # the prefill engines' --kv-lease-seconds: short, so the expiry test is quick
+# float32: the tokens are compared with a local prefill's, which bf16 (what --dtype auto picks on a
+# CPU with native bf16) rounds differently from a one-token step over pulled KV.
 ENGINE = ["--max-model-len", "2048", "--max-num-seqs", "4", "--kv-lease-seconds", str(LEASE_S),
-          "--kv-transfer-timeout", "5"]
+          "--kv-transfer-timeout", "5", "--dtype", "float32"]
 KEY = ["--kv-auth-key-file", key_file()]
 ENV = {"OMP_NUM_THREADS": "1"}
 README = Path(__file__).resolve().parents[2] / "README.md"
