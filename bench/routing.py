@@ -599,9 +599,12 @@ def main(argv: list[str] | None = None) -> int:
             results[name]["wall_s"] = time.monotonic() - started
             print(f"{name}: {_summary(name, results[name])}", flush=True)
     info["load_average_at_end"] = list(os.getloadavg())
+    run = common.run_record()
     for r in results.values():
+        # Each scenario keeps the commit, CPU and command it was measured with: a partial run
+        # rewrites the top-level record but keeps the other scenarios' figures.
         r["measured"] = {"started": info["started"], "load_average": [info["load_average_at_start"],
-                                                                      info["load_average_at_end"]]}
+                                                                      info["load_average_at_end"]], "run": run}
     if args.json and Path(args.json).exists() and set(wanted) != set(SCENARIOS):
         # A run of some scenarios keeps the others' last figures (each says when it was measured).
         earlier = json.loads(Path(args.json).read_text())
