@@ -59,8 +59,22 @@ def _created(obj: dict) -> datetime | None:
         return None
 
 
+# The ServiceAccount admission plugin adds this volume (the pod's own token) to pods, never to
+# templates; it is left out of the comparison (a look-alike gains nothing from its own token).
+SERVICE_ACCOUNT_VOLUME_PREFIX = "kube-api-access-"
+
+
+def _injected(item: dict) -> bool:
+    return str(item.get("name", "")).startswith(SERVICE_ACCOUNT_VOLUME_PREFIX)
+
+
 def _containers(spec: dict, key: str) -> list[dict]:
-    return [{f: c.get(f) or None for f in CONTAINER_FIELDS} for c in spec.get(key) or []]
+    out = []
+    for container in spec.get(key) or []:
+        fields = {f: container.get(f) or None for f in CONTAINER_FIELDS}
+        fields["volumeMounts"] = [m for m in fields["volumeMounts"] or [] if not _injected(m)] or None
+        out.append(fields)
+    return out
 
 
 def runs_template(pod: dict, replica_set: dict) -> bool:
@@ -68,7 +82,8 @@ def runs_template(pod: dict, replica_set: dict) -> bool:
     spec = pod.get("spec") or {}
     return (_containers(spec, "containers") == _containers(template, "containers")
             and _containers(spec, "initContainers") == _containers(template, "initContainers")
-            and (spec.get("volumes") or []) == (template.get("volumes") or []))
+            and [v for v in spec.get("volumes") or [] if not _injected(v)]
+            == [v for v in template.get("volumes") or [] if not _injected(v)])
 
 
 def check_pod(pod: dict, replica_sets_by_uid: dict[str, dict]) -> str | None:

@@ -92,24 +92,48 @@ def test_router_discovers_ready_pods_with_its_own_role(k8s_cluster, namespace, t
         wait_for(lambda: proc.poll() is not None or _up(url), 30, 0.2, what="router up")
         assert proc.poll() is None, (tmp_path / "router.log").read_text()
         assert endpoints() == set()
-        # A pod with the engine labels, made Ready by hand (no scheduler or node touches it): the
-        # watch must see it.
+        # A pod with the engine labels, made Ready by hand (no scheduler or node touches it): labels
+        # prove nothing, so the router must not route to it (before the controller-chain check it did).
         pod = {"apiVersion": "v1", "kind": "Pod",
                "metadata": {"name": "engine-0", "labels": selector_labels("chat")},
                "spec": {"schedulerName": "nobody", "containers": [{"name": "engine", "image": "iterserve/engine:test",
                                                                 "ports": [{"name": "http", "containerPort": 8000}]}]}}
         apply(k8s_cluster, pod, namespace)
-        status = {"status": {"podIP": "127.10.9.9", "podIPs": [{"ip": "127.10.9.9"}], "phase": "Running",
-                             "conditions": [{"type": "Ready", "status": "True"}]}}
-        k8s_cluster.kubectl("patch", "pod", "engine-0", "-n", namespace, "--subresource=status", "--type=merge",
-                            "-p", json.dumps(status))
-        wait_for(lambda: endpoints() == {"http://127.10.9.9:8000"}, 15, 0.2,
+        _make_ready(k8s_cluster, namespace, "engine-0", "127.10.9.9")
+        wait_for(lambda: "engine-0 (no_verified_deployment)" in (tmp_path / "router.log").read_text(), 15, 0.2,
+                 what=lambda: f"the router to refuse the look-alike; log: {(tmp_path / 'router.log').read_text()[-2000:]}")
+        assert endpoints() == set()
+        # The InferenceService's own Deployment -> ReplicaSet -> pod: that pod is routed to.
+        from tests import operator_fixture as fx
+
+        fx.install_crd(k8s_cluster)
+        service = fx.example("minimal.yaml")
+        service["metadata"] = {"name": "chat", "namespace": namespace}
+        created = json.loads(k8s_cluster.kubectl("create", "-o", "json", "-f", "-", input=yaml.safe_dump(service)).stdout)
+        deployment = {"apiVersion": "apps/v1", "kind": "Deployment",
+                      "metadata": {"name": "chat", "ownerReferences": [
+                          {"apiVersion": created["apiVersion"], "kind": "InferenceService", "name": "chat",
+                           "uid": created["metadata"]["uid"], "controller": True}]},
+                      "spec": {"replicas": 1, "selector": {"matchLabels": selector_labels("chat")},
+                               "template": {"metadata": {"labels": selector_labels("chat")}, "spec": pod["spec"]}}}
+        apply(k8s_cluster, deployment, namespace)
+        real = wait_for(lambda: [p for p in json.loads(k8s_cluster.kubectl(
+            "get", "pods", "-n", namespace, "-o", "json").stdout)["items"] if p["metadata"].get("ownerReferences")],
+            30, 0.2, what="the ReplicaSet's pod")[0]["metadata"]["name"]
+        _make_ready(k8s_cluster, namespace, real, "127.10.9.10")
+        wait_for(lambda: endpoints() == {"http://127.10.9.10:8000"}, 15, 0.2,
                  what=lambda: f"the router to list the pod; log: {(tmp_path / 'router.log').read_text()[-2000:]}")
-        k8s_cluster.kubectl("delete", "pod", "engine-0", "-n", namespace, "--grace-period=0", "--force")
+        k8s_cluster.kubectl("delete", "pod", real, "-n", namespace, "--grace-period=0", "--force")
         wait_for(lambda: endpoints() == set(), 15, 0.2, what="the router to drop the deleted pod")
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def _make_ready(cluster, namespace: str, pod: str, ip: str) -> None:
+    status = {"status": {"podIP": ip, "podIPs": [{"ip": ip}], "phase": "Running",
+                         "conditions": [{"type": "Ready", "status": "True"}]}}
+    cluster.kubectl("patch", "pod", pod, "-n", namespace, "--subresource=status", "--type=merge", "-p", json.dumps(status))
 
 
 def _up(url: str) -> bool:

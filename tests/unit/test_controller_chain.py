@@ -99,3 +99,12 @@ def test_the_routers_chain_reader_rereads_for_an_unknown_owner_but_at_most_once_
     now[0] = 1.5
     reader.verified([pod(), made_up])
     assert reads == [0.0, 1.5]
+
+
+def test_the_service_account_volume_admission_adds_to_pods_does_not_count_as_a_difference():
+    spec = copy.deepcopy(TEMPLATE)
+    spec["volumes"].append({"name": "kube-api-access-x7k2p", "projected": {"sources": [{"serviceAccountToken": {}}]}})
+    spec["containers"][0]["volumeMounts"].append({"name": "kube-api-access-x7k2p", "readOnly": True,
+                                                  "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"})
+    verified, refused = chain.verify([pod(spec=spec)], [DEPLOYMENT], [REPLICA_SET])
+    assert len(verified) == 1 and refused == []
