@@ -257,3 +257,56 @@ def test_the_kv_port_withstands_huge_headers_wrong_secrets_and_slow_readers():
         prefill.wait_metric(names.KV_TRANSFER_EXPIRED_TOTAL, lambda v: v == 2, timeout=10)
         assert prefill.metrics()[names.KV_PINNED_BLOCKS] == 0
         assert prefill.proc.poll() is None
+
+
+@contextmanager
+def router_process(prefill, decode, key_path: str):
+    import subprocess
+
+    from iterserve.devcluster.waiting import free_port, wait_for
+    from tests.server_fixture import iterserve_command
+
+    port = free_port()
+    command = [*iterserve_command(), "router", "--port", str(port), "--prefill", prefill.url, "--decode", decode.url,
+               "--pd-threshold-tokens", "8", "--scrape-interval", "0.05", "--kv-auth-key-file", key_path]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/")
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return proc.poll() is not None or httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(up, 30, 0.1, what="router up")
+        assert proc.poll() is None
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.mark.slow
+def test_the_router_signs_prefill_calls_and_a_router_with_another_key_falls_back():
+    """Through `iterserve router`: with the engines' key the prompt is prefilled remotely and its KV
+    pulled; a router holding another InferenceService's key gets its prefill call refused (400) and
+    the decode replica prefills locally, the answer unchanged."""
+    from tests.kv_auth_helpers import OTHER_KEY
+
+    prompt = list(range(100, 164))  # 64 token ids: over the 8-token threshold
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0}
+    with (running_server(["--fake-model", "--role", "prefill", *KEY]) as prefill,
+          running_server(["--fake-model", "--role", "decode", *KEY]) as decode):
+        expected = post(decode, "/v1/completions", body).json()["choices"][0]["text"]
+        with router_process(prefill, decode, key_file()) as url:
+            answer = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+            assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == expected
+            assert decode.metrics()[f"{names.KV_TRANSFER_SECONDS}_count"] == 1
+        with router_process(prefill, decode, key_file(OTHER_KEY)) as url:
+            answer = httpx.post(f"{url}/v1/completions", json={**body, "prompt": prompt[1:]}, timeout=30)
+            assert answer.status_code == 200, answer.text
+            fallbacks = httpx.get(f"{url}/metrics", timeout=5).text
+            assert f'{names.ROUTER_PD_FALLBACKS_TOTAL}{{reason="status"}} 1.0' in fallbacks
+        assert decode.metrics()[f"{names.KV_TRANSFER_SECONDS}_count"] == 1  # no second pull
+        assert prefill.metrics()[names.KV_PINNED_BLOCKS] == 0
