@@ -39,7 +39,13 @@ from iterserve.operator.autoscaling.report import (
     seqs_by_pod,
     start_max_num_seqs,
 )
-from iterserve.operator.autoscaling.settings import PREFILL, Pool, Settings, settings_from_spec
+from iterserve.operator.autoscaling.settings import (
+    DECODE,
+    PREFILL,
+    Pool,
+    Settings,
+    settings_from_spec,
+)
 from iterserve.operator.kube import Kube
 from iterserve.operator.metrics import OperatorMetrics
 
@@ -153,6 +159,8 @@ class Autoscaler:
         (`settings.pools()`, the decode pool first) that `pools` names: engines' max_num_seqs
         through their admin API and, in Builtin mode, the pool's replicas through `kube`
         (blocking calls, run in a thread)."""
+        if DECODE not in pools:
+            raise ValueError("tick needs the decode pool's pods (pools[DECODE]): its decision is the one status shows")
         settings = settings_from_spec(spec)
         started = self.clock()
         self._last_tick[(namespace, name)] = started
