@@ -110,8 +110,10 @@ def test_sample_becomes_owned_objects_with_status_and_events(env):
     assert status["selector"] == "app.kubernetes.io/name=iterserve-engine,app.kubernetes.io/instance=basic"
     assert status["effectiveMaxNumSeqs"] == 16
     reasons = sorted(e["reason"] for e in env.events("basic"))
-    # ConfigMap, Service, Deployment, Secret, and the router's ServiceAccount, Role, RoleBinding, Deployment
-    assert reasons.count("Created") == 8 and "Ready" in reasons
+    # ConfigMap, NetworkPolicy, Service, Deployment, Secret, and the router's ServiceAccount, Role,
+    # RoleBinding, Deployment, PodDisruptionBudget
+    assert reasons.count("Created") == 10 and "Ready" in reasons
+    assert env.owned("NetworkPolicy", "basic-engines") is not None
     printed = env.cluster.kubectl("-n", env.namespace, "get", "infsvc", "basic").stdout
     assert printed.split("\n")[0].split()[:7] == ["NAME", "MODEL", "REPLICAS", "READY", "WAITING", "KV", "AGE"]
     assert "smollm2-135m" in printed
