@@ -87,7 +87,7 @@ class _SamplingFields(_Request):
                                description="Below 1e-5 the choice is greedy (the most likely token).")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N, description=f"Choices per prompt (at most {MAX_N}); they share the prompt's "
-                                                   "cached KV blocks (prefix caching). Not with stream.")
+                                                   "cached KV blocks (prefix caching). Streamed, each chunk names its choice's index.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: StopStrings = None
@@ -157,7 +157,7 @@ class CompletionRequest(_SamplingFields):
     prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] | Annotated[
         list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)
     ] = Field(description=f"A string, a list of token ids, or a batch of up to {MAX_PROMPTS} of either "
-                          "(choice i*n+j is prompt i's j-th choice; a batch is not streamed).")
+                          "(choice i*n+j is prompt i's j-th choice, streamed or not).")
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="Only equal to n (or left out).")
     max_tokens: int | None = Field(None, ge=0, description="0 only with echo: the prompt (and its logprobs), "
                                                             "nothing generated (as vLLM; lm-evaluation-harness).")
