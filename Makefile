@@ -70,7 +70,7 @@ bench: install  ## run the benchmarks (full mode; tens of minutes on 2 cores): J
 	@for b in $(BENCHES); do $(PY) bench/$$b.py --json $(BENCH_OUT)/$$b.json --plot $(BENCH_OUT)/$$b.png $(ARGS) || exit 1; done
 	$(PY) bench/kernels.py --json bench/results/kernels.json  # says so and exits 0 without a GPU
 
-# The image builds with podman (no Docker daemon): base rootfs by mmdebstrap, a host pip cache
+# The image builds with podman (no Docker daemon): base rootfs by mmdebstrap, a host wheelhouse
 # mounted during the build. Tags ghcr.io/iterserve/engine:<version> (the chart's default image).
 image: install system-packages  ## build the iterserve image with podman (docs/image.md); size, digest and start-up time to docs/perf/image.json
 	$(PY) image/build.py --target cpu

@@ -7,9 +7,11 @@ Out: the image in podman's local storage under three tags:
   localhost/iterserve:<content hash>[-gpu]   the Containerfile, lock and sources it was built
                                              from: the image test reuses a build by this tag
 podman runs with iterserve/devcluster/podman.py's containers.conf (runc, no default ulimits).
-The base rootfs comes from image/base.sh (built once, then reused). A host pip cache is mounted
-during the build, so a rebuild does not download torch again; the host's CA bundle is mounted
-too when it exists. Neither is written into a layer.
+The base rootfs comes from image/base.sh (built once, then reused). A host wheelhouse
+(~/.cache/iterserve-image-wheels, or IMAGE_WHEELHOUSE) is mounted during the build, so a rebuild
+does not download torch again (pip's own HTTP cache stores nothing behind a proxy that marks
+responses uncacheable); the host's CA bundle is mounted too when it exists. Neither is written
+into a layer.
 
     .venv/bin/python image/build.py [--target cpu|gpu] [--if-missing]
 """
@@ -38,7 +40,8 @@ LOCAL = "localhost/iterserve"
 CONTEXT_FILES = ("image/requirements.lock", "pyproject.toml", "setup.py", "README.md")
 CONTEXT_DIRS = ("iterserve", "engine", "operator")
 HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
-PIP_CACHE = Path(os.environ.get("IMAGE_PIP_CACHE", Path.home() / ".cache" / "iterserve-image-pip"))
+WHEELHOUSE = Path(os.environ.get("IMAGE_WHEELHOUSE",
+                               Path.home() / ".cache" / "iterserve-image-wheels"))
 
 
 def version() -> str:
@@ -75,12 +78,12 @@ def image_exists(tag: str) -> bool:
 
 
 def build_command(target: str, tag_list: list[str]) -> list[str]:
-    PIP_CACHE.mkdir(parents=True, exist_ok=True)
+    WHEELHOUSE.mkdir(parents=True, exist_ok=True)
     cmd = [
         "podman", "build", "--network", "host", "--layers",
         "-f", str(CONTAINERFILE), "--ignorefile", str(IGNOREFILE),
         "--target", target, "--build-arg", f"BASE={BASE_TAG}",
-        "--volume", f"{PIP_CACHE}:/root/.cache/pip",
+        "--volume", f"{WHEELHOUSE}:/wheelhouse",
     ]
     if HOST_CA.is_file():
         cmd += ["--volume", f"{HOST_CA}:/etc/iterserve-build/ca.crt:ro"]
