@@ -23,6 +23,9 @@ from iterserve.engine.step_result import StepToken
 class Executor(Protocol):
     num_kv_blocks: int
     num_cpu_blocks: int
+    # Structured outputs' compiled grammars over the model's vocabulary; None where there is no real
+    # vocabulary (the fake model), and the server then refuses structured outputs.
+    grammars: Any | None
 
     def execute(self, out: SchedulerOutput) -> list[StepToken]:
         """Apply the step's block swaps, run the batch, return per chunk a sampled token, None (a

@@ -64,6 +64,8 @@ class FakeTokenizer:
 
 
 class FakeExecutor(KVTransferCapable):
+    grammars = None  # no real vocabulary: no structured outputs
+
     def __init__(
         self,
         num_kv_blocks: int,

@@ -72,7 +72,7 @@ async def structured_output(body: _SamplingFields, engine: AsyncEngine,
         raise invalid(f"{asked[1].field}: only one structured output per request, and {asked[0].field} is "
                       f"already set; send one of {STRUCTURED_FIELDS}", asked[1].field)
     structured = asked[0]
-    grammars = getattr(engine.engine.executor, "grammars", None)
+    grammars = engine.engine.executor.grammars
     if grammars is None:
         raise invalid(f"{structured.field}: structured outputs need a real model's vocabulary; this server "
                       "runs the fake model (--fake-model)", structured.field)
