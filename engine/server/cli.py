@@ -162,6 +162,17 @@ def check_server_args(args: argparse.Namespace) -> int:
     return max_body
 
 
+def _configure_cpu_threads(config: EngineConfig, threads: str) -> None:
+    """--threads, for a real model on a CPU (per step: engine/model/threads.py); ValueError if unreadable."""
+    if config.model == FAKE_MODEL or config.device == "cuda":
+        return
+    from iterserve.engine.model.threads import configure_serving_threads
+    from iterserve.engine.model_runner import pick_device
+
+    if pick_device(config.device).type == "cpu":
+        configure_serving_threads(threads)
+
+
 def run(args: argparse.Namespace) -> int:
     from iterserve.engine.model.threads import prefer_passive_wait
 
@@ -179,17 +190,11 @@ def run(args: argparse.Namespace) -> int:
     from iterserve.engine.server.app import build_app
     from iterserve.engine.server.state import ServerOptions, ServerState
 
-    if config.model != FAKE_MODEL and config.device != "cuda":
-        from iterserve.engine.model.threads import configure_serving_threads
-        from iterserve.engine.model_runner import pick_device
-
-        if pick_device(config.device).type == "cpu":
-            try:
-                configure_serving_threads(args.threads)  # per step: engine/model/threads.py
-            except ValueError as error:
-                print(f"iterserve serve: {error}", file=sys.stderr)
-                return 2
-
+    try:
+        _configure_cpu_threads(config, args.threads)
+    except ValueError as error:
+        print(f"iterserve serve: {error}", file=sys.stderr)
+        return 2
     options = ServerOptions(
         config=config,
         served_model_name=args.served_model_name or served_model_name(config.model),
