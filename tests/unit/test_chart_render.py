@@ -161,6 +161,8 @@ def test_chart_admission_policy_binds_where_the_operator_watches_and_honours_all
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--allow-pod-security=hostPath" in args and "--allow-pod-security=serviceAccount" in args
     assert not of_kind(render(sets=("admissionPolicy.enabled=false",)), "ValidatingAdmissionPolicy")
-    everything = "{privileged,hostNamespaces,hostPath,volumeTypes,capabilities,runAsRoot,serviceAccount,securityContext}"
+    from iterserve.operator.podsecurity import RULE_NAMES
+
+    everything = "{" + ",".join(RULE_NAMES) + "}"
     refused = helm("template", "x", str(CHART), "--set", f"admissionPolicy.allow={everything}", check=False)
     assert refused.returncode != 0 and "admissionPolicy.enabled=false" in refused.output
