@@ -77,7 +77,7 @@ def image_exists(tag: str) -> bool:
     return subprocess.run(["podman", "image", "exists", tag], env=podman_env()).returncode == 0
 
 
-def build_command(target: str, tag_list: list[str]) -> list[str]:
+def build_command(target: str, tag_list: list[str], no_cache: bool = False) -> list[str]:
     WHEELHOUSE.mkdir(parents=True, exist_ok=True)
     cmd = [
         "podman", "build", "--network", "host", "--layers",
@@ -87,6 +87,8 @@ def build_command(target: str, tag_list: list[str]) -> list[str]:
     ]
     if HOST_CA.is_file():
         cmd += ["--volume", f"{HOST_CA}:/etc/iterserve-build/ca.crt:ro"]
+    if no_cache:
+        cmd.append("--no-cache")
     for tag in tag_list:
         cmd += ["--tag", tag]
     return cmd + [str(ROOT)]
@@ -106,7 +108,7 @@ def drop_older_builds(keep: str) -> None:
                    timeout=600)
 
 
-def build(target: str = "cpu", if_missing: bool = False) -> str:
+def build(target: str = "cpu", if_missing: bool = False, no_cache: bool = False) -> str:
     """Build (or with if_missing, reuse) the image; return its content-hash tag."""
     wanted = tags(target)
     if if_missing and image_exists(wanted[-1]):
@@ -114,7 +116,7 @@ def build(target: str = "cpu", if_missing: bool = False) -> str:
     env = podman_env()
     subprocess.run(["bash", str(ROOT / "image" / "base.sh"), BASE_TAG], check=True, env=env)
     started = time.monotonic()
-    subprocess.run(build_command(target, wanted), check=True, env=env, cwd=ROOT)
+    subprocess.run(build_command(target, wanted, no_cache), check=True, env=env, cwd=ROOT)
     print(f"built {', '.join(wanted)} in {time.monotonic() - started:.0f} s", file=sys.stderr)
     drop_older_builds(wanted[-1])
     return wanted[-1]
@@ -125,13 +127,15 @@ def main() -> None:
     parser.add_argument("--target", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--if-missing", action="store_true",
                         help="reuse an image already built from the same content")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="rebuild every layer (the wheelhouse still saves the downloads)")
     parser.add_argument("--print-tag", action="store_true",
                         help="print the content-hash tag and exit without building")
     args = parser.parse_args()
     if args.print_tag:
         print(tags(args.target)[-1])
         return
-    print(build(args.target, args.if_missing))
+    print(build(args.target, args.if_missing, args.no_cache))
 
 
 if __name__ == "__main__":
