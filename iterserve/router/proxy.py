@@ -35,7 +35,7 @@ from aiohttp import web
 from yarl import URL
 
 from iterserve.engine import metrics as names
-from iterserve.router import disagg
+from iterserve.router import disagg, upstream
 from iterserve.router.body import BadBody, rewrite, tenant_salt
 from iterserve.router.endpoints import CONNECTION_ERRORS, Endpoint, ScrapeFailed, scrape_once
 from iterserve.router.http import HOP_BY_HOP, BodyRefused, FrontDoor, error_response, read_body
@@ -190,20 +190,10 @@ class Router:
     # -- the process ----------------------------------------------------------------------------
     async def start(self) -> None:
         o = self.options
-        # Upstream: one pool for requests to every replica. No cookie jar (one user's Set-Cookie must
-        # never ride on another's request), no decompression (bytes pass through as sent), no headers
-        # of aiohttp's own beyond Host and Content-Length.
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=o.max_idle_conn_s),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=o.connect_timeout_s),
-            cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"))
+        self.session = upstream.session(o.connect_timeout_s, o.max_idle_conn_s)
         # Scrapes keep a connection per replica of their own: a scrape never waits for a free
         # request connection, and a replica that answers scrapes but fails requests still fails them.
-        self.scrape_session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=1, keepalive_timeout=o.max_idle_conn_s),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=o.connect_timeout_s),
-            cookie_jar=aiohttp.DummyCookieJar())
+        self.scrape_session = upstream.session(o.connect_timeout_s, o.max_idle_conn_s, per_host=1)
         self.door = FrontDoor(self._handle, o.max_connections, o.head_timeout_s)
         await self.door.listen(o.host, o.port)
 
@@ -405,8 +395,8 @@ class Router:
         for again in (True, False):
             try:
                 async with self.session.request(request.method, url, headers=headers, data=body or None,
-                                                allow_redirects=False) as upstream:
-                    return await self._relay(endpoint, request, upstream, relay)
+                                                allow_redirects=False) as answer:
+                    return await self._relay(endpoint, request, answer, relay)
             except _Retry:
                 raise
             except CONNECTION_ERRORS as error:
@@ -418,38 +408,38 @@ class Router:
                 raise _Retry from None
         raise AssertionError("unreachable")
 
-    async def _relay(self, endpoint: Endpoint, request: web.BaseRequest, upstream: aiohttp.ClientResponse,
+    async def _relay(self, endpoint: Endpoint, request: web.BaseRequest, answer: aiohttp.ClientResponse,
                      relay: _Relay) -> web.StreamResponse:
         """Sends upstream's answer to the client as it arrives."""
-        if upstream.status == 503:
+        if answer.status == 503:
             raise _Retry  # a draining or loading engine: nothing reached the client yet, so try another
-        self.metrics.requests.labels(str(upstream.status)).inc()
-        response = _Relayed(status=upstream.status, reason=upstream.reason)
-        for name, value in upstream.headers.items():
+        self.metrics.requests.labels(str(answer.status)).inc()
+        response = _Relayed(status=answer.status, reason=answer.reason)
+        for name, value in answer.headers.items():
             if name.lower() not in HOP_BY_HOP:
                 response.headers.add(name, value)
-        if upstream.content_length is not None and request.method != "HEAD":
-            response.content_length = upstream.content_length
+        if answer.content_length is not None and request.method != "HEAD":
+            response.content_length = answer.content_length
         if self.draining:
             response.force_close()
         relay.response = response
         await response.prepare(request)
         try:
-            data = upstream.content.read_nowait()  # what came with the head goes out with it
+            data = answer.content.read_nowait()  # what came with the head goes out with it
         except CONNECTION_ERRORS as error:
             return self._cut_upstream(endpoint, request, response, error)
-        if not data and not upstream.content.at_eof():
+        if not data and not answer.content.at_eof():
             await response.write(b"")  # no body yet: the head goes now, as the engine sent it
         while True:
             if not data:
                 try:
-                    data = await upstream.content.readany()
+                    data = await answer.content.readany()
                 except CONNECTION_ERRORS as error:
                     return self._cut_upstream(endpoint, request, response, error)
                 if not data:
                     break
             relay.at_event_end = data.endswith(b"\n\n")
-            if upstream.content.at_eof():  # the last bytes: one write with the end of the body
+            if answer.content.at_eof():  # the last bytes: one write with the end of the body
                 await response.write_eof(data)
                 return response
             await response.write(data)
