@@ -4,7 +4,7 @@
 Per request: read the body (capped, timed), rewrite it (body.py: no client kv_transfer_params;
 a tenant's cache_salt), pick (waiting up to queue_timeout_s while every replica is saturated,
 then 429 with Retry-After; 503 at once when none is routable), send on a pooled upstream
-connection (aiohttp's client: a connection with unread bytes is closed, never reused), relay the
+connection (upstream.py: one that ever held bytes nobody asked for is never reused), relay the
 answer as it arrives. A request whose replica fails before any byte reached the client
 (connection refused or reset, or a 503 from a draining engine) is sent once more, to another
 replica. A client that goes away cancels its handler, which closes the upstream connection, which
