@@ -1,4 +1,5 @@
-"""The iterserve image, run as a pod runs it: the engine, the router and a clean shutdown.
+"""The iterserve image, run as a pod runs it: the engine, the router, the operator, and a clean
+shutdown.
 
 Containers start with podman + runc under the chart's pod security context (read-only root,
 uid 10001, every capability dropped, no new privileges, a tmpfs at /tmp) on the host network,
@@ -14,7 +15,6 @@ from __future__ import annotations
 import base64
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +27,14 @@ import yaml
 
 from iterserve.devcluster import podman
 from iterserve.devcluster.kubeconfig import current_cluster
-from tests.operator_fixture import ensure_node, example, install_crd, operator_namespace, wait_for
+from tests.operator_fixture import (
+    ensure_node,
+    example,
+    free_port,
+    install_crd,
+    operator_namespace,
+    wait_for,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 FIRST_BUILD_TIMEOUT_S = 3600
@@ -36,18 +43,11 @@ GRACE_S = DRAIN_S + 15  # the pod's grace period: drain, plus the margin the ope
 READY_TIMEOUT_S = 240
 
 
-
 def container_test(test):
     """Slow and needs podman; the first such test may pay for building the image."""
     for mark in (pytest.mark.slow, pytest.mark.image, pytest.mark.timeout(FIRST_BUILD_TIMEOUT_S)):
         test = mark(test)
     return test
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
