@@ -47,32 +47,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, else ~/.kube/config)")
     where.add_argument("--port-name", default="http", help="the pods' container port to send to (default http)")
 
-    http = parser.add_argument_group("HTTP")
-    http.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    http.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    _add_front_door_flags(parser)
     d = RouterOptions()
-    http.add_argument("--max-request-body", default="8MiB",
-                      help="largest request body accepted, e.g. 8MiB (default: the engines' own default); "
-                           "larger bodies get 413")
-    http.add_argument("--client-header-timeout", type=float, default=d.head_timeout_s,
-                      help="seconds a connection has to send a whole request head, from opening or from its "
-                           f"previous answer; then it is closed (default {d.head_timeout_s:g})")
-    http.add_argument("--client-body-timeout", type=float, default=d.body_timeout_s,
-                      help=f"seconds a request body has to arrive; then 408 (default {d.body_timeout_s:g})")
-    http.add_argument("--max-connections", type=int, default=d.max_connections,
-                      help="concurrent client connections; one more gets 503 and is closed "
-                           f"(default {d.max_connections})")
-    http.add_argument("--drain-grace", type=float, default=d.drain_grace_s,
-                      help="on SIGTERM, seconds requests in flight get to finish before they are cut (a cut "
-                           f"stream ends with an SSE error event, not [DONE]) (default {d.drain_grace_s:g})")
-    http.add_argument("--tenant-salt-header", metavar="NAME",
-                      help="the header naming each request's tenant (set by your gateway): the router sets "
-                           "cache_salt to a keyed hash of it, replacing the client's, so tenants never share "
-                           "prefix-cache KV; a request without it gets 400 (default: off, one shared cache)")
-    http.add_argument("--tenant-salt-key-file", metavar="PATH",
-                      help="file holding the key of the tenant salt's HMAC; give every router replica the "
-                           "same one (default: a random key per process)")
-
     p = PickPolicy()
     pick = parser.add_argument_group("picking")
     pick.add_argument("--scrape-interval", type=float, default=d.scrape_interval_s,
@@ -116,6 +92,34 @@ def configure(parser: argparse.ArgumentParser) -> None:
                     help="seconds to wait for a prefill replica's answer before the decode replica prefills "
                          f"locally (default {d.pd_prefill_timeout_s:g})")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _add_front_door_flags(parser: argparse.ArgumentParser) -> None:
+    d = RouterOptions()
+    http = parser.add_argument_group("HTTP")
+    http.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    http.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    http.add_argument("--max-request-body", default="8MiB",
+                      help="largest request body accepted, e.g. 8MiB (default: the engines' own default); "
+                           "larger bodies get 413")
+    http.add_argument("--client-header-timeout", type=float, default=d.head_timeout_s,
+                      help="seconds a connection has to send a whole request head, from opening or from its "
+                           f"previous answer; then it is closed (default {d.head_timeout_s:g})")
+    http.add_argument("--client-body-timeout", type=float, default=d.body_timeout_s,
+                      help=f"seconds a request body has to arrive; then 408 (default {d.body_timeout_s:g})")
+    http.add_argument("--max-connections", type=int, default=d.max_connections,
+                      help="concurrent client connections; one more gets 503 and is closed "
+                           f"(default {d.max_connections})")
+    http.add_argument("--drain-grace", type=float, default=d.drain_grace_s,
+                      help="on SIGTERM, seconds requests in flight get to finish before they are cut (a cut "
+                           f"stream ends with an SSE error event, not [DONE]) (default {d.drain_grace_s:g})")
+    http.add_argument("--tenant-salt-header", metavar="NAME",
+                      help="the header naming each request's tenant (set by your gateway): the router sets "
+                           "cache_salt to a keyed hash of it, replacing the client's, so tenants never share "
+                           "prefix-cache KV; a request without it gets 400 (default: off, one shared cache)")
+    http.add_argument("--tenant-salt-key-file", metavar="PATH",
+                      help="file holding the key of the tenant salt's HMAC; give every router replica the "
+                           "same one (default: a random key per process)")
 
 
 def options_from(args: argparse.Namespace) -> RouterOptions:
