@@ -101,19 +101,19 @@ def run(args: argparse.Namespace) -> int:
     if args.resync_seconds <= 0:
         print("iterserve operator run: --resync-seconds must be positive")
         return 2
+    from iterserve.operator.network_policy import NetworkPolicySettings, parse_peer
+
+    try:  # a bad flag fails at once, not after the wait for the CRD
+        peers = tuple(parse_peer(text) for text in args.network_policy_peer)
+    except ValueError as error:
+        print(f"iterserve operator run: {error}", file=sys.stderr)
+        return 2
     kube = Kube(_api_client(args.kubeconfig))
     if not _wait_for_crd(kube, args.namespace, args.crd_wait_seconds):
         print(f"iterserve operator run: the API server does not serve {PLURAL}.{GROUP}/{VERSION}; "
               "install the CRD first: kubectl apply -f crds/inferenceservice.yaml", file=sys.stderr)
         return 1
-    from iterserve.operator.network_policy import NetworkPolicySettings, parse_peer
     from iterserve.operator.podsecurity import RUNTIME_CLASS_ALLOWED
-
-    try:
-        peers = tuple(parse_peer(text) for text in args.network_policy_peer)
-    except ValueError as error:
-        print(f"iterserve operator run: {error}", file=sys.stderr)
-        return 2
 
     reconciler = Reconciler(kube, allowed_pod_security=frozenset(
         [*args.allow_pod_security, *(RUNTIME_CLASS_ALLOWED + name for name in args.allow_runtime_class)]),
