@@ -19,6 +19,7 @@ into a layer.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import os
 import re
@@ -111,8 +112,17 @@ def drop_older_builds(keep: str) -> None:
 def build(target: str = "cpu", if_missing: bool = False, no_cache: bool = False) -> str:
     """Build (or with if_missing, reuse) the image; return its content-hash tag."""
     wanted = tags(target)
-    if if_missing and image_exists(wanted[-1]):
-        return wanted[-1]
+    # Callers run at once (the suite's two lanes each start an image test): one builds, the
+    # others wait on the lock and then find its image.
+    WHEELHOUSE.mkdir(parents=True, exist_ok=True)
+    with open(WHEELHOUSE.parent / "iterserve-image-build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if if_missing and image_exists(wanted[-1]):
+            return wanted[-1]
+        return _build(target, wanted, no_cache)
+
+
+def _build(target: str, wanted: list[str], no_cache: bool) -> str:
     env = podman_env()
     subprocess.run(["bash", str(ROOT / "image" / "base.sh"), BASE_TAG], check=True, env=env)
     started = time.monotonic()
