@@ -82,11 +82,17 @@ def _retryable(exc: ApiException) -> bool:
     return exc.status in (409, 429) or exc.status >= 500 or exc.status == 0
 
 
-def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, resync_seconds: float = 15.0,
-             tick_hooks: Sequence[TickHook] = ()) -> None:
-    def run_reconcile(namespace: str, name: str, logger) -> Outcome:
+class _Resyncs:
+    """One resync task per InferenceService: reconcile every `every_s`, then the tick hooks;
+    started by the object's first event, stopped (and its state forgotten) when it is deleted."""
+
+    def __init__(self, reconciler: Reconciler, hooks: Sequence[TickHook], every_s: float):
+        self.reconciler, self.hooks, self.every_s = reconciler, hooks, every_s
+        self.tasks: dict[tuple[str, str], asyncio.Task] = {}
+
+    def reconcile(self, namespace: str, name: str, logger) -> Outcome:
         try:
-            outcome = reconciler.reconcile(namespace, name)
+            outcome = self.reconciler.reconcile(namespace, name)
         except ApiException as exc:
             if _retryable(exc):
                 raise kopf.TemporaryError(f"API error {exc.status} {exc.reason}; retrying",
@@ -95,6 +101,64 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, resync_sec
         for change in outcome.changes:
             logger.info(change)
         return outcome
+
+    def track(self, namespace: str, name: str, logger) -> None:
+        if (namespace, name) not in self.tasks:
+            self.tasks[(namespace, name)] = asyncio.create_task(self._forever(namespace, name, logger))
+
+    def forget(self, namespace: str, name: str) -> None:
+        task = self.tasks.pop((namespace, name), None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        self._drop_state(namespace, name)
+
+    def stop(self) -> None:
+        for task in self.tasks.values():
+            task.cancel()
+        self.tasks.clear()
+
+    def _once(self, namespace: str, name: str, logger) -> bool:
+        """One resync; False when the object is gone (nothing more to do for it)."""
+        outcome = self.reconcile(namespace, name, logger)
+        if outcome.result == "gone":  # deleted, or being deleted (then kept until it is gone)
+            return self.reconciler.kube.get_inference_service(namespace, name) is not None
+        if outcome.result not in ("applied", "unchanged") or not self.hooks:
+            return True
+        context = TickContext(namespace, name, outcome.body, outcome.spec, self.reconciler,
+                              self.reconciler.kube, logger)
+        for hook in self.hooks:
+            hook(context)
+        return True
+
+    def _drop_state(self, namespace: str, name: str) -> None:
+        self.reconciler.forget(namespace, name)
+        for hook in self.hooks:
+            hook.forget(namespace, name)
+
+    async def _forever(self, namespace: str, name: str, logger) -> None:
+        delay = self.every_s
+        while True:
+            await asyncio.sleep(delay)
+            run = asyncio.ensure_future(asyncio.to_thread(self._once, namespace, name, logger))
+            try:
+                alive = await asyncio.shield(run)
+            except asyncio.CancelledError:  # deleted meanwhile: what the resync in flight
+                await asyncio.wait([run])   # records (autoscaler memory, series) must go too
+                self._drop_state(namespace, name)
+                raise
+            except Exception as exc:  # retried sooner than the next resync, like a kopf TemporaryError
+                logger.warning("resync of %s/%s failed: %s", namespace, name, exc)
+                delay = min(RETRY_DELAY_SECONDS, self.every_s)
+                continue
+            if not alive:
+                self.forget(namespace, name)
+                return
+            delay = self.every_s
+
+
+def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, resync_seconds: float = 15.0,
+             tick_hooks: Sequence[TickHook] = ()) -> None:
+    resyncs = _Resyncs(reconciler, tick_hooks, resync_seconds)
 
     @kopf.on.login(id="login", registry=registry)
     def login(**kwargs):
@@ -109,14 +173,14 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, resync_sec
     @kopf.on.create(GROUP, VERSION, PLURAL, id="reconcile", registry=registry)
     @kopf.on.update(GROUP, VERSION, PLURAL, id="reconcile", registry=registry)
     def inference_service_changed(namespace, name, logger, **_):
-        run_reconcile(namespace, name, logger)
+        resyncs.reconcile(namespace, name, logger)
 
     def owned_object_event(type, body, namespace, logger, **_):
         owner = _owner_name(body)
         if owner is None or type is None:  # type None: the initial listing; resume covers it
             return
         try:
-            run_reconcile(namespace, owner, logger)
+            resyncs.reconcile(namespace, owner, logger)
         except Exception as exc:  # watch-event handlers are not retried: the resync will be
             logger.warning("reconcile of %s/%s after a %s event failed: %s", namespace, owner, type, exc)
 
@@ -124,60 +188,13 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, resync_sec
         kopf.on.event(group, version, plural, labels={"app.kubernetes.io/managed-by": MANAGED_BY},
                       id=f"owned-{plural}", registry=registry)(owned_object_event)
 
-    def resync(namespace: str, name: str, logger) -> bool:
-        """One resync; False when the object is gone (nothing more to do for it)."""
-        outcome = run_reconcile(namespace, name, logger)
-        if outcome.result == "gone":  # deleted, or being deleted (then kept until it is gone)
-            return reconciler.kube.get_inference_service(namespace, name) is not None
-        if outcome.result not in ("applied", "unchanged") or not tick_hooks:
-            return True
-        context = TickContext(namespace, name, outcome.body, outcome.spec, reconciler, reconciler.kube, logger)
-        for hook in tick_hooks:
-            hook(context)
-        return True
-
-    def drop_state(namespace: str, name: str) -> None:
-        reconciler.forget(namespace, name)
-        for hook in tick_hooks:
-            hook.forget(namespace, name)
-
-    def forget(namespace: str, name: str) -> None:
-        task = resyncs.pop((namespace, name), None)
-        if task is not None and task is not asyncio.current_task():
-            task.cancel()
-        drop_state(namespace, name)
-
-    async def resync_forever(namespace: str, name: str, logger) -> None:
-        delay = resync_seconds
-        while True:
-            await asyncio.sleep(delay)
-            run = asyncio.ensure_future(asyncio.to_thread(resync, namespace, name, logger))
-            try:
-                alive = await asyncio.shield(run)
-            except asyncio.CancelledError:  # deleted meanwhile: what the resync in flight
-                await asyncio.wait([run])   # records (autoscaler memory, series) must go too
-                drop_state(namespace, name)
-                raise
-            except Exception as exc:  # retried sooner than the next resync, like a kopf TemporaryError
-                logger.warning("resync of %s/%s failed: %s", namespace, name, exc)
-                delay = min(RETRY_DELAY_SECONDS, resync_seconds)
-                continue
-            if not alive:
-                forget(namespace, name)
-                return
-            delay = resync_seconds
-
-    resyncs: dict[tuple[str, str], asyncio.Task] = {}
-
     @kopf.on.event(GROUP, VERSION, PLURAL, id="track", registry=registry)
     async def inference_service_event(type, namespace, name, logger, **_):
         if type == "DELETED":
-            forget(namespace, name)
-        elif (namespace, name) not in resyncs:
-            resyncs[(namespace, name)] = asyncio.create_task(resync_forever(namespace, name, logger))
+            resyncs.forget(namespace, name)
+        else:
+            resyncs.track(namespace, name, logger)
 
     @kopf.on.cleanup(id="stop-resyncs", registry=registry)
     async def stop_resyncs(**_):
-        for task in resyncs.values():
-            task.cancel()
-        resyncs.clear()
+        resyncs.stop()
