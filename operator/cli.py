@@ -74,15 +74,23 @@ def _wait_for_crd(kube, namespaces: list[str], seconds: float) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     if args.operator_command == "admission-policy":
-        from iterserve.operator.podsecurity import admission_policy_template
+        return _write_admission_policy(args.output)
+    return _run_operator(args)
 
-        text = admission_policy_template()
-        if args.output:
-            with open(args.output, "w", encoding="utf-8") as out:
-                out.write(text)
-        else:
-            sys.stdout.write(text)
-        return 0
+
+def _write_admission_policy(output: str | None) -> int:
+    from iterserve.operator.podsecurity import admission_policy_template
+
+    text = admission_policy_template()
+    if output:
+        with open(output, "w", encoding="utf-8") as out:
+            out.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _run_operator(args: argparse.Namespace) -> int:
     if args.kubeconfig:
         # Before the kubernetes package is imported: it reads $KUBECONFIG once, at import.
         os.environ["KUBECONFIG"] = args.kubeconfig
