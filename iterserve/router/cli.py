@@ -48,6 +48,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--port-name", default="http", help="the pods' container port to send to (default http)")
 
     _add_front_door_flags(parser)
+    _add_picking_flags(parser)
+    _add_pd_flags(parser)
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _add_picking_flags(parser: argparse.ArgumentParser) -> None:
     d = RouterOptions()
     p = PickPolicy()
     pick = parser.add_argument_group("picking")
@@ -77,6 +83,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     pick.add_argument("--seed", type=int, help="seed of the random tie-break")
     pick.add_argument("--policy", default="least-load", choices=["least-load", "round-robin"],
                       help="round-robin: ignore loads (a baseline for comparisons; default least-load)")
+
+
+def _add_pd_flags(parser: argparse.ArgumentParser) -> None:
+    d = RouterOptions()
     pdp = disagg.PdPolicy()
     pd = parser.add_argument_group("prefill/decode disaggregation (with a prefill pool)")
     pd.add_argument("--pd-threshold-tokens", type=int, default=pdp.threshold_tokens,
@@ -91,7 +101,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     pd.add_argument("--pd-prefill-timeout", type=float, default=d.pd_prefill_timeout_s,
                     help="seconds to wait for a prefill replica's answer before the decode replica prefills "
                          f"locally (default {d.pd_prefill_timeout_s:g})")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def _add_front_door_flags(parser: argparse.ArgumentParser) -> None:
