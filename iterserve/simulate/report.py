@@ -121,21 +121,7 @@ def plot(document: dict, path: str, title: str = "") -> None:
     kv.set_ylim(0, 1.05)
     kv_seqs.set_ylabel("max_num_seqs (dotted)")
 
-    requests = [r for r in document["requests"] if r["status"] == "ok"]
-    width = max(1.0, (t[-1] - t[0]) / 100) if t else 1.0
-    bins = [i * width for i in range(int((t[-1] if t else 0) / width) + 2)]
-    arrivals = [0] * len(bins)
-    ttft_bins: list[list[float]] = [[] for _ in bins]
-    for r in document["requests"]:
-        arrivals[min(len(bins) - 1, int(r["arrival_s"] / width))] += 1
-    for r in requests:
-        ttft_bins[min(len(bins) - 1, int((r["arrival_s"] + r["ttft_s"]) / width))].append(r["ttft_s"])
-    clients.plot(bins, [a / width for a in arrivals], color="tab:blue", label="arrivals/s")
-    clients.set_ylabel("arrivals/s")
-    ttft = clients.twinx()
-    ttft.plot(bins, [percentile(b, 95) if b else float("nan") for b in ttft_bins], color="tab:orange")
-    ttft.set_ylabel("p95 TTFT (s)", color="tab:orange")
-    clients.set_xlabel("simulated seconds")
+    _plot_arrivals_and_ttft(clients, document, t)
 
     for ax in axes:
         for event in summary["scale_events"]:
@@ -151,3 +137,21 @@ def plot(document: dict, path: str, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _plot_arrivals_and_ttft(clients, document: dict, t: list[float]) -> None:
+    requests = [r for r in document["requests"] if r["status"] == "ok"]
+    width = max(1.0, (t[-1] - t[0]) / 100) if t else 1.0
+    bins = [i * width for i in range(int((t[-1] if t else 0) / width) + 2)]
+    arrivals = [0] * len(bins)
+    ttft_bins: list[list[float]] = [[] for _ in bins]
+    for r in document["requests"]:
+        arrivals[min(len(bins) - 1, int(r["arrival_s"] / width))] += 1
+    for r in requests:
+        ttft_bins[min(len(bins) - 1, int((r["arrival_s"] + r["ttft_s"]) / width))].append(r["ttft_s"])
+    clients.plot(bins, [a / width for a in arrivals], color="tab:blue", label="arrivals/s")
+    clients.set_ylabel("arrivals/s")
+    ttft = clients.twinx()
+    ttft.plot(bins, [percentile(b, 95) if b else float("nan") for b in ttft_bins], color="tab:orange")
+    ttft.set_ylabel("p95 TTFT (s)", color="tab:orange")
+    clients.set_xlabel("simulated seconds")
