@@ -15,7 +15,7 @@ from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.server.chat_tools import ChatTools, chat_messages, render_chat
 from iterserve.engine.server.envelope import ResponseIds, StreamUsage, usage_of
 from iterserve.engine.server.errors import invalid
-from iterserve.engine.server.fan_out import Choices, final_outputs, stream_choices
+from iterserve.engine.server.fan_out import Choices, final_outputs, started_stream
 from iterserve.engine.server.logprobs_format import chat_logprobs
 from iterserve.engine.server.pd_params import answer_kv_transfer, request_kv_transfer
 from iterserve.engine.server.prompt_length import check_prompt_chars
@@ -42,8 +42,7 @@ CHUNK = "chat.completion.chunk"
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, response: Response):
     state: ServerState = request.app.state.server
     headers = ignored_headers(body, request)
-    engine = state.require_engine()
-    state.check_model(body.model)
+    engine = state.engine_for(body.model)
     tokenizer = engine.engine.tokenizer
     tools = ChatTools.of(body, tokenizer)
     if tools.active:
@@ -64,8 +63,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     ids = ResponseIds("chatcmpl", state.model_name)
     choices = Choices([(text, token_ids)], [params], body.n, "messages", request_kv_transfer(body, 1))
     if body.stream:
-        outputs = stream_choices(request, engine, choices)
-        await outputs.asend(None)  # submits the requests: a refusal (429, 503) is still an HTTP status
+        outputs = await started_stream(request, engine, choices)
         return sse_response(_chat_events(outputs, ids, StreamUsage.of(body), body.n, tokenizer, body.logprobs, tools),
                             headers)
     finals = await final_outputs(request, engine, choices)

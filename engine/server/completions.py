@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request, Response
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.server.envelope import ResponseIds, StreamUsage, usage_of
 from iterserve.engine.server.errors import invalid
-from iterserve.engine.server.fan_out import Choices, Prompt, final_outputs, stream_choices
+from iterserve.engine.server.fan_out import Choices, Prompt, final_outputs, started_stream
 from iterserve.engine.server.fim import fill_in_the_middle
 from iterserve.engine.server.logprobs_format import completion_logprobs
 from iterserve.engine.server.pd_params import answer_kv_transfer, request_kv_transfer
@@ -36,8 +36,7 @@ KIND = "text_completion"
 async def create_completion(body: CompletionRequest, request: Request, response: Response):
     state: ServerState = request.app.state.server
     headers = ignored_headers(body, request)
-    engine = state.require_engine()
-    state.check_model(body.model)
+    engine = state.engine_for(body.model)
     if body.best_of is not None and body.best_of != body.n:
         raise invalid(f"best_of: only best_of equal to n ({body.n}) is supported, got {body.best_of}", "best_of")
     prompt_only = body.max_tokens == 0  # echo the prompt (and its logprobs), generate nothing
@@ -61,8 +60,7 @@ async def create_completion(body: CompletionRequest, request: Request, response:
     echo_texts = await _echo_texts(tokenizer, encoded) if body.echo else [""] * len(encoded)
     choices = Choices(encoded, params, body.n, "prompt", request_kv_transfer(body, len(encoded)))
     if body.stream:
-        outputs = stream_choices(request, engine, choices)
-        await outputs.asend(None)  # submits the requests: a refusal (429, 503) is still an HTTP status
+        outputs = await started_stream(request, engine, choices)
         events = _completion_events(outputs, ids, StreamUsage.of(body), body.n, tokenizer, echo_texts,
                                     body.logprobs is not None)
         return sse_response(events, headers)

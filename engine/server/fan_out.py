@@ -110,6 +110,14 @@ async def stream_choices(request: Request, engine: AsyncEngine,
             task.cancel()  # the unfinished ones are aborted in the engine (their _watch)
 
 
+async def started_stream(request: Request, engine: AsyncEngine, choices: Choices):
+    """stream_choices with its requests already submitted, so a refusal (429, 503) is still an
+    HTTP status and not an event in a 200 stream."""
+    outputs = stream_choices(request, engine, choices)
+    await outputs.asend(None)
+    return outputs
+
+
 async def final_outputs(request: Request, engine: AsyncEngine, choices: Choices) -> list[RequestOutput]:
     """Every choice's last output, in index order; a choice's failure is the answer's HTTP error."""
     finals: dict[int, RequestOutput] = {}

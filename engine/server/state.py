@@ -117,6 +117,13 @@ class ServerState:
             raise unavailable("the engine failed; see the server log", "engine_failed")
         return self.engine
 
+    def engine_for(self, requested_model: str | None) -> AsyncEngine:
+        """The engine, for a request naming `requested_model`: 503 while it cannot take one, 400 for
+        a model this server does not serve."""
+        engine = self.require_engine()
+        self.check_model(requested_model)
+        return engine
+
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:
             raise APIError(400, f"model {requested!r} is not served here; this server serves "

@@ -66,8 +66,7 @@ class DetokenizeResponse(BaseModel):
 @router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     state: ServerState = request.app.state.server
-    engine = state.require_engine()
-    state.check_model(body.model)
+    engine = state.engine_for(body.model)
     tokenizer = engine.engine.tokenizer
     max_model_len = engine.engine.config.max_model_len
     chars = len(body.prompt) if body.prompt is not None else sum(len(m.text() or "") for m in body.messages)
@@ -95,8 +94,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     state: ServerState = request.app.state.server
-    engine = state.require_engine()
-    state.check_model(body.model)
+    engine = state.engine_for(body.model)
     tokenizer = engine.engine.tokenizer
     vocab = getattr(tokenizer, "vocab_size", None)
     if vocab is not None and any(t >= vocab for t in body.tokens):
