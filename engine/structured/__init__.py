@@ -137,12 +137,25 @@ class Grammars:
             return compiled
         check_limits(structured.kind, structured.spec, structured.field)
         compiled = self._compile(structured)
+        self._check_can_start(compiled, structured)
         with self._lock:
             self.misses += 1
             self._cache[structured] = compiled
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return compiled
+
+    def _check_can_start(self, compiled, structured: StructuredOutput) -> None:
+        """A grammar no token of this vocabulary can begin (a regex of one control character the
+        vocabulary does not spell) would leave every logit at -inf at the first step: refused
+        here as the request's error, not failed in the sampler."""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+        if not bool(bitmask.any()):
+            raise InvalidRequestError(f"{structured.field}: no token of the model's vocabulary can begin a "
+                                      f"match, so nothing could be generated ({structured.kind})", structured.field)
 
     def _compile(self, structured: StructuredOutput):
         compiler, kind, spec = self.compiler, structured.kind, structured.spec
