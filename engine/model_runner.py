@@ -37,14 +37,15 @@ def pick_device(option: str) -> torch.device:
 
 
 def pick_dtype(option: str, device: torch.device, model_config: ModelConfig | None = None,
-               quantization: str = "none") -> torch.dtype:
+               quantization: str = "none", attention_backend: str = "auto") -> torch.dtype:
     """--dtype: auto is bf16 on CUDA; on a CPU fp32, or bf16 where it measures faster (cpu_dtype.py);
-    quantized CPU models are fp32 models."""
+    quantized CPU models are fp32 models, and so are models under the Triton backend on a CPU
+    (the Triton interpreter computes bf16 wrongly)."""
     if option != "auto":
         return _DTYPES[option]
     if device.type == "cuda":
         return torch.bfloat16
-    if quantization != "none" or model_config is None:
+    if quantization != "none" or model_config is None or attention_backend == "triton":
         return torch.float32
     return cpu_dtype.auto_cpu_dtype(model_config.hidden_size, model_config.intermediate_size)
 
@@ -56,7 +57,8 @@ class ModelRunner(KVTransferCapable):
         loaded = load_model(path, show_progress, keep_q4_1=config.quantization == "int4")
         self.tokenizer = Tokenizer.from_path(path, loaded.gguf_reader)
         model_config = loaded.config
-        self.dtype = pick_dtype(config.dtype, self.device, model_config, config.quantization)
+        self.dtype = pick_dtype(config.dtype, self.device, model_config, config.quantization,
+                                config.attention_backend)
         self.config = config = config.resolve(model_config.max_position_embeddings)
         self.block_size = config.block_size
         backend = get_backend(config.attention_backend, self.device)

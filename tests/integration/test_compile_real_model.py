@@ -33,7 +33,7 @@ def test_compiled_greedy_tokens_equal_eager():
     try:
         tokenizer = Tokenizer.from_gguf(resolve_model_path(None)[0])
         prompts = RAW_PROMPTS + [tokenizer.apply_chat_template(chat) for chat in CHATS]
-        llm = LLM(compile=True, device="cpu", max_num_batched_tokens=64, max_num_seqs=16,
+        llm = LLM(compile=True, device="cpu", dtype="float32", max_num_batched_tokens=64, max_num_seqs=16,
                   max_model_len=512, enable_prefix_caching=False, kv_cache_memory="64MiB")
         model = llm.engine.executor.model
         assert isinstance(model.compiled, CompiledForward)

@@ -73,7 +73,7 @@ def test_greedy_tokens_equal_transformers_under_preemption(prompts, reference_to
     # 20 blocks x 16 = 320 tokens of KV for ten sequences of up to ~110 tokens each.
     llm = LLM(num_kv_blocks=20, num_cpu_blocks=64, max_model_len=256, max_num_seqs=8,
               max_num_batched_tokens=16, preemption_mode=preemption_mode, device="cpu",
-              attention_backend="torch")
+              attention_backend="torch", dtype="float32")  # the reference runs in fp32
     swapped_blocks = []
     execute = llm.engine.executor.execute
     llm.engine.executor.execute = lambda out: swapped_blocks.extend(out.swap_out) or execute(out)

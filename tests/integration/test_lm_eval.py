@@ -138,7 +138,7 @@ def test_lm_eval_scores_the_server_as_it_scores_the_hf_model(python, tasks, hf_r
     # The HF eval (one core) runs while the server is scored (the server on the other core).
     with evaluation(python, "hf", f"pretrained={hf_reference},tokenizer={hf_reference},dtype=float32",
                     tasks, tmp_path / "hf.json") as hf_results:
-        with running_server(["--max-model-len", "512", "--device", "cpu"], log_path=tmp_path / "server.log",
+        with running_server(["--max-model-len", "512", "--device", "cpu", "--dtype", "float32"], log_path=tmp_path / "server.log",
                             env={"OMP_NUM_THREADS": "1"}, ready_timeout=300) as server, \
              evaluation(python, "local-completions",
                         f"model=smollm2-135m,base_url={server.url}/v1/completions,tokenizer_backend=huggingface,"

@@ -47,7 +47,7 @@ def runner():
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield ModelRunner(EngineConfig(num_kv_blocks=48, num_cpu_blocks=48, preemption_mode="swap", max_model_len=256,
-                                   device="cpu", attention_backend="torch"), show_progress=False)
+                                   device="cpu", attention_backend="torch", dtype="float32"), show_progress=False)
     torch.set_num_threads(previous)
 
 

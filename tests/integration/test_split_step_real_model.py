@@ -29,7 +29,7 @@ def runner(request):
 
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield ModelRunner(EngineConfig(num_kv_blocks=BLOCKS, num_cpu_blocks=4, max_model_len=256, device="cpu",
+    yield ModelRunner(EngineConfig(num_kv_blocks=BLOCKS, num_cpu_blocks=4, max_model_len=256, device="cpu", dtype="float32",
                                    attention_backend="torch", quantization=request.param), show_progress=False)
     torch.set_num_threads(previous)
 

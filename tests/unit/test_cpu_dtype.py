@@ -47,3 +47,4 @@ def test_pick_dtype_keeps_explicit_choices_cuda_and_quantized_models():
     assert pick_dtype("auto", torch.device("cuda"), config) == torch.bfloat16
     assert pick_dtype("auto", cpu, config, quantization="w8a8") == torch.float32  # quantized: fp32 activations
     assert pick_dtype("auto", cpu) == torch.float32
+    assert pick_dtype("auto", cpu, config, attention_backend="triton") == torch.float32  # the interpreter

@@ -15,7 +15,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4)
 
 
 def greedy_tokens(attention_backend: str) -> list[list[int]]:
-    llm = LLM(attention_backend=attention_backend, num_kv_blocks=32, max_model_len=256)
+    llm = LLM(attention_backend=attention_backend, num_kv_blocks=32, max_model_len=256, dtype="float32")
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     return [out.outputs[0].token_ids for out in outputs]
 
