@@ -21,6 +21,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -160,10 +161,31 @@ class FrontDoor:
             handler.transport.abort()  # slow loris: nothing owed to a peer that never sent a request
 
 
+class _Handler(RequestHandler):
+    """aiohttp's connection handler, answering its own errors (a malformed request, the proxy
+    failing) in OpenAI's error shape like every other answer of the router, instead of plain text."""
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if request.writer.output_size > 0:  # an answer is under way: aiohttp logs and drops the connection
+            return super().handle_error(request, status, exc, message)
+        if status >= 500:
+            logger.error("error handling a request from %s", request.remote, exc_info=exc)
+            return error_response(status, "the router failed to handle the request; see its log",
+                                  "server_error", "internal_error", close=True)
+        reason = message or HTTPStatus(status).phrase
+        logger.info("refused a malformed request from %s: %s", request.remote, reason)
+        return error_response(status, f"malformed HTTP request: {reason}", "invalid_request_error",
+                              "bad_request", close=True)
+
+
 class _Server(web.Server):
     def __init__(self, door: FrontDoor, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.door = door
+
+    def __call__(self) -> RequestHandler:
+        return _Handler(self, loop=self._loop, **self._kwargs)
 
     def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
         super().connection_made(handler, transport)

@@ -116,6 +116,7 @@ def test_framing_attacks_get_400_and_never_reach_the_engine(door, attack):
     started = time.monotonic()
     answer = exchange(port, REFUSED[attack])
     assert status(answer) == 400, answer[:200]
+    assert b'"type": "invalid_request_error"' in answer  # OpenAI's error shape, not aiohttp's plain text
     assert time.monotonic() - started < 3  # answered, not left hanging until the client gives up
     assert finished(engine) == before
 
