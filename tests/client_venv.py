@@ -25,13 +25,15 @@ def client_python(packages: tuple[str, ...] = PACKAGES) -> Path:
     """The clients' python, after installing whatever of `packages` is missing (minutes the first time)."""
     python = VENV / "bin" / "python"
     stamp = VENV / f".installed-{'-'.join(sorted(packages))}"
-    if stamp.exists() and python.exists():
-        return python
     if not python.exists():
         subprocess.run([_base_python(), "-m", "venv", "--without-pip", str(VENV)], check=True)
+    # Written on every call: the environment outlives the checkout that made it (a CI clone is
+    # deleted after its run), and must import the packages of the .venv running the tests now.
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
     (Path(site) / "iterserve-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    if stamp.exists():
+        return python
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q",
                     "--disable-pip-version-check", *packages], check=True)
     stamp.write_text("\n".join(packages) + "\n")
