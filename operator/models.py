@@ -17,6 +17,7 @@ from pydantic.alias_generators import to_camel
 
 from iterserve.engine.config import EngineConfig  # its defaults are the engine's own
 from iterserve.router.disagg import PdPolicy  # the router's P/D defaults are its own
+from iterserve.simulate.profile import DEFAULT_PROFILE, PROFILES  # the shipped step profiles
 
 GROUP = "iterserve.dev"
 VERSION = "v1alpha1"
@@ -210,6 +211,38 @@ class KvRetune(WireModel):
         return self
 
 
+class SloTargets(WireModel):
+    """Latency targets the autoscaler plans replicas for (operator/autoscaling/slo.py): each tick it
+    runs the simulator's replica model on the measured workload and keeps the fewest replicas whose
+    predicted p95s meet the targets."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel("has(self.ttftP95Ms) || has(self.itlP95Ms)",
+            "spec.autoscaling.slo needs ttftP95Ms, itlP95Ms or both", ".ttftP95Ms"),
+    ]})
+
+    ttft_p95_ms: float | None = Field(None, gt=0, le=600_000, description="p95 time to first token to keep under (ms).")
+    itl_p95_ms: float | None = Field(None, gt=0, le=60_000, description=(
+        "p95 inter-token latency to keep under (ms). When it binds, the autoscaler also lowers each replica's "
+        "max_num_seqs to the largest value whose predicted ITL meets it."))
+    window: int = Field(120, ge=15, le=3600, description=(
+        "Seconds of metrics the estimate reads: arrival rate, prompt and output lengths, measured p95s."))
+    step_profile: Literal[*PROFILES] = Field(DEFAULT_PROFILE, description=(
+        "The step-time profile the replica model runs (`iterserve simulate --profile`), one that ships with iterserve."))
+    hysteresis: float = Field(0.2, ge=0, lt=1, description=(
+        "Scale down only when the fewer replicas are predicted to meet targets x (1 - hysteresis): the band "
+        "that stops 2 <-> 1 flapping."))
+    max_prediction_error: float = Field(0.5, gt=0, le=10, description=(
+        "When a measured p95 differs from the prediction for the current replicas by more than this fraction "
+        "of the measurement, the tick falls back to the waiting-requests signal (status.slo.fallback says so)."))
+
+    @model_validator(mode="after")
+    def _some_target(self):
+        if self.ttft_p95_ms is None and self.itl_p95_ms is None:
+            raise ValueError("spec.autoscaling.slo needs ttftP95Ms, itlP95Ms or both")
+        return self
+
+
 class AutoscalingSpec(WireModel):
     """Builtin: the operator scales on waiting requests and preemptions. External: an HPA or KEDA
     drives spec.replicas through the scale subresource and the operator never writes it. Off: fixed."""
@@ -217,6 +250,9 @@ class AutoscalingSpec(WireModel):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         cel("self.minReplicas <= self.maxReplicas",
             "spec.autoscaling.minReplicas must be <= spec.autoscaling.maxReplicas", ".minReplicas"),
+        cel("!has(self.scaleToZeroAfterSeconds) || self.minReplicas == 0",
+            "spec.autoscaling.scaleToZeroAfterSeconds needs spec.autoscaling.minReplicas 0",
+            ".scaleToZeroAfterSeconds"),
     ]})
 
     mode: Literal["Builtin", "External", "Off"] = "Builtin"
@@ -232,11 +268,20 @@ class AutoscalingSpec(WireModel):
     kv_retune: KvRetune = Field(default_factory=KvRetune)
     metrics_source: Literal["scrape", "prometheus"] = "scrape"
     interval_seconds: int = Field(15, ge=1, le=3600, description="How often the scaler decides.")
+    slo: SloTargets | None = Field(None, description=(
+        "Latency targets: replicas (and max_num_seqs when the ITL target binds) planned from them instead of "
+        "the waiting-requests target, which stays the fallback."))
+    scale_to_zero_after_seconds: int | None = Field(None, ge=0, le=86_400, description=(
+        "With minReplicas 0: go to zero replicas after this long without a request. The router holds requests "
+        "that arrive at zero (bounded) and its held-request count brings the first replica back."))
 
     @model_validator(mode="after")
     def _bounds(self):
         if self.min_replicas > self.max_replicas:
             raise ValueError("spec.autoscaling.minReplicas must be <= spec.autoscaling.maxReplicas")
+        if self.scale_to_zero_after_seconds is not None and self.min_replicas != 0:
+            raise ValueError("spec.autoscaling.scaleToZeroAfterSeconds needs spec.autoscaling.minReplicas 0 "
+                             "(set minReplicas: 0, or drop scaleToZeroAfterSeconds)")
         return self
 
 
@@ -469,6 +514,22 @@ class InferenceServiceStatus(WireModel):
     replicas: int = 0
     ready_replicas: int = 0
     desired_replicas: int | None = None
+class SloStatus(WireModel):
+    """SLO mode: what the last tick predicted and measured (seconds), and whether it planned on them."""
+
+    predicted_ttft_p95: float | None = Field(None, description="Predicted p95 TTFT at the desired replicas.")
+    predicted_itl_p95: float | None = Field(None, description="Predicted p95 ITL at the desired replicas.")
+    measured_ttft_p95: float | None = Field(None, description="Measured p95 TTFT over the window (warm pods only).")
+    measured_itl_p95: float | None = Field(None, description="Measured p95 ITL over the window (warm pods only).")
+    prediction_error: float | None = Field(None, description=(
+        "Largest |predicted - measured| / measured at the current replicas this window."))
+    fallback: bool = Field(False, description="True: the prediction was off by more than maxPredictionError; "
+                           "the tick used the waiting-requests signal.")
+    max_num_seqs: int | None = Field(None, description="The max_num_seqs the ITL target allows (None: it does not bind).")
+    arrival_rate: float | None = Field(None, description="Requests per second over the window.")
+    message: str | None = None
+
+
     effective_max_num_seqs: int | None = None
     selector: str | None = Field(None, description="Label selector of the engine pods (scale subresource).")
     conditions: list[Condition] = Field(default_factory=list, json_schema_extra={
@@ -490,6 +551,8 @@ class InferenceService(WireModel):
     """The whole object, for tests and examples (the operator reads spec and status separately)."""
 
     model_config = ConfigDict(extra="ignore")
+    slo: SloStatus | None = Field(None, description="SLO mode: the last tick's predicted and measured p95s.")
+    held_requests: int | None = Field(None, description="Requests the router holds while no replica is ready.")
 
     api_version: Literal["iterserve.dev/v1alpha1"] = API_VERSION
     kind: Literal["InferenceService"] = KIND

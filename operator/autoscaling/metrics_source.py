@@ -47,11 +47,15 @@ FIELDS: dict[str, tuple[str, ...]] = {
     # Optional: the average prompt (spec.disaggregation's DisaggregationIneffective condition).
     "prompt_tokens_total": (names.PROMPT_TOKENS_TOTAL,),
     "requests_total": (names.REQUESTS_TOTAL,),
+    # Optional: SLO mode's workload (output lengths; with the two above, prompt lengths and arrivals).
+    "generation_tokens_total": (names.GENERATION_TOKENS_TOTAL,),
     # Optional: the prefill pool's signals (spec.disaggregation.prefill.scalingSignal).
     "queued_prompt_tokens": (names.QUEUED_PROMPT_TOKENS,),
 }
 # The TTFT histogram, read as cumulative buckets (PodSample.ttft_buckets); vLLM's name as the alias.
 TTFT_HISTOGRAMS = (names.TIME_TO_FIRST_TOKEN, names.VLLM_TIME_TO_FIRST_TOKEN)
+ITL_HISTOGRAMS = (names.INTER_TOKEN_LATENCY, names.VLLM_INTER_TOKEN_LATENCY)  # SLO mode's measured ITL
+HISTOGRAMS = {"ttft_buckets": TTFT_HISTOGRAMS, "itl_buckets": ITL_HISTOGRAMS}
 REQUIRED = REQUIRED_SIGNALS
 
 
@@ -76,8 +80,9 @@ def parse_engine_metrics(text: str) -> dict[str, float | None]:
     values: dict[str, float | None] = {}
     for field, candidates in FIELDS.items():
         values[field] = next((totals[n] for n in candidates if n in totals), None)
-    ttft = next((buckets[n] for n in TTFT_HISTOGRAMS if n in buckets), None)
-    values["ttft_buckets"] = tuple(sorted(ttft.items())) if ttft else None
+    for field, candidates in HISTOGRAMS.items():
+        found = next((buckets[n] for n in candidates if n in buckets), None)
+        values[field] = tuple(sorted(found.items())) if found else None
     missing = [FIELDS[f][0] for f in REQUIRED if values[f] is None]
     if missing:
         raise MetricsFormatError(f"metric {', '.join(missing)} not exported (renamed, or not an iterserve/vLLM engine?)")
@@ -154,7 +159,8 @@ class PrometheusSource:
         out = {field: f"sum by ({self.pod_label}) ({candidates[0]}{{{matchers}}})"
                for field, candidates in FIELDS.items()}
         out["up"] = f"max by ({self.pod_label}) (up{{{matchers}}})"
-        out["ttft_buckets"] = f"sum by ({self.pod_label}, le) ({TTFT_HISTOGRAMS[0]}_bucket{{{matchers}}})"
+        for field, candidates in HISTOGRAMS.items():
+            out[field] = f"sum by ({self.pod_label}, le) ({candidates[0]}_bucket{{{matchers}}})"
         return out
 
     async def read(self, pods: Sequence[PodEndpoint]) -> list[PodSample]:
@@ -163,7 +169,7 @@ class PrometheusSource:
         queries = self.queries(pods)
         try:
             async with httpx.AsyncClient(timeout=self.timeout) as client:
-                results = await asyncio.gather(*(self._query(client, q, by_le=field == "ttft_buckets")
+                results = await asyncio.gather(*(self._query(client, q, by_le=field in HISTOGRAMS)
                                                  for field, q in queries.items()))
         except (httpx.HTTPError, MetricsFormatError) as error:
             reason = f"Prometheus at {self.url} unreachable or failing: {_describe(error)}"
@@ -197,7 +203,7 @@ class PrometheusSource:
         up = by_field["up"].get(pod.name)
         if up is not None and up < 1:
             return PodSample(pod.name, now, error="Prometheus cannot scrape this pod (up == 0)")
-        values = {field: by_field[field].get(pod.name) for field in (*FIELDS, "ttft_buckets")}
+        values = {field: by_field[field].get(pod.name) for field in (*FIELDS, *HISTOGRAMS)}
         missing = [FIELDS[f][0] for f in REQUIRED if values[f] is None]
         if missing:
             return PodSample(pod.name, now, error=f"Prometheus has no series {', '.join(missing)} for "

@@ -39,6 +39,7 @@ from iterserve.operator.autoscaling.settings import (
 from iterserve.operator.autoscaling.settings import DirectionRules as DirectionRules
 from iterserve.operator.autoscaling.settings import KvRetuneSettings as KvRetuneSettings
 from iterserve.operator.autoscaling.settings import RatePolicy as RatePolicy
+from iterserve.operator.autoscaling.slo import SLO_SIGNAL, SloOutcome, slo_reading
 
 # -------------------------------------------------------------------------------------- inputs
 
@@ -63,6 +64,8 @@ class State:
     recommendations: tuple[Recommendation, ...] = ()  # earlier raw proposals, for stabilization
     scale_events: tuple[ScaleEvent, ...] = ()  # earlier replica changes, for rate policies
     last_scale_up_at: float | None = None
+    # Requests the router holds while no replica is ready (its held-requests gauge); None: not read.
+    held_requests: float | None = None
 
 
 # ------------------------------------------------------------------------------------- outputs
@@ -113,6 +116,8 @@ class Decision:
     signal_value: float | None = None  # waiting or queued prompt tokens per replica, or the windowed p95 TTFT (s)
     signal_target: float | None = None
     metric_replicas: float | None = None  # what the signal alone asked for, unrounded, before every other rule
+    slo: SloOutcome | None = None  # SLO mode: the workload, predicted and measured p95s, the plan
+    held_requests: float | None = None  # what the router held when the tick read it
 
     @property
     def replicas_changed(self) -> bool:
@@ -198,7 +203,32 @@ def decide(settings: Settings, state: State, history: Mapping[str, Sequence[PodS
     seqs_changes = kv_retune(settings, ready, history, now) if retunes else ()
 
     replicas = _replica_decision(settings.bounded_to(spec), spec, state, history, signals, measured, metrics, now)
-    return replace(replicas, seqs_changes=seqs_changes, metrics=metrics, pods=signals, **extra)
+    if replicas.slo is not None and settings.mode == "Builtin":
+        seqs_changes = _itl_cap(replicas.slo.max_num_seqs, seqs_changes, ready, history, settings)
+        extra.update(signal=SLO_SIGNAL, signal_target=settings.slo.ttft_p95_s or settings.slo.itl_p95_s)
+    return replace(replicas, seqs_changes=seqs_changes, metrics=metrics, pods=signals,
+                   held_requests=state.held_requests, **extra)
+
+
+def _itl_cap(cap: int | None, changes: tuple[SeqsChange, ...], ready: Sequence[PodState], history,
+             settings: Settings) -> tuple[SeqsChange, ...]:
+    """SLO mode's max_num_seqs: with the ITL target binding, no pod runs above `cap` (the KV
+    retune may still lower one further, never raise one past it)."""
+    if cap is None:
+        return changes
+    by_pod = {c.pod: c for c in changes}
+    out = []
+    for pod in ready:
+        samples = history.get(pod.name, ())
+        running = effective_seqs(pod, samples[-1] if samples else None, settings)
+        change = by_pod.get(pod.name)
+        target = change.to_max_num_seqs if change is not None else running
+        if target > cap:
+            out.append(SeqsChange(pod.name, running, cap, "itl_target",
+                                  f"the ITL target allows max_num_seqs {cap} (pod runs {running})"))
+        elif change is not None:
+            out.append(change)
+    return tuple(c for c in out if c.to_max_num_seqs != c.from_max_num_seqs)
 
 
 def _metrics_status(signals: Sequence[PodSignal], state: State) -> MetricsStatus:
@@ -249,9 +279,11 @@ def _read_signal(settings: Settings, pool: Pool, state: State, history, measured
                  now: float) -> _Reading:
     target, count = pool.target, len(measured)
     if pool.signal == WAITING:
-        total = sum(s.waiting for s in measured)
+        held = state.held_requests or 0.0  # requests the router holds wait too
+        total = sum(s.waiting for s in measured) + held
         return _Reading(total / target, total / count, [s.pod for s in measured if s.waiting > target],
-                        f"waiting {total:g} on {count} read pods (target {target:g}/replica)",
+                        f"waiting {total:g} on {count} read pods" + (f" ({held:g} held at the router)" if held else "")
+                        + f" (target {target:g}/replica)",
                         "waiting_above_target", "waiting_below_target")
     if pool.signal == QUEUED_PROMPT_TOKENS:
         total = sum(s.queued_prompt_tokens for s in measured)
@@ -278,20 +310,35 @@ def _replica_decision(settings: Settings, pool: Pool, state: State, history, sig
     if settings.mode == "External":
         return Decision(current, current, "none", "external_mode",
                         f"mode External: an external autoscaler owns {pool.replicas_field}", None, (), metrics)
+    zero = _scale_to_zero(settings, pool, state, history, signals, measured, metrics, now)
+    if zero is not None:
+        return zero
+    if _keeps_one(settings, pool):
+        # Scale to zero is the idle timer's alone: the signals' own zero stops at one replica.
+        settings = replace(settings, min_replicas=1)
     if not measured:
         where = "" if pool.role == DECODE else f"{pool.role} pool "
         return _hold(state, settings, "metrics_unavailable", f"{where}holding at {current}: {metrics.message}")
 
+    slo = None
+    if settings.slo is not None and pool.role == DECODE:
+        pods = {p.name: p for p in state.pods}
+        seqs_now = min(s.max_num_seqs for s in measured)
+        slo = slo_reading(settings, current, seqs_now, [s.pod for s in measured], pods, history, now)
     reading = _read_signal(settings, pool, state, history, measured, now)
+    if slo is not None and slo.proposal is not None:
+        reading = _slo_as_reading(slo, settings.slo, measured)
     total_waiting = sum(s.waiting for s in measured)
     total_running = sum(s.running for s in measured)
     rate_per_replica = sum(s.preemptions_per_minute or 0.0 for s in measured) / len(measured)
-    notes = [reading.note]
+    notes = [reading.note] if slo is None or slo.proposal is not None else [slo.note, reading.note]
     if pool.holds_sequences:
         notes.append(f"preemptions {rate_per_replica:.2f}/min/replica "
                      f"(threshold {settings.preemptions_per_minute_threshold:g})")
 
-    if current > 0 and abs(reading.replicas / current - 1.0) <= settings.tolerance:
+    if slo is not None and slo.proposal is not None:
+        proposal, reason = slo.proposal, slo.reason  # the hysteresis band, not HPA's tolerance
+    elif current > 0 and abs(reading.replicas / current - 1.0) <= settings.tolerance:
         proposal, reason = current, "within_tolerance"
     else:
         proposal = math.ceil(reading.replicas)
@@ -312,7 +359,64 @@ def _replica_decision(settings: Settings, pool: Pool, state: State, history, sig
                           relative=reason == "preemptions" or pool.signal == TTFT)
     return replace(decision, total_waiting=total_waiting, total_running=total_running,
                    preemptions_per_minute_per_replica=rate_per_replica, signal_value=reading.value,
-                   metric_replicas=reading.replicas)
+                   metric_replicas=reading.replicas, slo=slo)
+
+
+def _slo_as_reading(slo: SloOutcome, slo_settings, measured: list[PodSignal]) -> _Reading:
+    """SLO mode's proposal in the shape the shared rules read: a measured p95 above its target
+    blocks scale-down, as a queue above target does."""
+    missed = any(value is not None and target is not None and value > target for value, target in (
+        (slo.measured_ttft_p95_s, slo_settings.ttft_p95_s), (slo.measured_itl_p95_s, slo_settings.itl_p95_s)))
+    predicted = slo.predicted
+    value = None
+    if predicted is not None:
+        value = predicted.ttft_p95_s if slo_settings.ttft_p95_s is not None else predicted.itl_p95_s
+        value = None if math.isinf(value) else value
+    return _Reading(float(slo.proposal), value, [s.pod for s in measured] if missed else [], slo.note,
+                    "slo_predicted_miss", "slo_met_with_fewer")
+
+
+def _keeps_one(settings: Settings, pool: Pool) -> bool:
+    return pool.role == DECODE and settings.min_replicas == 0 and settings.scale_to_zero_after_seconds is not None
+
+
+def _scale_to_zero(settings: Settings, pool: Pool, state: State, history, signals, measured, metrics,
+                   now: float) -> Decision | None:
+    """The decode pool with minReplicas 0. At zero: held requests at the router bring one replica
+    (reason held_requests), else it stays at zero. Above zero with scaleToZeroAfterSeconds: zero
+    once every ready pod is read idle (nothing waiting or running) and no request finished on any
+    of them for that long, nothing is held and nothing is loading (idle_scale_to_zero). The idle
+    timer is this rule's own stabilization: the scale-down window does not apply. None: the
+    other rules decide."""
+    if pool.role != DECODE or settings.min_replicas != 0:
+        return None
+    current, held = state.replicas, state.held_requests or 0.0
+    if current == 0:
+        if held > 0:
+            decision = _carry_out(settings, state, 1, "held_requests",
+                                  [f"the router holds {held:g} requests and no replica exists"], metrics, signals, now)
+            return replace(decision, metric_replicas=1.0, total_waiting=held)
+        return Decision(0, 0, "none", "scaled_to_zero", "at zero replicas; no request held at the router", None, (),
+                        MetricsStatus(False, "ScaledToZero", "no replicas: nothing to read"))
+    after = settings.scale_to_zero_after_seconds
+    if after is None or held > 0 or not measured or len(measured) != len(signals) or len(signals) != len(state.pods):
+        return None
+    if any(s.waiting or s.running for s in measured):
+        return None
+    pods = {p.name: p for p in state.pods}
+    for signal in measured:
+        samples = usable_samples(history.get(signal.pod, ()), pods[signal.pod], settings)
+        counted = [s for s in samples if s.ok and s.requests_total is not None]
+        recent = [s for s in counted if s.at >= now - after]
+        if not counted or counted[0].at > now - after + 1e-9:
+            return None  # no reading from that long ago: idle for less than the timer, as far as we know
+        base = counted[len(counted) - len(recent) - 1] if len(recent) < len(counted) else counted[0]
+        if any(s.requests_total != base.requests_total for s in recent):
+            return None
+    message = (f"replicas {current} -> 0: no request on {len(measured)} read pods for {after:g} s "
+               "(scaleToZeroAfterSeconds); the router holds new requests until a replica is ready")
+    return Decision(current, 0, "down", "idle_scale_to_zero", message, Recommendation(now, 0), (), metrics,
+                    pods=tuple(signals), total_waiting=0.0, total_running=0.0)
 
 
 def _carry_out(settings: Settings, state: State, proposal: int, reason: str, notes: list[str],

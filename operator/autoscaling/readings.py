@@ -30,6 +30,9 @@ class PodSample:
     # cumulative (upper bound, count) pairs, +Inf last.
     queued_prompt_tokens: float | None = None
     ttft_buckets: tuple[tuple[float, float], ...] | None = None
+    # SLO mode: generated tokens of finished requests and the ITL histogram (cumulative, +Inf last).
+    generation_tokens_total: float | None = None
+    itl_buckets: tuple[tuple[float, float], ...] | None = None
     error: str | None = None
 
     @property
@@ -101,10 +104,11 @@ def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> floa
     return lower_bound
 
 
-def _bucket_increase(samples: Sequence[PodSample], now: float, window: float) -> dict[float, float] | None:
-    """One pod's TTFT histogram increase over the window: the latest reading less the last one at
+def _bucket_increase(samples: Sequence[PodSample], now: float, window: float,
+                     field: str = "ttft_buckets") -> dict[float, float] | None:
+    """One pod's histogram increase over the window: the latest reading less the last one at
     or before the window's start (else the first usable one); a reset counts from zero."""
-    points = [s for s in samples if s.ok and s.ttft_buckets]
+    points = [s for s in samples if s.ok and getattr(s, field)]
     if len(points) < 2:
         return None
     start = now - window
@@ -115,8 +119,8 @@ def _bucket_increase(samples: Sequence[PodSample], now: float, window: float) ->
     latest = points[-1]
     if latest is base:
         return None
-    before = dict(base.ttft_buckets)
-    after = dict(latest.ttft_buckets)
+    before = dict(getattr(base, field))
+    after = dict(getattr(latest, field))
     reset = any(after.get(bound, 0.0) < count for bound, count in before.items())
     return {bound: count - (0.0 if reset else before.get(bound, 0.0)) for bound, count in after.items()}
 
@@ -125,12 +129,40 @@ def windowed_ttft_quantile(q: float, histories: Sequence[Sequence[PodSample]], n
                            window: float) -> tuple[float | None, int]:
     """(the q-quantile of TTFT over the last `window` seconds across pods, observations in it),
     from bucket deltas between readings, as rate()-then-histogram_quantile would give it."""
+    return windowed_quantile(q, histories, now, window, "ttft_buckets")
+
+
+def windowed_quantile(q: float, histories: Sequence[Sequence[PodSample]], now: float, window: float,
+                      field: str) -> tuple[float | None, int]:
+    """windowed_ttft_quantile for any histogram field of PodSample (ttft_buckets, itl_buckets)."""
     total: dict[float, float] = {}
     for samples in histories:
-        increase = _bucket_increase(samples, now, window)
+        increase = _bucket_increase(samples, now, window, field)
         for bound, count in (increase or {}).items():
             total[bound] = total.get(bound, 0.0) + count
     buckets = sorted(total.items())
     if not buckets:
         return None, 0
     return histogram_quantile(q, buckets), int(round(buckets[-1][1]))
+
+
+def counter_increase(samples: Sequence[PodSample], field: str, now: float,
+                     window: float) -> tuple[float, float] | None:
+    """(increase, seconds it covers) of one pod's counter over the window, as increase() would
+    give it (base: the last reading at or before the window's start, else the first; a drop is a
+    reset); None without two readings of it."""
+    points = [(s.at, getattr(s, field)) for s in samples if s.ok and getattr(s, field) is not None
+              and not math.isnan(getattr(s, field))]
+    if len(points) < 2:
+        return None
+    start = now - window
+    base = 0
+    for index, (at, _) in enumerate(points):
+        if at <= start:
+            base = index
+    points = points[base:]
+    if len(points) < 2 or points[-1][0] <= points[0][0]:
+        return None
+    increase = sum(after - before if after >= before else after
+                   for (_, before), (_, after) in zip(points, points[1:], strict=False))
+    return increase, points[-1][0] - points[0][0]

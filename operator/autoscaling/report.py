@@ -8,6 +8,7 @@ status it writes, starts new pods with `max_num_seqs`, and posts `events_for`. P
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -194,6 +195,11 @@ def status_patch(previous: dict | None, settings: Settings, decision: Decision, 
     patch["waitingRequests"] = int(sum(p.waiting for p in measured)) if measured else None
     patch["kvCacheUsage"] = round(max(p.kv_usage for p in measured), 4) if measured else None
     patch["pods"] = [_pod_summary(p) for p in decision.pods]
+    # SLO mode's and the activator's fields appear (and are cleared) only where they apply.
+    if decision.slo is not None or previous.get("slo") is not None:
+        patch["slo"] = slo_status(decision.slo) if decision.slo is not None else None
+    if decision.held_requests is not None or previous.get("heldRequests") is not None:
+        patch["heldRequests"] = None if decision.held_requests is None else int(decision.held_requests)
     for pool in extra_pools:
         patch[pool.decision.pool] = pool_status(previous.get(pool.decision.pool), settings, pool, now)
     return patch
@@ -213,6 +219,27 @@ def pool_status(previous: dict | None, settings: Settings, tick: PoolTick, now: 
     out["target"] = decision.signal_target
     out["reason"] = decision.reason
     return out
+
+
+def _seconds(value: float | None) -> float | None:
+    return None if value is None or math.isinf(value) or math.isnan(value) else round(value, 4)
+
+
+def slo_status(slo) -> dict:
+    """status.slo from SLO mode's outcome (policy.Decision.slo); an unbounded prediction is null."""
+    predicted = slo.predicted
+    return {
+        "predictedTtftP95": _seconds(predicted.ttft_p95_s) if predicted else None,
+        "predictedItlP95": _seconds(predicted.itl_p95_s) if predicted else None,
+        "measuredTtftP95": _seconds(slo.measured_ttft_p95_s),
+        "measuredItlP95": _seconds(slo.measured_itl_p95_s),
+        "predictionError": None if slo.prediction_error is None or math.isinf(slo.prediction_error)
+        else round(slo.prediction_error, 3),
+        "fallback": slo.fallback,
+        "maxNumSeqs": slo.max_num_seqs,
+        "arrivalRate": round(slo.workload.arrival_rate, 4) if slo.workload else None,
+        "message": slo.note[:1024],
+    }
 
 
 def _pod_summary(signal: PodSignal) -> dict:

@@ -18,6 +18,7 @@ from iterserve.operator.models import (
     ScaleDownRules,
     ScaleUpRules,
     ScalingPolicy,
+    SloTargets,
 )
 
 _AUTOSCALING = AutoscalingSpec()  # the models' defaults, the one place they are written
@@ -87,6 +88,35 @@ class PrefillSettings:
         return self.target_queued_prompt_tokens if self.signal == "QueuedPromptTokens" else self.target_ttft_seconds
 
 
+@dataclass(frozen=True)
+class SloSettings:
+    """spec.autoscaling.slo in seconds, and the replica model the plan runs: the EngineConfig and
+    server options a pod starts with and the step profile (slo.py; iterserve/simulate/plan.py)."""
+
+    ttft_p95_s: float | None
+    itl_p95_s: float | None
+    window_seconds: float
+    hysteresis: float
+    max_prediction_error: float
+    engine: object  # iterserve.engine.config.EngineConfig of a pod, max_num_seqs as the spec sets it
+    server: object  # iterserve.simulate.replica.ServerOptions
+    profile: object  # iterserve.simulate.profile.StepProfile
+
+
+def slo_settings(spec, slo: SloTargets) -> SloSettings:
+    """The SLO settings of an InferenceService spec; the pod's engine options come from the
+    operator's and the server's own code (the simulator's engine_config_for)."""
+    from iterserve.simulate.cli import profile_for
+    from iterserve.simulate.replica import engine_config_for
+
+    engine, server = engine_config_for(spec, spec.engine.max_num_seqs)
+    profile = profile_for(spec, slo.step_profile)  # a shipped name only (the model's Literal): never a path
+    ms = 1e-3
+    return SloSettings(None if slo.ttft_p95_ms is None else slo.ttft_p95_ms * ms,
+                       None if slo.itl_p95_ms is None else slo.itl_p95_ms * ms,
+                       float(slo.window), slo.hysteresis, slo.max_prediction_error, engine, server, profile)
+
+
 DECODE, PREFILL = "decode", "prefill"  # pool roles: the engine Deployment, NAME-prefill
 WAITING, QUEUED_PROMPT_TOKENS, TTFT = "WaitingRequests", "QueuedPromptTokens", "TTFT"
 REPLICAS_FIELDS = {DECODE: "spec.replicas", PREFILL: "spec.disaggregation.prefill.replicas"}  # each pool's size
@@ -137,6 +167,8 @@ class Settings:
     kv_retune: KvRetuneSettings = field(default_factory=KvRetuneSettings)
     # Disaggregation on: the prefill pool's bounds and signal (`pool(PREFILL)`); None: no such pool.
     prefill: PrefillSettings | None = None
+    slo: SloSettings | None = None  # SLO mode (the decode pool); None: the waiting-requests signal
+    scale_to_zero_after_seconds: float | None = _AUTOSCALING.scale_to_zero_after_seconds
 
     @property
     def retunes(self) -> bool:
@@ -151,7 +183,9 @@ class Settings:
         return max([self.scale_up.stabilization_window_seconds,
                     self.scale_down.stabilization_window_seconds, self.preemption_window_seconds,
                     self.kv_retune.recovery_window_seconds, *periods,
-                    self.prefill.ttft_window_seconds if self.prefill else 0]) + 60
+                    self.prefill.ttft_window_seconds if self.prefill else 0,
+                    self.slo.window_seconds if self.slo else 0,
+                    self.scale_to_zero_after_seconds or 0]) + 60
 
     def pool(self, role: str = DECODE) -> Pool:
         if role == DECODE:
@@ -189,6 +223,7 @@ def settings_from_spec(spec) -> Settings:
         "spec_max_num_seqs": spec.engine.max_num_seqs,
         "kv_retune": KvRetuneSettings(**_same_named(KvRetuneSettings, auto.kv_retune)),
         "prefill": prefill_settings(spec),
+        "slo": slo_settings(spec, auto.slo) if auto.slo is not None else None,
     })
 
 

@@ -61,13 +61,15 @@ def test_parse_engine_metrics_reads_the_names_from_engine_metrics():
     assert parse_engine_metrics(ENGINE_TEXT) == {
         "waiting": 7.0, "running": 16.0, "kv_usage": 0.97, "preemptions_total": 42.0, "max_num_seqs": 16.0,
         "prompt_tokens_total": None, "requests_total": None,  # optional: only the average prompt reads them
-        "queued_prompt_tokens": None, "ttft_buckets": None}  # optional: only the prefill pool reads them
+        "queued_prompt_tokens": None, "ttft_buckets": None,  # optional: only the prefill pool reads them
+        "generation_tokens_total": None, "itl_buckets": None}  # optional: only SLO mode reads them
 
 
 def test_parse_falls_back_to_the_vllm_names():
     assert parse_engine_metrics(VLLM_TEXT) == {
         "waiting": 3.0, "running": 5.0, "kv_usage": 0.5, "preemptions_total": 2.0, "max_num_seqs": None,
-        "prompt_tokens_total": None, "requests_total": None, "queued_prompt_tokens": None, "ttft_buckets": None}
+        "prompt_tokens_total": None, "requests_total": None, "queued_prompt_tokens": None, "ttft_buckets": None,
+        "generation_tokens_total": None, "itl_buckets": None}
 
 
 def test_parse_reads_the_prefill_signals_queued_prompt_tokens_and_ttft_buckets_summed_over_series():
