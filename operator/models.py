@@ -507,13 +507,6 @@ class PrefillPoolStatus(WireModel):
     reason: str | None = Field(None, description="The last decision's reason (snake_case).")
 
 
-class InferenceServiceStatus(WireModel):
-    model_config = ConfigDict(extra="ignore")
-
-    observed_generation: int | None = None
-    replicas: int = 0
-    ready_replicas: int = 0
-    desired_replicas: int | None = None
 class SloStatus(WireModel):
     """SLO mode: what the last tick predicted and measured (seconds), and whether it planned on them."""
 
@@ -530,6 +523,13 @@ class SloStatus(WireModel):
     message: str | None = None
 
 
+class InferenceServiceStatus(WireModel):
+    model_config = ConfigDict(extra="ignore")
+
+    observed_generation: int | None = None
+    replicas: int = 0
+    ready_replicas: int = 0
+    desired_replicas: int | None = None
     effective_max_num_seqs: int | None = None
     selector: str | None = Field(None, description="Label selector of the engine pods (scale subresource).")
     conditions: list[Condition] = Field(default_factory=list, json_schema_extra={
@@ -544,6 +544,8 @@ class SloStatus(WireModel):
     prefill_ready_replicas: int | None = Field(
         None, description="Deprecated: read prefill.readyReplicas (this copy of it is removed in the next release).")
     prefill: PrefillPoolStatus | None = Field(None, description="Disaggregation: the prefill pool and its scaling.")
+    slo: SloStatus | None = Field(None, description="SLO mode: the last tick's predicted and measured p95s.")
+    held_requests: int | None = Field(None, description="Requests the router holds while no replica is ready.")
     pods: list[PodSummary] = Field(default_factory=list)
 
 
@@ -551,8 +553,6 @@ class InferenceService(WireModel):
     """The whole object, for tests and examples (the operator reads spec and status separately)."""
 
     model_config = ConfigDict(extra="ignore")
-    slo: SloStatus | None = Field(None, description="SLO mode: the last tick's predicted and measured p95s.")
-    held_requests: int | None = Field(None, description="Requests the router holds while no replica is ready.")
 
     api_version: Literal["iterserve.dev/v1alpha1"] = API_VERSION
     kind: Literal["InferenceService"] = KIND
