@@ -1,0 +1,588 @@
+"""GGUF linears computed on the file's own blocks (`--quantization auto`, the default for GGUF models
+on CPU): y = x . W^T with W as the file stores it (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)
+and x block-quantized to int8 as llama.cpp's Q8_1 does.
+
+Activations: each row is cut into blocks of 32; a block's scale is dx = amax / 127 (amax = max |x|
+of the block; a block with amax below MIN_AMAX is all zeros, one with NaN or inf has dx = NaN),
+qx = round(x * (1 / dx)) (half to even) in -127..127, and the block's integer lane sums are kept.
+
+Weights, per block of 32 (a K-quant's sub-blocks of 32; Q6_K's two scales of 16 weights each go
+to lanes 0-3 and 4-7): unsigned q (nibbles, 5-bit or 6-bit values; Q8_0's int8 through |w| and
+sign(x, w)), a scale per lane wd, and either an integer offset (Q4_0 8, Q5_0 16, Q6_K 32: w = wd *
+(q - offset)) or a float minimum (Q4_1, Q5_1 m; Q4_K, Q5_K -dmin * min: w = wd * q + wmin).
+
+Arithmetic (what `reference()` repeats in torch ops, bit for bit): per block, 8 int32 lanes, lane l
+the exact dot of elements 4l..4l+3 (vpmaddubsw + vpmaddwd on AVX2, vpdpbusd with AVX-512 VNNI:
+the same integers), P[l] - offset * S[l] with S the activation lane sums; then, in fp32 with no
+fused multiply-adds, acc[l] = acc[l] + float(P[l]) * (dx * wd[l]) and, for formats with a minimum,
+acc[l] = acc[l] + float(S[l]) * (dx * wmin); blocks in order, and y = ((a0 + a4) + (a2 + a6)) +
+((a1 + a5) + (a3 + a7)). A row's result never depends on the other rows of its call, the tiling or
+the thread count.
+
+Threads: the output rows (weight rows) are split between the caller and a pool of workers, the
+same spin-then-sleep pool as the w8a8 kernel's (cpu_w8a8.py). Where the kernel cannot be built (no
+C compiler, no AVX2) GGUFLinear (quant.py) multiplies by the dequantized weight and says so once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from iterserve.engine import native
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 32  # activation block, and the weight blocks the kernel walks
+MIN_AMAX = 1e-30  # an activation block below this is all zeros
+
+# ggml type id -> (name, weights per file block, bytes per file block)
+FORMATS = {
+    8: ("Q8_0", 32, 34),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+}
+BY_NAME = {name: type_id for type_id, (name, _, _) in FORMATS.items()}
+OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32}  # w = wd * (q - offset)
+HAS_MIN = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")  # w = wd * q + wmin
+
+_SOURCE = r"""
+#include <immintrin.h>
+#include <limits.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define MAX_THREADS 16
+#define SPIN_ROUNDS 4000
+
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+static inline float f16(const uint8_t* p) {
+    uint16_t h; memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* 8 int32 lanes: lane l = sum of q[4l..4l+3] * x[4l..4l+3], q unsigned (< 128), x signed */
+static inline __m256i dot_lanes(__m256i q, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), q, x);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline float hsum(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
+}
+
+/* byte j = 16 where bit j of the 32 bits at p is set, else 0 */
+static inline __m256i high_bits(const uint8_t* p) {
+    uint32_t bits; memcpy(&bits, p, 4);
+    const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuffle);
+    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(16));
+}
+
+/* 16 bytes of nibbles: elements 0..15 the low nibbles, 16..31 the high ones */
+static inline __m256i nibbles(const uint8_t* p) {
+    const __m128i raw = _mm_loadu_si128((const __m128i*)p);
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+}
+
+static inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* mn) {
+    if (j < 4) { *sc = q[j] & 63; *mn = q[j + 4] & 63; }
+    else { *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4); *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4); }
+}
+
+/* Block g (32 weights) of a row: unsigned q, the per-lane scale wd, the minimum wmin (formats with one). */
+static inline __attribute__((always_inline)) void decode(const int type, const uint8_t* row, int64_t g,
+                                                         __m256i* q, __m256* wd, __m256* wmin) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    if (type == Q8_0) {
+        const uint8_t* b = row + g * 34;
+        *q = _mm256_loadu_si256((const __m256i*)(b + 2)); /* signed: the caller takes |w| and sign(x, w) */
+        *wd = _mm256_set1_ps(f16(b));
+    } else if (type == Q4_0) {
+        const uint8_t* b = row + g * 18;
+        *q = nibbles(b + 2);
+        *wd = _mm256_set1_ps(f16(b));
+    } else if (type == Q4_1) {
+        const uint8_t* b = row + g * 20;
+        *q = nibbles(b + 4);
+        *wd = _mm256_set1_ps(f16(b));
+        *wmin = _mm256_set1_ps(f16(b + 2));
+    } else if (type == Q5_0) {
+        const uint8_t* b = row + g * 22;
+        *q = _mm256_or_si256(nibbles(b + 6), high_bits(b + 2));
+        *wd = _mm256_set1_ps(f16(b));
+    } else if (type == Q5_1) {
+        const uint8_t* b = row + g * 24;
+        *q = _mm256_or_si256(nibbles(b + 8), high_bits(b + 4));
+        *wd = _mm256_set1_ps(f16(b));
+        *wmin = _mm256_set1_ps(f16(b + 2));
+    } else if (type == Q4_K || type == Q5_K) {
+        const int j = (int)(g & 7);
+        const uint8_t* b = row + (g >> 3) * (type == Q4_K ? 144 : 176);
+        const uint8_t* qs = b + (type == Q4_K ? 16 : 48) + 32 * (j >> 1);
+        __m256i v = _mm256_loadu_si256((const __m256i*)qs);
+        v = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(v, 4) : v, low4);
+        if (type == Q5_K) {
+            __m256i h = _mm256_loadu_si256((const __m256i*)(b + 16));
+            h = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(j)), _mm256_set1_epi8(1));
+            v = _mm256_or_si256(v, _mm256_slli_epi16(h, 4));
+        }
+        *q = v;
+        int sc, mn;
+        scale_min_k4(j, b + 4, &sc, &mn);
+        *wd = _mm256_set1_ps(f16(b) * (float)sc);
+        *wmin = _mm256_set1_ps(-(f16(b + 2) * (float)mn));
+    } else { /* Q6_K */
+        const int j = (int)(g & 7), h = j >> 2, r = j & 3;
+        const uint8_t* b = row + (g >> 3) * 210;
+        __m256i lo = _mm256_loadu_si256((const __m256i*)(b + 64 * h + 32 * (r & 1)));
+        lo = _mm256_and_si256(r >> 1 ? _mm256_srli_epi16(lo, 4) : lo, low4);
+        __m256i hi = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h));
+        hi = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * r)), _mm256_set1_epi8(3));
+        *q = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+        const float d = f16(b + 208);
+        const int8_t* scales = (const int8_t*)(b + 192);
+        *wd = _mm256_set_m128(_mm_set1_ps(d * (float)scales[2 * j + 1]), _mm_set1_ps(d * (float)scales[2 * j]));
+    }
+}
+
+typedef struct {
+    int type; const uint8_t* w; int64_t row_bytes; int64_t k;
+    const int8_t* xq; const float* xd; const int32_t* xs; int64_t m_rows;
+    float* y; int64_t ldy; int64_t n_begin, n_end;
+} share_t;
+
+/* MR activation rows x one weight row n, the whole K */
+static inline __attribute__((always_inline)) void tile(const int type, const int MR, const share_t* s, int64_t m,
+                                                       int64_t n) {
+    const int64_t nb = s->k / 32;
+    const uint8_t* row = s->w + n * s->row_bytes;
+    const int offset = type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q6_K ? 32 : 0;
+    const int has_min = type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K;
+    __m256 acc[4];
+    for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < nb; g++) {
+        __m256i q; __m256 wd, wmin = _mm256_setzero_ps();
+        decode(type, row, g, &q, &wd, &wmin);
+        if ((g & 3) == 0 && s->row_bytes * 8 > 4096) _mm_prefetch((const char*)row + g * s->row_bytes / nb + 512, _MM_HINT_T0);
+        __m256i qabs = q;
+        if (type == Q8_0) qabs = _mm256_abs_epi8(q);
+        for (int r = 0; r < MR; r++) {
+            const int64_t mb = (m + r) * nb + g;
+            __m256i x = _mm256_loadu_si256((const __m256i*)(s->xq + mb * 32));
+            if (type == Q8_0) x = _mm256_sign_epi8(x, q);
+            __m256i p = dot_lanes(qabs, x);
+            if (offset || has_min) {
+                const __m256i sums = _mm256_loadu_si256((const __m256i*)(s->xs + mb * 8));
+                if (offset) p = _mm256_sub_epi32(p, _mm256_mullo_epi32(sums, _mm256_set1_epi32(offset)));
+                const __m256 dx = _mm256_set1_ps(s->xd[mb]);
+                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dx, wd)));
+                if (has_min)
+                    acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dx, wmin)));
+            } else {
+                const __m256 dx = _mm256_set1_ps(s->xd[mb]);
+                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dx, wd)));
+            }
+        }
+    }
+    for (int r = 0; r < MR; r++) s->y[(m + r) * s->ldy + n] = hsum(acc[r]);
+}
+
+static inline __attribute__((always_inline)) void run_type(const int type, const share_t* s) {
+    for (int64_t n = s->n_begin; n < s->n_end; n++) {
+        int64_t m = 0;
+        for (; m + 4 <= s->m_rows; m += 4) tile(type, 4, s, m, n);
+        switch (s->m_rows - m) {
+            case 3: tile(type, 3, s, m, n); break;
+            case 2: tile(type, 2, s, m, n); break;
+            case 1: tile(type, 1, s, m, n); break;
+        }
+    }
+}
+
+static void run_share(const share_t* s) {
+    switch (s->type) {
+        case Q8_0: run_type(Q8_0, s); break;
+        case Q4_0: run_type(Q4_0, s); break;
+        case Q4_1: run_type(Q4_1, s); break;
+        case Q5_0: run_type(Q5_0, s); break;
+        case Q5_1: run_type(Q5_1, s); break;
+        case Q4_K: run_type(Q4_K, s); break;
+        case Q5_K: run_type(Q5_K, s); break;
+        case Q6_K: run_type(Q6_K, s); break;
+    }
+}
+
+/* Blocks of 32: q = round(x / dx) with dx = amax / 127, and the 8 lane sums of q. */
+static void quantize_rows(const float* x, int64_t ldx, int64_t m_rows, int64_t k, int8_t* q, float* d,
+                          int32_t* sums) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const int64_t nb = k / 32;
+    for (int64_t m = 0; m < m_rows; m++) {
+        for (int64_t g = 0; g < nb; g++) {
+            const float* v = x + m * ldx + g * 32;
+            const int64_t mb = m * nb + g;
+            __m256 vmax = _mm256_setzero_ps(), bad = _mm256_setzero_ps(), part[4];
+            for (int j = 0; j < 4; j++) {
+                part[j] = _mm256_loadu_ps(v + 8 * j);
+                vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, part[j]));
+                bad = _mm256_or_ps(bad, _mm256_cmp_ps(part[j], part[j], _CMP_UNORD_Q));
+            }
+            float lanes[8];
+            _mm256_storeu_ps(lanes, vmax);
+            float amax = lanes[0];
+            for (int i = 1; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+            int8_t* out = q + mb * 32;
+            if (_mm256_movemask_ps(bad) || amax > 3.4028234663852886e38f || amax < 1e-30f) {
+                d[mb] = amax < 1e-30f && !_mm256_movemask_ps(bad) ? 0.0f : NAN;
+                memset(out, 0, 32);
+                memset(sums + mb * 8, 0, 32);
+                continue;
+            }
+            const float dx = amax / 127.0f;
+            const __m256 inv = _mm256_set1_ps(1.0f / dx);
+            d[mb] = dx;
+            __m256i a[4];
+            for (int j = 0; j < 4; j++)
+                a[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(part[j], inv),
+                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(a[0], a[1]), _mm256_packs_epi32(a[2], a[3]));
+            packed = _mm256_permutevar8x32_epi32(packed, order);
+            packed = _mm256_max_epi8(packed, _mm256_set1_epi8(-127));
+            _mm256_storeu_si256((__m256i*)out, packed);
+            const __m256i lane_sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), packed),
+                                                        _mm256_set1_epi16(1));
+            _mm256_storeu_si256((__m256i*)(sums + mb * 8), lane_sums);
+        }
+    }
+}
+
+/* The pool: workers wait for pool_generation to change, run their share, count down pool_pending. */
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static atomic_int pool_generation, pool_pending, pool_sleepers;
+static int pool_workers;
+static share_t pool_shares[MAX_THREADS];
+static int pool_start_generation[MAX_THREADS];
+
+static void* worker_main(void* arg) {
+    const int id = (int)(intptr_t)arg;
+    int seen = pool_start_generation[id];
+    for (;;) {
+        int rounds = 0, now;
+        while ((now = atomic_load(&pool_generation)) == seen) {
+            if (++rounds < SPIN_ROUNDS) {
+                for (int i = 0; i < 16; i++) _mm_pause();
+                if ((rounds & 15) == 0) sched_yield();
+            } else {
+                atomic_fetch_add(&pool_sleepers, 1);
+                syscall(SYS_futex, &pool_generation, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+                atomic_fetch_sub(&pool_sleepers, 1);
+            }
+        }
+        seen = now;
+        run_share(&pool_shares[id]);
+        atomic_fetch_sub(&pool_pending, 1);
+    }
+    return NULL;
+}
+
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool_lock, NULL);
+    pool_workers = 0;
+    atomic_store(&pool_pending, 0);
+    atomic_store(&pool_sleepers, 0);
+}
+
+static int ensure_workers(int wanted) {
+    static int fork_handler;
+    if (!fork_handler) fork_handler = pthread_atfork(NULL, NULL, pool_after_fork) == 0;
+    while (pool_workers < wanted) {
+        pthread_t id;
+        pool_start_generation[pool_workers + 1] = atomic_load(&pool_generation);
+        if (pthread_create(&id, NULL, worker_main, (void*)(intptr_t)(pool_workers + 1)) != 0) break;
+        pthread_detach(id);
+        pool_workers++;
+    }
+    return pool_workers;
+}
+
+/* Scratch bytes gguf_linear needs for m_rows x k activations. */
+int64_t gguf_scratch_bytes(int64_t m_rows, int64_t k) {
+    const int64_t blocks = m_rows * (k / 32);
+    return blocks * (32 + 4 + 32) + 64;
+}
+
+/* y [m_rows, n] (row stride ldy) = x [m_rows, k] (row stride ldx) . W^T, W's n rows of row_bytes in
+   ggml type `type`. Returns 0, 1 when k is not a multiple of the format's block, 2 for an unknown type. */
+int gguf_linear(int type, const float* x, int64_t ldx, int64_t m_rows, int64_t k, const uint8_t* w,
+                int64_t row_bytes, int64_t n, float* y, int64_t ldy, uint8_t* scratch, int threads) {
+    const int super = type == Q4_K || type == Q5_K || type == Q6_K;
+    if (type != Q8_0 && type != Q4_0 && type != Q4_1 && type != Q5_0 && type != Q5_1 && !super) return 2;
+    if (k % (super ? 256 : 32)) return 1;
+    const int64_t blocks = m_rows * (k / 32);
+    int32_t* sums = (int32_t*)(((uintptr_t)scratch + 31) & ~(uintptr_t)31);
+    int8_t* q = (int8_t*)(sums + blocks * 8);
+    float* d = (float*)(q + blocks * 32);
+    quantize_rows(x, ldx, m_rows, k, q, d, sums);
+    share_t all = {type, w, row_bytes, k, q, d, sums, m_rows, y, ldy, 0, n};
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads < 2 || n < 32 || pthread_mutex_trylock(&pool_lock) != 0) {
+        run_share(&all);
+        return 0;
+    }
+    const int workers = ensure_workers(threads - 1);
+    const int parts = workers + 1 < threads ? workers + 1 : threads;
+    int64_t bounds[MAX_THREADS + 1];
+    for (int t = 0; t <= parts; t++) bounds[t] = n * t / parts;
+    for (int t = 0; t < workers + 1; t++) {
+        pool_shares[t] = all;
+        pool_shares[t].n_begin = t < parts ? bounds[t] : n;
+        pool_shares[t].n_end = t < parts ? bounds[t + 1] : n;
+    }
+    atomic_store(&pool_pending, workers);
+    atomic_fetch_add(&pool_generation, 1);
+    if (atomic_load(&pool_sleepers)) syscall(SYS_futex, &pool_generation, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    run_share(&pool_shares[0]);
+    while (atomic_load(&pool_pending)) _mm_pause();
+    pthread_mutex_unlock(&pool_lock);
+    return 0;
+}
+"""
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    match = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
+    return set(match.group(1).split()) if match else set()
+
+
+def isa_path() -> str:
+    """The integer dot product the kernel compiles to on this CPU: avx512-vnni, avx-vnni or avx2."""
+    flags = _cpu_flags()
+    if {"avx512_vnni", "avx512vl"} <= flags:
+        return "avx512-vnni"
+    if "avx_vnni" in flags:
+        return "avx-vnni"
+    return "avx2"
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel (AVX2 CPUs with a C compiler), else None (logged)."""
+    return build(isa_path())
+
+
+@functools.cache
+def build(isa: str) -> ctypes.CDLL | None:
+    """The kernel compiled for isa (isa_path()'s names; the tests also build the plain AVX2 path on a
+    VNNI CPU), or None where it cannot be built here."""
+    if not native.has_avx2() or "f16c" not in _cpu_flags():
+        logger.warning("GGUF linears multiply by the dequantized weight: this CPU has no AVX2/F16C")
+        return None
+    extra = {"avx512-vnni": ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni"],
+             "avx-vnni": ["-mavxvnni"], "avx2": []}[isa]
+    # no reassociation and no contraction: the float steps must round as reference() does
+    lib = native.build(f"gguf_linear_{isa.replace('-', '_')}", _SOURCE,
+                       ["-mf16c", "-fno-associative-math", "-ffp-contract=off", *extra])
+    if lib is None:
+        logger.warning("GGUF linears multiply by the dequantized weight: the C kernel is unavailable")
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.gguf_linear.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    lib.gguf_linear.restype = ctypes.c_int
+    lib.gguf_scratch_bytes.argtypes = [i64, i64]
+    lib.gguf_scratch_bytes.restype = i64
+    return lib
+
+
+def block_shape(type_id: int) -> tuple[int, int]:
+    """(weights, bytes) of one file block of ggml type type_id."""
+    _, weights, nbytes = FORMATS[type_id]
+    return weights, nbytes
+
+
+def row_bytes(type_id: int, k: int) -> int:
+    weights, nbytes = block_shape(type_id)
+    return k // weights * nbytes
+
+
+def linear(x: torch.Tensor, blocks: torch.Tensor, type_id: int, threads: int,
+           lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """y = x @ W.T on the kernel, x fp32 [M, K] (unit stride along K), W as blocks uint8 [N, row bytes]."""
+    rows, k = x.shape
+    n = blocks.shape[0]
+    lib = lib or load()
+    y = torch.empty(rows, n)
+    scratch = torch.empty(lib.gguf_scratch_bytes(rows, k), dtype=torch.uint8)
+    with native.profiled("cpu_gguf::linear"):
+        status = lib.gguf_linear(type_id, x.data_ptr(), x.stride(0), rows, k, blocks.data_ptr(), blocks.stride(0),
+                                 n, y.data_ptr(), n, scratch.data_ptr(), threads)
+    if status:
+        raise ValueError(f"gguf_linear: K={k} does not fit {FORMATS.get(type_id, ('type ' + str(type_id),))[0]} "
+                         f"blocks (status {status})")
+    return y
+
+
+# -- the same arithmetic in torch ---------------------------------------------------------------------
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """[..., 2] bytes -> [...] fp32."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32]: low nibbles then high nibbles."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _bits(raw: np.ndarray) -> np.ndarray:
+    """[..., 4] bytes -> [..., 32]: bit j of the little-endian 32 bits, times 16."""
+    return np.unpackbits(raw, axis=-1, bitorder="little") << 4
+
+
+def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    q = scales.astype(np.int32)
+    sc = np.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def unpack(blocks: torch.Tensor | np.ndarray, type_id: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                      torch.Tensor | None, int]:
+    """(q [N, K] int16 (Q8_0 signed, else unsigned), wd [N, K/32, 8] fp32, wmin [N, K/32] fp32 or
+    None, offset) of the blocks uint8 [N, row bytes]: w = wd * (q - offset) (+ wmin)."""
+    name, weights, nbytes = FORMATS[type_id]
+    raw = np.asarray(blocks, dtype=np.uint8)
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, nbytes)
+    wmin = None
+    if name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        d = _f16(b[..., 0:2])
+        if name == "Q8_0":
+            q = b[..., 2:].view(np.int8).astype(np.int16)
+        elif name == "Q4_0":
+            q = _nibbles(b[..., 2:18]).astype(np.int16)
+        elif name == "Q4_1":
+            q = _nibbles(b[..., 4:20]).astype(np.int16)
+            wmin = _f16(b[..., 2:4])
+        elif name == "Q5_0":
+            q = (_nibbles(b[..., 6:22]) | _bits(b[..., 2:6])).astype(np.int16)
+        else:
+            q = (_nibbles(b[..., 8:24]) | _bits(b[..., 4:8])).astype(np.int16)
+            wmin = _f16(b[..., 2:4])
+        wd = np.repeat(d[..., None], 8, axis=-1)
+    elif name in ("Q4_K", "Q5_K"):
+        d = _f16(b[..., 0:2])
+        dmin = _f16(b[..., 2:4])
+        sc, mn = _scale_min_k4(b[..., 4:16])
+        start = 16 if name == "Q4_K" else 48
+        qs = b[..., start:start + 128].reshape(n, -1, 4, 32)  # 4 chunks of 32 bytes: two sub-blocks each
+        q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, -1, 8, 32)
+        if name == "Q5_K":
+            qh = b[..., 16:48]  # bit j of byte i: element i of sub-block j
+            q = q | (((qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4)
+        q = q.reshape(n, -1).astype(np.int16)
+        wd = np.repeat((d[..., None] * sc).reshape(n, -1)[..., None], 8, axis=-1)
+        wmin = -(dmin[..., None] * mn).reshape(n, -1)
+    else:  # Q6_K
+        ql, qh = b[..., 0:128], b[..., 128:192]
+        scales = b[..., 192:208].view(np.int8).astype(np.float32)
+        d = _f16(b[..., 208:210])
+        groups = []
+        for j in range(8):
+            h, r = j >> 2, j & 3
+            lo = ql[..., 64 * h + 32 * (r & 1):64 * h + 32 * (r & 1) + 32]
+            lo = (lo >> 4) if r >> 1 else (lo & 0x0F)
+            hi = (qh[..., 32 * h:32 * h + 32] >> (2 * r)) & 3
+            groups.append(lo | (hi << 4))
+        q = np.stack(groups, axis=2).reshape(n, -1).astype(np.int16)
+        per16 = (d[..., None] * scales).reshape(n, -1, 2)  # [N, K/32, 2]: lanes 0-3, lanes 4-7
+        wd = np.repeat(per16, 4, axis=-1)
+    to = torch.from_numpy
+    return (to(np.ascontiguousarray(q.reshape(n, -1))), to(np.ascontiguousarray(wd, dtype=np.float32)),
+            None if wmin is None else to(np.ascontiguousarray(wmin, dtype=np.float32)), OFFSET.get(name, 0))
+
+
+def dequantize(blocks: torch.Tensor | np.ndarray, type_id: int) -> torch.Tensor:
+    """The weight as fp32 [N, K] (gguf's own dequantization: the values `--quantization none` runs)."""
+    import gguf.quants
+    from gguf import GGMLQuantizationType
+
+    raw = np.asarray(blocks, dtype=np.uint8)
+    quant = getattr(gguf.quants, FORMATS[type_id][0])
+    weights, nbytes = block_shape(type_id)
+    out = quant.dequantize_blocks(raw.reshape(-1, nbytes)).astype(np.float32)
+    assert GGMLQuantizationType(type_id).name == FORMATS[type_id][0]
+    return torch.from_numpy(out.reshape(raw.shape[0], -1))
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [M, K/32, 32] int64, dx [M, K/32] fp32, lane sums [M, K/32, 8] int64): the kernel's blocks."""
+    rows, k = x.shape
+    v = x.float().reshape(rows, k // BLOCK, BLOCK)
+    amax = v.abs().amax(-1)
+    bad = torch.isnan(v).any(-1) | torch.isinf(amax)
+    tiny = (amax < MIN_AMAX) & ~bad
+    dx = amax / torch.full_like(amax, 127.0)
+    inverse = torch.ones_like(dx) / dx
+    q = torch.round(v * inverse[..., None]).clamp(-127, 127)
+    zero = (bad | tiny)[..., None]
+    q = torch.where(zero, torch.zeros_like(q), q).to(torch.int64)
+    dx = torch.where(bad, torch.full_like(dx, float("nan")), torch.where(tiny, torch.zeros_like(dx), dx))
+    return q, dx, q.view(rows, k // BLOCK, 8, 4).sum(-1)
+
+
+def reference(x: torch.Tensor, blocks: torch.Tensor, type_id: int) -> torch.Tensor:
+    """The kernel's result in torch ops, bit for bit (slow: tests and tools)."""
+    q_w, wd, wmin, offset = unpack(blocks, type_id)
+    rows, k = x.shape
+    n, nb = q_w.shape[0], k // BLOCK
+    qx, dx, sums = quantize_activations(x)
+    # exact integer lanes through float64: [K/32 * 8, M, 4] @ [K/32 * 8, 4, N] -> lanes [K/32, M, N, 8]
+    lanes_x = qx.view(rows, nb * 8, 4).transpose(0, 1).double()
+    lanes_w = q_w.view(n, nb * 8, 4).permute(1, 2, 0).double()
+    dots = torch.bmm(lanes_x, lanes_w).view(nb, 8, rows, n).permute(0, 2, 3, 1)
+    if offset:
+        dots = dots - offset * sums.transpose(0, 1)[:, :, None, :].double()
+    dots = dots.float()  # exact: |dot| < 2^24
+    acc = torch.zeros(rows, n, 8)
+    for g in range(nb):
+        p = dots[g]
+        scale = dx[:, g, None, None] * wd[None, :, g, :]
+        acc = acc + p * scale
+        if wmin is not None:
+            acc = acc + sums[:, g, None, :].float() * (dx[:, g, None, None] * wmin[None, :, g, None])
+    lanes = [acc[..., i] for i in range(8)]
+    return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))

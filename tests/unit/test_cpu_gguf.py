@@ -1,0 +1,112 @@
+"""GGUF linears on the file's own blocks (engine/model/cpu_gguf.py): the C kernel equals its torch
+reference bit for bit in every format, at every row count, tiling tail and thread count."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from iterserve.engine.model import cpu_gguf
+
+SMALL = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def blocks_for(name: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """[n, row bytes] blocks of format name: gguf's own quantizer for the 32-weight formats (it has
+    none for K-quants), random valid blocks (every bit pattern of the quants and scales, small
+    finite fp16 d and dmin) for the K-quants."""
+    import gguf.quants
+
+    rng = np.random.default_rng(seed)
+    type_id = cpu_gguf.BY_NAME[name]
+    weights, nbytes = cpu_gguf.block_shape(type_id)
+    if name in SMALL:
+        w = (rng.standard_normal((n, k)) / 8).astype(np.float32)
+        w[0, :32] = 0.0  # an all-zero block
+        raw = getattr(gguf.quants, name).quantize_blocks(w.reshape(-1, 32))
+        if name == "Q8_0":
+            raw[1, 2:34] = np.int8(-128).view(np.uint8)  # the one int8 a plain sign trick gets wrong
+    else:
+        raw = rng.integers(0, 256, (n * k // weights, nbytes), dtype=np.uint8)
+        scale = (rng.random((raw.shape[0], 2)) * 0.02).astype(np.float16).view(np.uint8)
+        if name == "Q6_K":
+            raw[:, 208:210] = scale[:, 0:2]
+        else:
+            raw[:, 0:4] = scale
+    return torch.from_numpy(np.ascontiguousarray(raw.reshape(n, -1)))
+
+
+def activations(rows: int, k: int, seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    x = torch.randn(rows, k) * torch.rand(rows, 1) * 5
+    x[0, : k // 2] = 0.0  # zero blocks
+    if rows > 2:
+        x[1, 5] = 300.0  # one outlier: only its own block's scale coarsens
+        x[2, :32] *= 1e-35  # a block below MIN_AMAX
+    return x
+
+
+@pytest.mark.parametrize("name", SMALL + K_QUANTS)
+def test_unpack_gives_gguf_s_own_weights(name):
+    type_id = cpu_gguf.BY_NAME[name]
+    blocks = blocks_for(name, 7, 512)
+    q, wd, wmin, offset = cpu_gguf.unpack(blocks, type_id)
+    mine = wd.repeat_interleave(4, -1).reshape(7, -1) * (q.float() - offset)
+    if wmin is not None:
+        mine = mine + wmin.repeat_interleave(32, -1)
+    torch.testing.assert_close(mine, cpu_gguf.dequantize(blocks, type_id), rtol=1e-6, atol=1e-7)
+
+
+needs_kernel = pytest.mark.skipif(cpu_gguf.load() is None, reason="needs AVX2 and a C compiler")
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", SMALL + K_QUANTS)
+def test_the_kernel_matches_its_torch_reference_bit_for_bit(name):
+    widths = (32, 576, 1536) if name in SMALL else (256, 1536)
+    for k in widths:
+        blocks = blocks_for(name, 67, k, seed=k)  # 67 output rows: uneven thread shares
+        type_id = cpu_gguf.BY_NAME[name]
+        for rows in (1, 2, 3, 4, 5, 7, 9, 64, 66):  # the 4-row tiles and every tail
+            x = activations(rows, k, seed=rows)
+            reference = cpu_gguf.reference(x, blocks, type_id)
+            for threads in (1, 2, 3):
+                got = cpu_gguf.linear(x, blocks, type_id, threads)
+                assert torch.equal(got, reference), (name, k, rows, threads)
+        dense = cpu_gguf.dequantize(blocks, type_id)
+        x = activations(9, k, seed=1)
+        # each activation off by at most half a step of its block's 1/127 of amax, and nothing else
+        error = (cpu_gguf.linear(x, blocks, type_id, 1) - x @ dense.t()).abs()
+        step = x.view(9, -1, 32).abs().amax(-1).repeat_interleave(32, -1) / 254
+        assert (error <= 1.01 * step @ dense.abs().t() + 1e-4).all(), name
+
+
+@needs_kernel
+@pytest.mark.skipif(cpu_gguf.isa_path() == "avx2", reason="the AVX2 path is the one the other tests run")
+def test_the_plain_avx2_path_gives_the_same_bits_as_vnni():
+    plain = cpu_gguf.build("avx2")
+    for name in ("Q8_0", "Q4_1", "Q6_K"):
+        blocks = blocks_for(name, 67, 512)
+        x = activations(5, 512, seed=3)
+        type_id = cpu_gguf.BY_NAME[name]
+        assert torch.equal(cpu_gguf.linear(x, blocks, type_id, 2, plain), cpu_gguf.linear(x, blocks, type_id, 2))
+
+
+@needs_kernel
+def test_a_block_with_nan_or_inf_makes_its_row_nan_and_leaves_the_others():
+    blocks = blocks_for("Q4_1", 40, 64)
+    x = torch.randn(3, 64)
+    x[0, 40] = float("nan")
+    x[2, 3] = float("inf")
+    got = cpu_gguf.linear(x, blocks, cpu_gguf.BY_NAME["Q4_1"], 2)
+    assert got[0].isnan().all() and got[2].isnan().all()
+    assert torch.equal(got[1], cpu_gguf.linear(x[1:2], blocks, cpu_gguf.BY_NAME["Q4_1"], 1)[0])
+
+
+@needs_kernel
+def test_a_width_that_is_not_whole_blocks_is_refused_with_the_format_named():
+    blocks = blocks_for("Q4_K", 4, 256)
+    with pytest.raises(ValueError, match="Q4_K"):
+        cpu_gguf.linear(torch.randn(2, 288), blocks, cpu_gguf.BY_NAME["Q4_K"], 1)
