@@ -128,6 +128,14 @@ class BlockManager:
         """Grow seq's block table to hold its computed tokens plus num_new_tokens."""
         seq.block_table.extend(self.gpu.take(self.new_blocks_needed(seq, num_new_tokens)))
 
+    def truncate(self, seq: Sequence) -> None:
+        """Speculative decoding's rollback: give back the blocks past seq's computed tokens (they held
+        only rejected proposals' KV, never named in the prefix cache)."""
+        keep = self.blocks_for(seq.num_computed_tokens)
+        if len(seq.block_table) > keep:
+            self.gpu.give_back(seq.block_table[keep:])
+            del seq.block_table[keep:]
+
     def pin(self, blocks: list[int]) -> None:
         """Hold blocks once more for a KV transfer lease (engine/kv_transfer): they outlive the
         sequence that filled them, and no preemption can take them (they belong to no sequence)."""

@@ -95,6 +95,12 @@ class EngineConfig:
     step_log: str | None = field(default=None, metadata=flag(
         SCHEDULING, "write one JSON line per engine step to this file", metavar="PATH"))
     watermark: float = 0.01  # share of the KV pool admission keeps free (no flag)
+    # engine/spec_decode: vLLM's --speculative-config JSON; None: no speculative decoding.
+    speculative_config: str | None = field(default=None, metadata=flag(
+        SCHEDULING, 'speculative decoding as vLLM spells it, JSON: {"method": "ngram" | "draft_model", '
+                    '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4, '
+                    '"model": DRAFT, "disable_by_batch_size": 8, "min_acceptance_rate": 0.2} (default off; '
+                    "see docs/engine.md)", metavar="JSON"))
     # engine/prefix_cache.py. None: on, except for the static-batching baseline and the fake model.
     enable_prefix_caching: bool | None = field(default=None, metadata=flag(
         SCHEDULING, "reuse the KV blocks of cached prompt prefixes (default: on, except with "
@@ -188,6 +194,13 @@ class EngineConfig:
                 f"--long-prefill-token-threshold must be 0 (no cap) or a positive integer, "
                 f"got {self.long_prefill_token_threshold!r}"
             )
+        if self.speculative_config is not None:
+            from iterserve.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
+
+            try:
+                SpeculativeConfig.parse(self.speculative_config)
+            except SpeculativeConfigError as error:
+                raise ConfigError(str(error)) from None
         if not 0 <= self.watermark < 0.5:
             raise ConfigError(f"watermark must be in [0, 0.5), got {self.watermark}")
 

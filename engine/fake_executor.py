@@ -94,8 +94,20 @@ class FakeExecutor(KVTransferCapable):
         if self._kv is not None:
             self._store(out)
         return [RequestFailed("the pulled KV does not match the prompt") if chunk.seq in failed
+                else self.verify(chunk.seq) if chunk.num_spec
                 else self.token_after(chunk.seq.last_token_id, chunk.seq.num_tokens) if chunk.sample else None
                 for chunk in out.chunks]
+
+    def verify(self, seq) -> list[int]:
+        """Speculative decoding (greedy): the proposals the fake model agrees with, then its own token."""
+        tokens, last, position = [], seq.last_token_id, seq.num_tokens
+        for proposed in seq.spec_token_ids:
+            expected = self.token_after(last, position)
+            tokens.append(expected)
+            if expected != proposed:
+                return tokens
+            last, position = proposed, position + 1
+        return [*tokens, self.token_after(last, position)]
 
     # -- KV transfer ---------------------------------------------------------------------------
     def kv_layout(self) -> KVLayout:

@@ -26,6 +26,7 @@ from iterserve.engine.outputs import CompletionOutput, RequestOutput
 from iterserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.engine.scheduler import Scheduler, SchedulerOutput
 from iterserve.engine.sequence import Sequence
+from iterserve.engine.spec_decode import NgramProposer, SpecDecodeStats, SpecPolicy, SpeculativeConfig
 from iterserve.engine.step_log import StepLog
 from iterserve.engine.step_result import RequestFailed, StepToken
 from iterserve.engine.stop import cut_at_stop_string
@@ -58,6 +59,11 @@ class EngineStats:
     kv_leases_expired: int = 0
     # Prompt tokens not computed yet (waiting and still-prefilling requests, and the inbox's).
     queued_prompt_tokens: int = 0
+    # Speculative decoding (engine/spec_decode/policy.py SpecDecodeStats), since start.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -98,10 +104,24 @@ class LLMEngine:
         self.num_request_failures = 0
         self.last_timing = StepTiming()
         self.kv_connector: KVConnector | None = None
+        self.speculative = SpeculativeConfig.parse(config.speculative_config)
+        self.proposer = self._make_proposer(self.speculative) if self.speculative is not None else None
         kv_side = kv_transfer_of(executor)
         if kv_side is not None:
             self.kv_connector = KVConnector(config, self.block_manager, kv_side.kv_layout(), kv_side.read_kv, clock)
             self.scheduler.connector = self.kv_connector
+
+    def _make_proposer(self, spec: SpeculativeConfig):
+        """The executor's own proposer (a draft model runs beside the model), else n-gram lookup."""
+        proposer = getattr(self.executor, "proposer", None)
+        if proposer is None:
+            if spec.method != "ngram":
+                raise ConfigError(f"--speculative-config: method {spec.method} needs the real model (a draft model "
+                                  'runs beside it); with this executor use "method": "ngram"')
+            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self.scheduler.spec_stats = SpecDecodeStats()
+        self.scheduler.spec_policy = SpecPolicy(spec.disable_by_batch_size, spec.min_acceptance_rate)
+        return proposer
 
     def set_wake(self, wake: Callable[[], None]) -> None:
         """Called (from any thread) when a KV pull finishes or a lease is released, so an engine loop
@@ -264,8 +284,17 @@ class LLMEngine:
             prefix_cache_hits=cache.hits if cache else 0,
             prefix_cache_hit_rate=cache.hit_rate() if cache else 0.0,
             queued_prompt_tokens=sched.queued_prompt_tokens(tuple(self._inbox)),
+            **self._spec_stats(),
             **self._kv_stats(),
         )
+
+    def _spec_stats(self) -> dict:
+        spec = self.scheduler.spec_stats
+        if spec is None:
+            return {}
+        return {"spec_num_drafts": spec.num_drafts, "spec_num_draft_tokens": spec.num_draft_tokens,
+                "spec_num_accepted_tokens": spec.num_accepted_tokens,
+                "spec_accepted_per_pos": tuple(spec.accepted_per_pos)}
 
     def _kv_stats(self) -> dict:
         connector = self.kv_connector
@@ -284,6 +313,8 @@ class LLMEngine:
         self._drain_inbox(finished_now)
         if self.kv_connector is not None:
             self.kv_connector.collect()
+        if self.proposer is not None:
+            self._propose()
         out = self.scheduler.schedule()
         for seq, message in out.kv_failed:
             self._fail_request(seq, message, finished_now)
@@ -295,8 +326,9 @@ class LLMEngine:
         sampled = self.executor.execute(out) if not out.is_empty else []
         t_model = time.perf_counter()
         sampled = self._finish_failed(out, sampled, finished_now)
+        verified = {chunk.seq.request_id: len(chunk.seq.output_token_ids) for chunk in out.chunks if chunk.num_spec}
         progressed = self.scheduler.update(out, sampled)
-        outputs = self._make_outputs(progressed, finished_now)
+        outputs = self._make_outputs(progressed, finished_now, verified)
         t_end = time.perf_counter()
         self.num_steps += 1
         self.last_step_was_idle = out.is_empty and not outputs
@@ -304,6 +336,31 @@ class LLMEngine:
         if self._step_log is not None and not out.is_empty:
             self._log_step(out, t_end - t_start, time.thread_time() - cpu_start)
         return outputs
+
+    def _propose(self) -> None:
+        """Speculative decoding: proposals for the decoding sequences the policy lets speculate
+        (engine/spec_decode/policy.py), each capped so its tokens stay within max_tokens and the
+        context; the scheduler verifies them in this step's batch."""
+        running = self.scheduler.running
+        for seq in running:
+            seq.spec_token_ids, seq.spec_draft_probs = [], None
+        policy = self.scheduler.spec_policy
+        if not running or not policy.step_allows(len(running)):
+            return
+        k, limit = self.speculative.num_speculative_tokens, self.config.max_model_len
+        seqs, counts = [], []
+        for seq in running:
+            if seq.num_computed_tokens != seq.num_tokens - 1:
+                continue
+            room = min(k, seq.params.max_tokens - len(seq.output_token_ids) - 1, limit - seq.num_tokens - 1)
+            if room > 0 and policy.seq_allows(seq):
+                seqs.append(seq)
+                counts.append(room)
+        if not seqs:
+            return
+        for seq, count, proposal in zip(seqs, counts, self.proposer.propose(seqs, counts), strict=True):
+            seq.spec_token_ids = list(proposal.tokens[:count])
+            seq.spec_draft_probs = proposal.probs if seq.spec_token_ids else None
 
     def _drain_inbox(self, finished_now: list[Sequence]) -> None:
         while self._inbox:
@@ -340,7 +397,8 @@ class LLMEngine:
         seq.finish_reason = "error"
         finished_now.append(seq)
 
-    def _make_outputs(self, progressed: list[Sequence], finished_now: list[Sequence]) -> list[RequestOutput]:
+    def _make_outputs(self, progressed: list[Sequence], finished_now: list[Sequence],
+                      verified: dict[str, int] | None = None) -> list[RequestOutput]:
         now = self.clock()
         outputs = []
         for seq in progressed:
@@ -348,14 +406,18 @@ class LLMEngine:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
+            start = verified.get(seq.request_id) if verified else None
             try:
-                new_text = self._new_text(seq)
+                if start is None or len(seq.output_token_ids) - start <= 1:
+                    new_ids, new_text = [seq.output_token_ids[-1]], self._new_text(seq)
+                else:
+                    new_ids, new_text = self._new_texts(seq, start)
             except Exception as error:  # noqa: BLE001 - detokenizing or a stop check failed for this request
                 logger.exception("post-processing request %s failed", seq.request_id)
                 self._fail_request(seq, f"processing the output failed: {type(error).__name__}: {error}",
                                    finished_now)
                 continue
-            outputs.append(self._output(seq, [seq.output_token_ids[-1]], new_text))
+            outputs.append(self._output(seq, new_ids, new_text))
         outputs.extend(self._output(seq, [], "") for seq in finished_now)
         finished_ids = [o.request_id for o in outputs if o.finished]
         if finished_ids:
@@ -373,6 +435,28 @@ class LLMEngine:
         if stopped:
             self.scheduler.finish(seq, "stop")
         return new_text
+
+    def _new_texts(self, seq: Sequence, start: int) -> tuple[list[int], str]:
+        """Several tokens from one verified step, detokenized and stop-checked one at a time as plain
+        decoding would: tokens after the one that completes a stop string are dropped."""
+        tokens = seq.output_token_ids
+        new_ids = tokens[start:]
+        del tokens[start:]
+        text = ""
+        for count, token in enumerate(new_ids, 1):
+            tokens.append(token)
+            piece = append_new_text(seq, self.tokenizer) if self.tokenizer is not None else ""
+            piece, stopped = cut_at_stop_string(seq, piece)
+            text += piece
+            if stopped:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "stop")
+                elif count < len(new_ids):  # a token rule ended it later than this stop string does
+                    seq.finish_reason = "stop"
+                if seq.logprobs is not None:
+                    del seq.logprobs[len(tokens):]
+                return new_ids[:count], text
+        return new_ids, text
 
     def _output(self, seq: Sequence, new_token_ids: list[int], new_text: str) -> RequestOutput:
         completion = CompletionOutput(

@@ -13,7 +13,7 @@ from iterserve.engine.executor import KVTransferCapable
 from iterserve.engine.kv_transfer.layout import KVLayout
 from iterserve.engine.logprobs import record_prompt_logprobs
 from iterserve.engine.model import cpu_dtype
-from iterserve.engine.model.llama import LlamaModel
+from iterserve.engine.model.architectures import model_class
 from iterserve.engine.model.loader import ModelConfig, load_model
 from iterserve.engine.model.registry import resolve_model_path
 from iterserve.engine.model.split_step import StepSplit, chunk_cost, original_order
@@ -65,9 +65,9 @@ class ModelRunner(KVTransferCapable):
         if config.quantization != "none" and (self.device.type != "cpu" or self.dtype != torch.float32):
             raise ConfigError(f"--quantization {config.quantization} runs torch's CPU weight-only kernels on "
                               "an fp32 model; use --device cpu --dtype float32 (or auto on CPU)")
-        self.model = LlamaModel.from_weights(model_config, loaded.weights, backend, self.device, self.dtype,
-                                             max_positions=config.max_model_len, quantization=config.quantization,
-                                             q4_1=loaded.q4_1)
+        self.model = model_class(model_config).from_weights(
+            model_config, loaded.weights, backend, self.device, self.dtype, max_positions=config.max_model_len,
+            quantization=config.quantization, q4_1=loaded.q4_1)
         del loaded
         if config.compile and self.device.type != "cpu":
             raise ConfigError("--compile compiles the CPU path (inductor's C++ code); on CUDA the Triton "
@@ -125,7 +125,8 @@ class ModelRunner(KVTransferCapable):
             return []
         total = sum(chunk.num_tokens for chunk in chunks)
         groups = None
-        if self.split is not None:
+        speculative = any(chunk.num_spec for chunk in chunks)
+        if self.split is not None and not speculative:
             groups = self.split.plan([chunk_cost(c.start, c.num_tokens, c.sample) for c in chunks], total)
         if groups is None:
             apply_step_threads(total)  # --threads auto: more threads for a bigger step (CPU server only)
@@ -135,8 +136,30 @@ class ModelRunner(KVTransferCapable):
             logits = self.forward_split(chunks, groups)
         if logits is None:
             return [None] * len(chunks)
+        if speculative:
+            return self._sample_verified(chunks, logits)
         tokens = iter(self.sampler.sample(logits, [chunk.seq for chunk in chunks if chunk.sample]))
         return [next(tokens) if chunk.sample else None for chunk in chunks]
+
+    def _sample_verified(self, chunks, logits: torch.Tensor) -> list:
+        """A step with verified chunks: logits hold 1 + num_spec rows per verified chunk, 1 per other
+        sampled chunk (in chunk order). Plain rows are sampled as ever; verified ones verified."""
+        plain_rows, plain_seqs, spec_logits, spec_seqs, row = [], [], [], [], 0
+        for chunk in chunks:
+            if not chunk.sample:
+                continue
+            if chunk.num_spec:
+                spec_logits.append(logits[row : row + 1 + chunk.num_spec])
+                spec_seqs.append(chunk.seq)
+                row += 1 + chunk.num_spec
+            else:
+                plain_rows.append(row)
+                plain_seqs.append(chunk.seq)
+                row += 1
+        plain = iter(self.sampler.sample(logits[torch.tensor(plain_rows, device=logits.device)], plain_seqs)
+                     if plain_rows else [])
+        verified = iter(self.sampler.verify(spec_logits, spec_seqs))
+        return [None if not chunk.sample else next(verified) if chunk.num_spec else next(plain) for chunk in chunks]
 
     def _forward(self, chunks) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model over these chunks as one flat batch: (hidden states of every row, logits of the
@@ -154,8 +177,8 @@ class ModelRunner(KVTransferCapable):
             query_lens.append(chunk.num_tokens)
             seq_lens.append(end)
             block_tables.append(seq.block_table)
-            if chunk.sample:
-                sample_rows.append(len(input_ids) - 1)
+            if chunk.sample:  # the last row, or with proposals the rows after the last token and each proposal
+                sample_rows.extend(range(len(input_ids) - 1 - chunk.num_spec, len(input_ids)))
         device = self.device
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, device)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=device),

@@ -18,6 +18,15 @@ a failed pull recomputes the prompt locally (policy recompute) or fails the requ
 On a prefill engine, a request that asked for do_remote_decode has its prompt blocks leased
 (pinned) by the connector when it finishes.
 
+Speculative decoding (engine/spec_decode): a decoding sequence the engine gave proposals
+(seq.spec_token_ids) is scheduled as 1 + k query tokens, its last token and the proposals; the
+proposals count against the token budget, and leave the budget's prefill share
+(long_prefill_token_threshold) to prompts while any wait or prefill. They are trimmed to what the
+budget and the KV pool allow, and dropped before anyone is preempted for them. After the step the
+sampler's accepted tokens and the one it sampled after them are appended; the KV of rejected
+positions is rolled back (BlockManager.truncate) and only full blocks of accepted tokens are named
+in the prefix cache.
+
 The scheduler knows nothing of time, torch or HTTP.
 """
 
@@ -42,10 +51,11 @@ class ScheduledChunk:
     start: int  # first position computed this step
     num_tokens: int
     sample: bool  # the chunk reaches the sequence's last token, so the step samples a new one
+    num_spec: int = 0  # proposed tokens at the chunk's end, verified by this step (spec decoding)
 
     @property
     def is_decode(self) -> bool:
-        return self.num_tokens == 1 and self.start >= self.seq.num_prompt_tokens
+        return self.num_tokens == 1 + self.num_spec and self.start >= self.seq.num_prompt_tokens
 
 
 @dataclass(slots=True)
@@ -74,7 +84,7 @@ class SchedulerOutput:
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(1 for chunk in self.chunks if chunk.is_decode)
+        return sum(chunk.num_tokens for chunk in self.chunks if chunk.is_decode)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -98,6 +108,8 @@ class Scheduler:
         self.waiting_for_kv: list[Sequence] = []  # decode role: blocks held, prompt KV in flight
         self.connector = None  # engine/kv_transfer/connector.KVConnector, when KV transfer is on
         self.num_preemptions = 0
+        self.spec_stats = None  # engine/spec_decode/policy.SpecDecodeStats while speculation is on
+        self.spec_policy = None
 
     # -- the running-sequence cap ------------------------------------------------------------
     @property
@@ -178,21 +190,55 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         index = 0
+        reserve = self._prefill_reserve()
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = self._chunk_size(seq, budget, bool(self.waiting))
             if num_new == 0:
                 index += 1
                 continue
+            num_spec = self._spec_tokens(seq, num_new, budget - reserve)
+            num_new += num_spec
             while not self.block_manager.can_allocate(seq, num_new):
+                if num_spec:  # proposals are never worth a preemption
+                    num_new, num_spec = num_new - num_spec, self._drop_proposals(seq)
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 if victim is seq:
                     return budget
-            self._schedule(seq, num_new, out)
+            self._schedule(seq, num_new, out, num_spec)
             budget -= num_new
             index += 1
         return budget
+
+    def _prefill_reserve(self) -> int:
+        """Budget proposals leave to prompts: the prefill share while a prompt waits or prefills."""
+        if not any(seq.spec_token_ids for seq in self.running):
+            return 0
+        if not self.waiting and all(s.num_computed_tokens >= s.num_tokens - 1 for s in self.running):
+            return 0
+        return self.config.long_prefill_token_threshold or max(16, self.config.max_num_batched_tokens // 8)
+
+    def _spec_tokens(self, seq: Sequence, num_new: int, room: int) -> int:
+        """How many of seq's proposals this step verifies: only a decode step, within the room left."""
+        proposals = seq.spec_token_ids
+        if not proposals:
+            return 0
+        if num_new != 1 or seq.num_computed_tokens != seq.num_tokens - 1:
+            return self._drop_proposals(seq)
+        keep = max(0, min(len(proposals), room - 1))
+        if keep < len(proposals):
+            del proposals[keep:]
+            if seq.spec_draft_probs is not None:
+                seq.spec_draft_probs = seq.spec_draft_probs[:keep] if keep else None
+        return keep
+
+    @staticmethod
+    def _drop_proposals(seq: Sequence) -> int:
+        seq.spec_token_ids = []
+        seq.spec_draft_probs = None
+        return 0
 
     def _resume_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self._max_num_seqs:
@@ -294,14 +340,17 @@ class Scheduler:
             budget = min(budget, cap)
         return min(remaining, budget)
 
-    def _schedule(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+    def _schedule(self, seq: Sequence, num_new: int, out: SchedulerOutput, num_spec: int = 0) -> None:
+        if not num_spec and seq.spec_token_ids:
+            self._drop_proposals(seq)
         self.block_manager.allocate(seq, num_new)
         start = seq.num_computed_tokens
-        out.chunks.append(ScheduledChunk(seq, start, num_new, start + num_new == seq.num_tokens))
+        out.chunks.append(ScheduledChunk(seq, start, num_new, start + num_new == seq.num_tokens + num_spec, num_spec))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.num_preemptions += 1
         seq.num_preemptions += 1
+        self._drop_proposals(seq)
         out.preempted.append(seq)
         pending_load = any(load.seq is seq for load in out.kv_loads)
         if pending_load:  # its pulled KV never reached its blocks: drop the load, recompute the prompt
@@ -322,12 +371,18 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # -- after the model ran -----------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
-        """Advance sequences by what the step computed; returns the ones that got a new token."""
+    def update(self, out: SchedulerOutput, sampled: list[int | list[int] | None]) -> list[Sequence]:
+        """Advance sequences by what the step computed; returns the ones that got a new token.
+        A verified chunk's entry is a list: its accepted proposals, then the token sampled after them."""
         progressed = []
         for chunk, token in zip(out.chunks, sampled, strict=True):
             seq = chunk.seq
             if seq.is_finished:  # aborted while the step ran
+                continue
+            if chunk.num_spec or isinstance(token, list):
+                tokens = token if isinstance(token, list) else [] if token is None else [token]
+                if self._update_verified(chunk, tokens):
+                    progressed.append(seq)
                 continue
             seq.num_computed_tokens += chunk.num_tokens
             self.block_manager.cache_computed_blocks(seq)
@@ -339,3 +394,22 @@ class Scheduler:
             if reason:
                 self.finish(seq, reason)
         return progressed
+
+    def _update_verified(self, chunk: ScheduledChunk, tokens: list[int]) -> bool:
+        """A speculative chunk: keep the KV of the accepted positions, roll back the rest, append."""
+        seq = chunk.seq
+        accepted = max(0, min(len(tokens) - 1, chunk.num_spec))
+        seq.num_computed_tokens += chunk.num_tokens - chunk.num_spec + accepted
+        self._drop_proposals(seq)
+        self.block_manager.truncate(seq)
+        if self.spec_stats is not None and chunk.num_spec:
+            self.spec_stats.record(chunk.num_spec, accepted)
+            self.spec_policy.observe(seq, chunk.num_spec, accepted)
+        for token in tokens:
+            seq.output_token_ids.append(token)
+            reason = token_stop_reason(seq, token, self.config.max_model_len)
+            if reason:
+                self.finish(seq, reason)
+                return True
+        self.block_manager.cache_computed_blocks(seq)
+        return bool(tokens)

@@ -47,6 +47,13 @@ class Sequence:
     prompt_logprobs: list | None = None
     # Prefill/decode disaggregation (engine/kv_transfer/params.py KVTransferState), or None.
     kv_transfer: object | None = None
+    # Speculative decoding (engine/spec_decode): this step's proposed tokens (they follow the real
+    # tokens in token_slice, so a chunk can compute them; they are never part of num_tokens), the
+    # distribution they were drawn from (None: deterministic), and the measured acceptance rate.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: object | None = None
+    spec_acceptance: float = 1.0
+    spec_skipped: int = 0
 
     def __post_init__(self) -> None:
         if self.metrics is None:
@@ -65,6 +72,11 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end); positions past num_tokens are this step's proposals."""
+        num_tokens = self.num_tokens
+        if end > num_tokens:
+            head = self.token_slice(start, num_tokens) if start < num_tokens else []
+            return head + self.spec_token_ids[max(0, start - num_tokens) : end - num_tokens]
         prompt_len = len(self.prompt_token_ids)
         if end <= prompt_len:
             return self.prompt_token_ids[start:end]
