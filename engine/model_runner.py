@@ -21,6 +21,7 @@ from iterserve.engine.model.threads import apply_split_threads, apply_step_threa
 from iterserve.engine.model.tokenizer import Tokenizer
 from iterserve.engine.sampler import Sampler
 from iterserve.engine.scheduler import SchedulerOutput
+from iterserve.engine.spec_decode.config import SpeculativeConfig
 from iterserve.engine.structured import Grammars
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,13 @@ class ModelRunner(KVTransferCapable):
         ]
         self.grammars = Grammars(self.tokenizer, model_config.vocab_size)
         self.sampler = Sampler(self.device, config.seed, self.grammars)
+        self.proposer = None  # engine/spec_decode: a draft model beside this one, when configured
+        spec = SpeculativeConfig.parse(config.speculative_config)
+        if spec is not None and spec.method == "draft_model":
+            from iterserve.engine.spec_decode.draft_model import DraftModelProposer
+
+            self.proposer = DraftModelProposer.load(spec.model, model_config.vocab_size, self.device, self.dtype,
+                                                    config, self.num_kv_blocks * config.block_size)
         logger.info(
             "model %s (%s): %d layers, %s on %s, %s attention; KV pool %d blocks x %d = %d tokens "
             "(%.0f MiB), swap pool %d blocks",
@@ -251,6 +259,8 @@ class ModelRunner(KVTransferCapable):
 
     def release(self, request_ids: list[str]) -> None:
         self.sampler.release(request_ids)
+        if self.proposer is not None:
+            self.proposer.release(request_ids)
 
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:
