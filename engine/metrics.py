@@ -70,6 +70,8 @@ ROUTER_ENDPOINT_LOAD = "iterserve_router_endpoint_load"  # label endpoint: the l
 ROUTER_ENDPOINT_IN_FLIGHT = "iterserve_router_endpoint_in_flight"  # label endpoint
 ROUTER_ENDPOINT_ROUTABLE = "iterserve_router_endpoint_routable"  # label endpoint: 0 while ejected
 ROUTER_ENDPOINT_LABEL = "endpoint"
+ROUTER_HELD_REQUESTS = "iterserve_router_held_requests"  # gauge: held while no replica is ready (activator)
+ROUTER_HOLDS_TOTAL = "iterserve_router_holds_total"  # label outcome: activator.HELD_OUTCOMES
 
 # The router's P/D path (iterserve/router/disagg.py).
 ROUTER_PD_DECISIONS_TOTAL = "iterserve_router_pd_decisions_total"  # label reason: disagg.PD_REASONS

@@ -17,6 +17,7 @@ import sys
 from iterserve.engine.config import ConfigError, parse_size
 from iterserve.engine.kv_transfer.auth import load_key
 from iterserve.router import disagg
+from iterserve.router.activator import ActivatorOptions
 from iterserve.router.discovery import ROLE_LABEL, RolePools
 from iterserve.router.picking import PickPolicy
 from iterserve.router.proxy import RouterOptions
@@ -68,6 +69,13 @@ def _add_picking_flags(parser: argparse.ArgumentParser) -> None:
     pick.add_argument("--queue-timeout", type=float, default=d.queue_timeout_s,
                       help="seconds a request waits while every replica is saturated, then 429 "
                            f"(default {d.queue_timeout_s:g})")
+    pick.add_argument("--hold-timeout", type=float, default=d.activator.hold_timeout_s,
+                      help="seconds a request waits while no replica is ready (an InferenceService at zero "
+                           "replicas, or one still starting), then 503 with Retry-After; 0: 503 at once "
+                           f"(default {d.activator.hold_timeout_s:g})")
+    pick.add_argument("--hold-max", type=int, default=d.activator.max_held,
+                      help="requests held at once while no replica is ready; one more gets 503 at once "
+                           f"(default {d.activator.max_held})")
     pick.add_argument("--eject-backoff", type=float, default=d.eject_backoff_s,
                       help="seconds a replica stays out after a connection error; doubles while it "
                            f"keeps failing, up to --max-eject-backoff (default {d.eject_backoff_s:g})")
@@ -147,6 +155,7 @@ def options_from(args: argparse.Namespace) -> RouterOptions:
         head_timeout_s=args.client_header_timeout, body_timeout_s=args.client_body_timeout,
         max_connections=args.max_connections, drain_grace_s=args.drain_grace,
         tenant_salt_header=args.tenant_salt_header, tenant_salt_key=_salt_key(args.tenant_salt_key_file),
+        activator=ActivatorOptions(hold_timeout_s=args.hold_timeout, max_held=args.hold_max),
     )
 
 
@@ -186,6 +195,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.scrape_interval <= 0 or args.queue_timeout < 0 or args.max_queue < 0:
         print("iterserve router: --scrape-interval must be > 0, --queue-timeout and --max-queue >= 0",
+              file=sys.stderr)
+        return 2
+    if not 0 <= args.hold_timeout <= 3600 or not 1 <= args.hold_max <= 100_000:
+        print("iterserve router: --hold-timeout must be within 0..3600 s and --hold-max within 1..100000",
               file=sys.stderr)
         return 2
     if min(args.client_header_timeout, args.client_body_timeout, args.max_connections) <= 0 or args.drain_grace < 0:

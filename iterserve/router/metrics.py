@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
@@ -17,6 +18,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from iterserve.engine import metrics as names
+from iterserve.router.activator import HELD_OUTCOMES
 from iterserve.router.disagg import FALLBACK_REASONS, PD_REASONS
 from iterserve.router.picking import PICK_REASONS
 
@@ -24,8 +26,16 @@ disable_created_metrics()  # as the engine does: no consumer reads the _created 
 
 
 class RouterMetrics:
-    def __init__(self, endpoints: Callable[[], Iterable], now: Callable[[], float], stale_after_s: float):
+    def __init__(self, endpoints: Callable[[], Iterable], now: Callable[[], float], stale_after_s: float,
+                 held: Callable[[], int] = lambda: 0):
         self.registry = CollectorRegistry()
+        held_now = Gauge(names.ROUTER_HELD_REQUESTS, "Requests held while no replica is ready (the activator): "
+                         "the autoscaler's signal to bring a pool at zero back.", registry=self.registry)
+        held_now.set_function(held)
+        holds = Counter(names.ROUTER_HOLDS_TOTAL, "Requests held while no replica was ready, by how the hold "
+                        "ended (forwarded to a replica, timed out with 503, refused at once: too many held).",
+                        ["outcome"], registry=self.registry)
+        self.holds = {outcome: holds.labels(outcome) for outcome in HELD_OUTCOMES}
         picks = Counter(names.ROUTER_PICKS_TOTAL, "Requests by how their replica was picked "
                         "(saturated and none_ready: no replica; the request was refused).", ["reason"],
                         registry=self.registry)

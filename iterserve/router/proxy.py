@@ -36,6 +36,7 @@ from yarl import URL
 
 from iterserve.engine import metrics as names
 from iterserve.router import disagg, upstream
+from iterserve.router.activator import Activator, ActivatorOptions
 from iterserve.router.body import BadBody, rewrite, tenant_salt
 from iterserve.router.endpoints import CONNECTION_ERRORS, Endpoint, ScrapeFailed, scrape_once
 from iterserve.router.http import HOP_BY_HOP, BodyRefused, FrontDoor, error_response, read_body
@@ -76,6 +77,7 @@ class RouterOptions:
     pd: disagg.PdPolicy = field(default_factory=disagg.PdPolicy)  # with a prefill pool only
     pd_prefill_timeout_s: float = 30.0  # a remote prefill slower than this falls back to local
     pd_tokenize_timeout_s: float = 2.0  # counting a long text prompt's tokens on the decode replica
+    activator: ActivatorOptions = field(default_factory=ActivatorOptions)  # hold while no replica is ready
 
 
 class _Retry(Exception):
@@ -112,8 +114,9 @@ class Router:
         self._changed_event = asyncio.Event()
         self.prefixes = PrefixTable()
         self.decode_prefixes = PrefixTable()  # P/D: which decode replica has which prompt blocks cached
+        self.activator = Activator(options.activator)
         self.metrics = RouterMetrics(lambda: list({**self.prefills, **self.endpoints}.values()), self.clock,
-                                     options.stale_after_s)
+                                     options.stale_after_s, lambda: self.activator.held)
         self._fallback_logged: dict[str, float] = {}
         self.door: FrontDoor | None = None
         self.session: aiohttp.ClientSession | None = None
@@ -233,7 +236,9 @@ class Router:
                 await session.close()
 
     def ready(self) -> bool:
-        return not self.draining and any(e.ejected_until is None for e in self.endpoints.values())
+        """With the activator on, ready with no replica too: the router is where requests wait."""
+        return not self.draining and (self.activator.enabled
+                                      or any(e.ejected_until is None for e in self.endpoints.values()))
 
     # -- serving --------------------------------------------------------------------------------
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
@@ -373,6 +378,12 @@ class Router:
                 self._picks += 1
                 self.endpoints[choice.url].last_picked = self._picks
                 return self.endpoints[choice.url]
+            if choice.reason == NONE_READY and not tried and self.activator.enabled:
+                held = await self._hold()
+                if held is not None:
+                    return held
+                deadline = self.clock() + o.queue_timeout_s
+                continue
             if choice.reason == NONE_READY or now >= deadline:
                 self.metrics.picks[choice.reason].inc()
             if choice.reason == NONE_READY:
@@ -387,6 +398,33 @@ class Router:
                 await asyncio.wait_for(self._changed_event.wait(), deadline - now)
             except TimeoutError:
                 pass
+
+    async def _hold(self) -> web.Response | None:
+        """The activator (activator.py): wait, bounded, until a replica is routable; None when one
+        is, else the 503 to send."""
+        o, activator = self.options, self.activator
+        if not activator.take():
+            self.metrics.holds["refused_full"].inc()
+            return self._reply(error_response(503, activator.full_message(), "service_unavailable",
+                                              "hold_queue_full", retry_after=o.retry_after_s))
+        try:
+            deadline = self.clock() + activator.options.hold_timeout_s
+            while True:
+                now = self.clock()
+                if any(e.load(now, o.stale_after_s).routable for e in self.endpoints.values()):
+                    self.metrics.holds["forwarded"].inc()
+                    return None
+                if now >= deadline:
+                    self.metrics.holds["timed_out"].inc()
+                    self.metrics.picks[NONE_READY].inc()
+                    return self._reply(error_response(503, activator.timeout_message(), "service_unavailable",
+                                                      "no_ready_replica", retry_after=o.retry_after_s))
+                try:
+                    await asyncio.wait_for(self._changed_event.wait(), deadline - now)
+                except TimeoutError:
+                    pass
+        finally:
+            activator.release()
 
     async def _exchange(self, endpoint: Endpoint, request: web.BaseRequest, headers: list, body: bytes,
                         relay: _Relay) -> web.StreamResponse:

@@ -47,6 +47,7 @@ SERVE_FLAGS = {flag: takes_value for flag, takes_value in serve_flags().items()
 ROUTER_FLAGS = {
     "--infsvc": True, "-n": True, "--namespace": True, "--port-name": True, "--host": True, "--port": True,
     "--scrape-interval": True, "--stale-after": True, "--max-queue": True, "--queue-timeout": True,
+    "--hold-timeout": True, "--hold-max": True,
     "--eject-backoff": True, "--max-eject-backoff": True, "--prefix-affinity": False,
     "--affinity-tolerance": True, "--prefix-tokens": True, "--block-size": True, "--seed": True,
     "--policy": True, "--log-level": True,
