@@ -190,14 +190,16 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         index = 0
-        reserve = self._prefill_reserve()
+        # Proposals share what the budget has beyond one token per running sequence and the prefill share.
+        spec_room = max(0, budget - len(self.running) - self._prefill_reserve())
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = self._chunk_size(seq, budget, bool(self.waiting))
             if num_new == 0:
                 index += 1
                 continue
-            num_spec = self._spec_tokens(seq, num_new, budget - reserve)
+            num_spec = self._spec_tokens(seq, num_new, min(spec_room, budget - 1))
+            spec_room -= num_spec
             num_new += num_spec
             while not self.block_manager.can_allocate(seq, num_new):
                 if num_spec:  # proposals are never worth a preemption
@@ -227,7 +229,7 @@ class Scheduler:
             return 0
         if num_new != 1 or seq.num_computed_tokens != seq.num_tokens - 1:
             return self._drop_proposals(seq)
-        keep = max(0, min(len(proposals), room - 1))
+        keep = max(0, min(len(proposals), room))
         if keep < len(proposals):
             del proposals[keep:]
             if seq.spec_draft_probs is not None:
