@@ -165,7 +165,7 @@ def hermes_text(tool_calls: list[dict]) -> str:
         arguments = function.get("arguments", "{}")
         try:
             arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except ValueError:
+        except (ValueError, RecursionError):  # a client's "[[[[...": kept as the text it sent
             pass
         blocks.append("<tool_call>\n" + json.dumps({"name": function.get("name"), "arguments": arguments},
                                                    ensure_ascii=False) + "\n</tool_call>")
