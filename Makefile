@@ -64,17 +64,19 @@ chart-test: install cluster-tools system-packages monitoring-crds  ## helm lint/
 	$(VENV)/bin/pytest -q tests -k chart $(PYTEST_ARGS)
 
 BENCH_OUT ?= bench/results
-BENCHES := throughput online_latency chunked_prefill scheduler_overhead kv_waste prefix_caching routing
+# Each a module under bench/ (docs/development.md#benchmarks), run from the repository root.
+BENCHES := engine.throughput engine.online_latency engine.chunked_prefill engine.scheduler_overhead \
+	engine.kv_waste engine.prefix_caching routing.router
 
 bench: install  ## run the benchmarks (full mode; tens of minutes on 2 cores): JSON + PNG under $(BENCH_OUT)/
-	@for b in $(BENCHES); do $(PY) bench/$$b.py --json $(BENCH_OUT)/$$b.json --plot $(BENCH_OUT)/$$b.png $(ARGS) || exit 1; done
-	$(PY) bench/kernels.py --json bench/results/kernels.json  # says so and exits 0 without a GPU
+	@for b in $(BENCHES); do n=$${b#*.}; $(PY) -m bench.$$b --json $(BENCH_OUT)/$$n.json --plot $(BENCH_OUT)/$$n.png $(ARGS) || exit 1; done
+	$(PY) -m bench.kernels.triton_kernels --json $(BENCH_OUT)/kernels.json  # says so and exits 0 without a GPU
 
 # The image builds with podman (no Docker daemon): base rootfs by mmdebstrap, a host wheelhouse
 # mounted during the build. Tags ghcr.io/iterserve/engine:<version> (the chart's default image).
 image: install system-packages  ## build the iterserve image with podman (docs/image.md); size, digest and start-up time to docs/perf/image.json
 	$(PY) image/build.py --target cpu
-	$(PY) bench/image.py --json docs/perf/image.json
+	$(PY) -m bench.cluster.image --json docs/perf/image.json
 
 image-gpu: install system-packages  ## the GPU variant of the image (adds the C compiler Triton needs), tagged <version>-gpu
 	$(PY) image/build.py --target gpu

@@ -1,8 +1,9 @@
 """What the benchmark scripts share: the workloads, the machine description, threads, tables,
 JSON and plots.
 
-Every script imports this module from its own folder (`python bench/x.py` puts bench/ first on
-sys.path), so the scripts run from any working directory.
+bench/ is a package grouped by what is measured (engine, kernels, peers, routing, cluster,
+simulator); each script imports `from bench import common` and runs from the repository root as a
+module: `python -m bench.engine.throughput --quick`.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def run_record() -> dict:
     """What makes a result reproducible: the commit it ran (and whether the tree differed from it),
-    the CPU, and the command, with the script's path relative to the repository (no machine paths)."""
+    the CPU, and the command as run from the repository root (no machine paths)."""
     def git(*args: str) -> str:
         try:
             return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10,
@@ -115,11 +116,21 @@ def run_record() -> dict:
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    script = Path(sys.argv[0]).resolve()
-    shown = str(script.relative_to(REPO)) if script.is_relative_to(REPO) else script.name
     return {"commit": git("rev-parse", "HEAD") or None,
             "tree_modified": bool(git("status", "--porcelain", "--untracked-files=no")),
-            "cpu_model": cpu_model(), "command": ["python", shown, *sys.argv[1:]]}
+            "cpu_model": cpu_model(), "command": ["python", *invocation(sys.argv[0]), *sys.argv[1:]]}
+
+
+def invocation(argv0: str) -> list[str]:
+    """How to run the script again from the repository root: `-m bench.<group>.<name>` for a
+    benchmark module (what `python -m` leaves in sys.argv[0] is its file's path), else its path."""
+    script = Path(argv0).resolve()
+    if not script.is_relative_to(REPO):
+        return [script.name]
+    shown = script.relative_to(REPO)
+    if shown.parts[0] == "bench" and shown.suffix == ".py" and len(shown.parts) > 2:
+        return ["-m", ".".join(shown.with_suffix("").parts)]
+    return [str(shown)]
 
 
 def write_json(path: str | None, data: dict) -> None:

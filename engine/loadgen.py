@@ -53,7 +53,7 @@ class LoadSpec:
     api_key: str | None = None
     endpoints: Callable[[], Sequence[str]] | None = None  # base URLs to spread over; None: url
     on_result: Callable[[RequestResult], None] | None = None  # called as each request ends
-    extra_body: dict | None = None  # more request fields, for servers that need them (bench/peers.py: vLLM)
+    extra_body: dict | None = None  # more request fields, for servers that need them (bench/peers/compare.py: vLLM)
 
     def validate(self) -> None:
         if self.requests is None and self.duration is None:

@@ -111,7 +111,7 @@ def build(name: str, source: str, flags: list[str] | None = None) -> ctypes.CDLL
 
 
 def profiled(name: str) -> contextlib.AbstractContextManager:
-    """A torch.profiler label for a kernel call while a profile is recording (bench/step_profile.py
+    """A torch.profiler label for a kernel call while a profile is recording (bench/kernels/step_profile.py
     names the kernels in its top ops), else nothing: record_function costs ~10 us a call."""
     if torch.autograd.profiler._is_profiler_enabled:
         return torch.profiler.record_function(name)

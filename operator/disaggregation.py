@@ -83,6 +83,6 @@ def ineffective_condition(spec: InferenceServiceSpec, average_prompt_tokens: flo
                 f"The average prompt over {requests} requests is {average_prompt_tokens:.0f} tokens, under "
                 f"spec.disaggregation.thresholdTokens ({d.threshold_tokens}): most requests are prefilled on the "
                 "decode pool and the prefill pool mostly idles. Set spec.disaggregation.enabled to false, or "
-                "lower the threshold if transfers pay for shorter prompts here (bench/disaggregation.py).")
+                "lower the threshold if transfers pay for shorter prompts here (bench/cluster/disaggregation.py).")
     return ("False", "LongPrompts", f"The average prompt over {requests} requests is {average_prompt_tokens:.0f} "
                                     f"tokens, above the threshold ({d.threshold_tokens}).")

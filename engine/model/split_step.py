@@ -11,7 +11,7 @@ Why: one model call with two OpenMP threads synchronises the team at every op (h
 step), and under OMP_WAIT_POLICY=PASSIVE each sync is a futex wake-up of a sleeping worker. Two
 half batches on one thread each need no sync at all (torch ops and the ctypes attention kernel
 release the GIL). On the 2-vCPU AMD EPYC, w8a8, OMP_WAIT_POLICY=PASSIVE as served, load ~0
-(bench/step_profile.py --split-sweep, docs/perf/step_split.json): split against one call on 2
+(bench/kernels/step_profile.py --split-sweep, docs/perf/step_split.json): split against one call on 2
 threads, decodes at 128 tokens of context: 64 sequences 171 vs 223 ms (1.31x), 48 1.43x, 32 1.18x,
 but 24 0.94x, 16 0.96x, 4 0.58x; prefills of 16 prompts x 32 tokens 591 vs 701 ms (1.19x), 8
 prompts + 32 decodes 1.26x. So steps of at least `min_tokens` tokens split, and a step whose

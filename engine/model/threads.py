@@ -4,7 +4,7 @@ torch's default is one OpenMP thread per core. On a small CPU node that leaves n
 server's other work (the HTTP loop, tokenization, detokenization, streaming): those run in the
 same process between and during steps, and every time one of them takes a core, an OpenMP
 parallel region waits at its barrier for the thread that lost its core. Measured with
-`bench/peers.py` on a 2-vCPU machine shared with other work, the same int8 server ran the tail
+`bench/peers/compare.py` on a 2-vCPU machine shared with other work, the same int8 server ran the tail
 load at 3.0 tok/s with one compute thread and 0.5 tok/s with torch's default two (docs/performance.md). So small steps leave one of the process's cores to that work (at least one
 thread); OMP_NUM_THREADS, when set, is obeyed as is.
 

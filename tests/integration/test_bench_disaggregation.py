@@ -1,4 +1,4 @@
-"""bench/disaggregation.py's plumbing, run as a user runs it, on the fake model (seconds, no weights).
+"""bench/cluster/disaggregation.py's plumbing, run as a user runs it, on the fake model (seconds, no weights).
 
 The figures of a fake-model run mean nothing; what is checked is what makes the real run's
 figures trustworthy: every arm served every request, the router sent exactly the prompts over the
@@ -17,16 +17,15 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "disaggregation.py"
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
 def test_disaggregation_bench_fake_model_plumbing(tmp_path):
     out, png = tmp_path / "disagg.json", tmp_path / "disagg.png"
-    # Run outside the repository root: its folder operator/ must not shadow the stdlib module.
-    result = subprocess.run([sys.executable, str(BENCH), "--fake-model", "--requests", "8", "--rate", "2",
+    result = subprocess.run([sys.executable, "-m", "bench.cluster.disaggregation", "--fake-model", "--requests", "8", "--rate", "2",
                              "--long-share", "0.5", "--long-tokens", "640", "--short-tokens", "64", "--json", str(out),
-                             "--plot", str(png)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                             "--plot", str(png)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert png.read_bytes()[:4] == b"\x89PNG"
     report = json.loads(out.read_text())

@@ -14,18 +14,20 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run_quick(script: str, tmp_path: Path) -> dict:
+    """`python -m bench.engine.<script> --quick` from the repository root, as docs/development.md says."""
     out, png = tmp_path / f"{script}.json", tmp_path / f"{script}.png"
-    # Run outside the repository root: its folder operator/ must not shadow the stdlib module.
-    result = subprocess.run([sys.executable, str(BENCH / f"{script}.py"), "--quick", "--json", str(out),
-                             "--plot", str(png)], cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    result = subprocess.run([sys.executable, "-m", f"bench.engine.{script}", "--quick", "--json", str(out),
+                             "--plot", str(png)], cwd=REPO, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     assert png.stat().st_size > 5000 and png.read_bytes()[:4] == b"\x89PNG"
     report = json.loads(out.read_text())
     assert report["machine"]["torch_threads"] == 1
+    # The recorded command re-runs it: the module form, no path of this machine.
+    assert report["run"]["command"][:4] == ["python", "-m", f"bench.engine.{script}", "--quick"]
     return report
 
 

@@ -1,5 +1,5 @@
 """`iterserve router` as a process in front of real `iterserve serve --fake-model` processes:
-behaviours, not timings (those are in bench/routing.py)."""
+behaviours, not timings (those are in bench/routing/router.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from iterserve.engine import metrics as names
 from tests.server_fixture import iterserve_command, running_server
 
 pytestmark = pytest.mark.slow
-FAULT_PROXY = Path(__file__).resolve().parents[2] / "bench" / "fault_proxy.py"
+FAULT_PROXY = Path(__file__).resolve().parents[2] / "bench" / "routing" / "fault_proxy.py"  # standalone: runs by its path
 
 
 @contextmanager

@@ -8,24 +8,29 @@ import re
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
+from bench import common
 
-import common  # noqa: E402  (bench/ scripts import it the same way)
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_result_records_its_commit_cpu_and_command_without_machine_paths(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "argv", [str(REPO / "bench" / "kv_waste.py"), "--quick", "--json", "out.json"])
+    # `python -m bench.engine.kv_waste ...` leaves the module's file path in sys.argv[0].
+    monkeypatch.setattr(sys, "argv", [str(REPO / "bench" / "engine" / "kv_waste.py"), "--quick", "--json", "out.json"])
     out = tmp_path / "result.json"
     common.write_json(str(out), {"benchmark": "kv_waste"})
     run = json.loads(out.read_text())["run"]
     assert re.fullmatch(r"[0-9a-f]{40}", run["commit"])
     assert isinstance(run["tree_modified"], bool) and run["cpu_model"]
-    assert run["command"] == ["python", "bench/kv_waste.py", "--quick", "--json", "out.json"]
+    assert run["command"] == ["python", "-m", "bench.engine.kv_waste", "--quick", "--json", "out.json"]
     assert str(REPO) not in json.dumps(run)
+
+
+def test_a_script_outside_the_bench_package_is_recorded_by_its_path():
+    assert common.invocation(str(REPO / "e2e" / "whole_loop.py")) == ["e2e/whole_loop.py"]
+    assert common.invocation("/elsewhere/tool.py") == ["tool.py"]
 
 
 def test_a_run_record_the_script_already_made_is_kept(tmp_path):
     out = tmp_path / "result.json"
-    common.write_json(str(out), {"run": {"command": ["python", "bench/peers.py"]}})
-    assert json.loads(out.read_text())["run"] == {"command": ["python", "bench/peers.py"]}
+    common.write_json(str(out), {"run": {"command": ["python", "-m", "bench.peers.compare"]}})
+    assert json.loads(out.read_text())["run"] == {"command": ["python", "-m", "bench.peers.compare"]}

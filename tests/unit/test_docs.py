@@ -70,7 +70,7 @@ def path_exists(text: str) -> bool:
 
 
 def missing_paths(path: Path) -> list[str]:
-    """Repository paths named in inline code (`bench/peers.py --quick`, `tests/unit/x.py::test_y`)."""
+    """Repository paths named in inline code (`bench/peers/compare.py`, `tests/unit/x.py::test_y`)."""
     text = FENCE.sub("", path.read_text())
     bad = []
     for code in INLINE_CODE.findall(text):
@@ -83,8 +83,32 @@ def missing_paths(path: Path) -> list[str]:
 
 def test_a_renamed_script_named_in_the_docs_is_caught(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("Run `bench/peers.py --quick` or `bench/no_such_bench.py --quick`; see `docs/perf/peers.json`.\n")
+    page.write_text("Run `bench/peers/compare.py --quick` or `bench/no_such_bench.py --quick`; see `docs/perf/peers.json`.\n")
     assert [line.split(": ", 1)[1] for line in missing_paths(page)] == ["`bench/no_such_bench.py`"]
+
+
+BENCH_MODULE = re.compile(r"-m (bench(?:\.[a-z0-9_]+)+)")  # lower case: not a placeholder
+
+
+def missing_bench_modules(text: str) -> list[str]:
+    """`python -m bench.GROUP.NAME` in prose, code blocks or recipes, whose module file is not there."""
+    return [name for name in BENCH_MODULE.findall(text)
+            if not (REPO / (name.replace(".", "/") + ".py")).is_file()]
+
+
+def test_a_moved_benchmark_module_is_caught():
+    text = "python -m bench.engine.throughput --quick\n`python -m bench.throughput --quick`"
+    assert missing_bench_modules(text) == ["bench.throughput"]
+
+
+def test_every_benchmark_module_the_docs_and_makefile_run_exists():
+    sources = [*DOCS, REPO / "Makefile", *(REPO / "bench").rglob("*.py")]
+    bad = [f"{rel(path)}: {name}" for path in sources for name in missing_bench_modules(path.read_text())]
+    # The Makefile's bench loop names modules relative to bench/ in BENCHES.
+    make = (REPO / "Makefile").read_text()
+    benches = re.search(r"^BENCHES :=((?:.*\\\n)*.*)$", make, re.M).group(1).replace("\\\n", " ").split()
+    bad += [f"Makefile BENCHES: {b}" for b in benches if not (REPO / "bench" / (b.replace(".", "/") + ".py")).is_file()]
+    assert benches and not bad, "benchmark modules that do not exist:\n" + "\n".join(bad)
 
 
 def test_every_repository_path_the_docs_name_exists():

@@ -1,4 +1,4 @@
-"""bench/kernels.py: says so and exits 0 without a GPU; its whole pipeline (both backends, the
+"""bench/kernels/triton_kernels.py: says so and exits 0 without a GPU; its whole pipeline (both backends, the
 table, the JSON) runs on a tiny grid through the Triton interpreter with --cpu-smoke."""
 
 import json
@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "kernels.py"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run_bench(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""  # the no-GPU path, even on a machine with one
-    return subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([sys.executable, "-m", "bench.kernels.triton_kernels", *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
 
 
 def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):

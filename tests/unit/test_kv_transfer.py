@@ -423,16 +423,16 @@ def test_decode_pulls_only_what_its_prefix_cache_lacks(pair):
 
 @pytest.mark.slow
 def test_kv_transfer_bench_quick_runs(tmp_path):
-    """bench/kv_transfer.py --quick (no model): the pulled KV is checked bit for bit inside it."""
+    """bench/cluster/kv_transfer.py --quick (no model): the pulled KV is checked bit for bit inside it."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "bench" / "kv_transfer.py"
+    repo = Path(__file__).resolve().parents[2]
     out = tmp_path / "kv.json"
-    result = subprocess.run([sys.executable, str(script), "--quick", "--lengths", "17,64", "--repeats", "1",
-                             "--json", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "bench.cluster.kv_transfer", "--quick", "--lengths", "17,64",
+                             "--repeats", "1", "--json", str(out)], cwd=repo, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(out.read_text())["results"]
     assert [(r["dtype"], r["tokens"]) for r in rows] == [("float32", 17), ("float32", 64), ("bfloat16", 17),

@@ -87,7 +87,7 @@ def test_the_patterns_catch_history_and_spare_ordinary_uses_of_the_words():
     for name in ["docs/perf/peers_session8.json", "docs/perf/peers_rerun.png",
                  "docs/perf/step_profile_s7_after_t1.json", "docs/perf/peers_session7_midway.json"]:
         assert NAME_PATTERN.search(name), name
-    for name in ["docs/perf/peers.json", "bench/sim_speed.py", "docs/perf/sim/fit_s.json"]:
+    for name in ["docs/perf/peers.json", "bench/simulator/speed.py", "docs/perf/sim/fit_s.json"]:
         assert not NAME_PATTERN.search(Path(name).name), name
 
 

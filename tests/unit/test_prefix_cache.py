@@ -168,7 +168,7 @@ def test_defaults_on_for_the_real_model_off_for_static_and_fake():
     assert EngineConfig(model="some-model", scheduling="static").resolve().enable_prefix_caching is False
     assert EngineConfig(model="fake").resolve().enable_prefix_caching is False
     assert EngineConfig(model="some-model", enable_prefix_caching=False).resolve().enable_prefix_caching is False
-    # The static baseline recomputes every prompt even when asked (bench/throughput.py copies a
+    # The static baseline recomputes every prompt even when asked (bench/engine/throughput.py copies a
     # resolved config and switches it to static).
     assert EngineConfig(model="some-model", scheduling="static",
                         enable_prefix_caching=True).resolve().enable_prefix_caching is False

@@ -1,5 +1,5 @@
-"""bench/sim_validate.py on the shipped evidence (real runs of the embedded model, recorded by
-bench/sim_record.py): the shipped default profile is exactly the fit of that evidence, the committed
+"""bench/simulator/validate.py on the shipped evidence (real runs of the embedded model, recorded by
+bench/simulator/record.py): the shipped default profile is exactly the fit of that evidence, the committed
 validate.json (whose figures docs/simulator.md quotes) is what the script computes from
 it, and the printout carries the checks and the residual analysis."""
 
@@ -33,11 +33,11 @@ def _numbers(value, path=""):
 def test_shipped_profile_is_the_fit_of_the_shipped_evidence(tmp_path):
     out = tmp_path / "profile.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "sim_validate.py"),
+        [sys.executable, "-m", "bench.simulator.validate",
          "--train-runs", str(EVIDENCE / "train_runs.json"), "--train-runs", str(EVIDENCE / "train_small_runs.json"),
          "--heldout-runs", str(EVIDENCE / "heldout_runs.json"), "--trace", str(EVIDENCE / "heldout.csv"),
          "--json", str(tmp_path / "v.json"), "--profile-out", str(out)],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr
     fitted = profiles.load_profile(str(out))
     shipped = profiles.load_profile("smollm2-135m-cpu")
