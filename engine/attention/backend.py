@@ -64,6 +64,27 @@ class AttentionMetadata:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionOptions:
+    """What a layer's attention does besides causal softmax(q.k * scale) v; every backend takes both.
+
+    sliding_window: a query at position p sees keys p - window + 1 .. p (transformers' rule:
+    key > p - window), in prefill chunks and decodes alike; None sees every earlier key.
+    logit_softcap: scores (after the scale) become cap * tanh(scores / cap) before the softmax."""
+
+    sliding_window: int | None = None
+    logit_softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None; got {self.sliding_window}")
+        if self.logit_softcap is not None and not self.logit_softcap > 0:
+            raise ValueError(f"logit_softcap must be > 0 or None; got {self.logit_softcap}")
+
+
+FULL_ATTENTION = AttentionOptions()
+
+
 class AttentionBackend(ABC):
     name: str
 
@@ -74,8 +95,9 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Causal attention of query [T, num_heads, head_dim] over each sequence's cached KV."""
+               meta: AttentionMetadata, scale: float, options: AttentionOptions = FULL_ATTENTION) -> torch.Tensor:
+        """Causal attention of query [T, num_heads, head_dim] over each sequence's cached KV, with the
+        layer's sliding window and soft-cap (AttentionOptions)."""
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,

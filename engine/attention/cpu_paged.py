@@ -5,11 +5,13 @@ layout of backend.py, block tables and sequence lengths. Out: the decode rows of
 output, written in place. Per sequence the kernel walks the block table once for the keys (token
 rows in block order; a KV head's key serves its whole group of query heads: GQA without
 repeating KV) and once for the values, with an exact two-pass fp32 softmax in between, so
-nothing is gathered into a padded batch and no mask is built. `threads` > 1 (with at least 1024
+nothing is gathered into a padded batch and no mask is built. A sliding window starts the walk at
+the window's oldest key (the blocks before it are never read); a logit soft-cap applies
+cap * tanh(score / cap) to each scaled score. `threads` > 1 (with at least 1024
 cached tokens in all) splits the decodes into that many contiguous shares of about equal token
 counts, one pthread each (the caller's thread takes the first); the torch backend passes 1: on
 this 2-vCPU machine two threads were 1.25-1.5x slower at 64 x 64 and no faster at 64 x 256
-(bench/cpu_attention.py --kernel-threads 2), whatever torch's own thread count. torch has
+(bench/kernels/cpu_attention.py --kernel-threads 2), whatever torch's own thread count. torch has
 no eager op that reads through a block table: its
 reference path copies every decode's blocks (`index_select`) before SDPA, which at 64 sequences
 costs as much as the attention itself.
@@ -66,7 +68,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 }
 
 /* The cache rows of a token PREFETCH_TOKENS ahead: its block may be anywhere, which the
-   hardware prefetcher cannot guess (bench/cpu_attention_ab.py, docs/perf/cpu_attention_prefetch.json:
+   hardware prefetcher cannot guess (bench/kernels/cpu_attention_ab.py, docs/perf/cpu_attention_prefetch.json:
    1.19-1.35x per layer at 2-64 sequences). */
 #define PREFETCH_TOKENS 4
 static inline void prefetch_row(const float *row, int64_t floats) {
@@ -106,7 +108,8 @@ typedef struct {
     const int32_t *block_tables, *seq_lens;
     const int64_t *seqs, *rows;
     int64_t query_row_stride, table_stride, num_heads, num_kv_heads, head_dim, block_size, out_row_stride;
-    float scale;
+    float scale, softcap; /* softcap 0: none */
+    int64_t window; /* 0: every cached token; else the last `window` tokens */
     float *out;
     int64_t begin, end; /* this worker's share: decodes begin..end-1 */
     int status;
@@ -122,18 +125,23 @@ static void *attend_range(void *arg) {
     if (!scores) { w->status = -1; return NULL; }
     float acc[MAX_HEADS * MAX_HEAD_DIM], inv_sum[MAX_HEADS];
     for (int64_t i = w->begin; i < w->end; i++) {
-        const int64_t len = w->seq_lens[w->seqs[i]];
+        const int64_t seq_len = w->seq_lens[w->seqs[i]];
+        const int64_t first = w->window > 0 && seq_len > w->window ? seq_len - w->window : 0;
+        const int64_t len = seq_len - first; /* keys first .. seq_len - 1; scores[hq * len + (p - first)] */
         const int32_t *table = w->block_tables + w->seqs[i] * w->table_stride;
         const float *q = w->query + w->rows[i] * w->query_row_stride;
         /* Keys, token by token (each token's row holds every KV head: read whole, in block order):
            score[hq][p] = q_hq . k_p[hq / group] * scale, so a KV head's key serves its whole group. */
-        for (int64_t p = 0; p < len; p++) {
+        for (int64_t p = first; p < seq_len; p++) {
             const float *key = w->k_cache + ((int64_t)table[p / block_size] * block_size + p % block_size) * token_stride;
-            if (p + PREFETCH_TOKENS < len)
+            if (p + PREFETCH_TOKENS < seq_len)
                 prefetch_row(w->k_cache + ((int64_t)table[(p + PREFETCH_TOKENS) / block_size] * block_size
                                            + (p + PREFETCH_TOKENS) % block_size) * token_stride, token_stride);
-            for (int64_t hq = 0; hq < num_heads; hq++)
-                scores[hq * len + p] = dot(q + hq * head_dim, key + (hq / group) * head_dim, head_dim) * w->scale;
+            for (int64_t hq = 0; hq < num_heads; hq++) {
+                float s = dot(q + hq * head_dim, key + (hq / group) * head_dim, head_dim) * w->scale;
+                if (w->softcap > 0.0f) s = w->softcap * tanhf(s / w->softcap);
+                scores[hq * len + p - first] = s;
+            }
         }
         /* Softmax over the whole sequence in fp32: subtract the max, exponentiate, normalise at the end. */
         for (int64_t hq = 0; hq < num_heads; hq++) {
@@ -143,13 +151,13 @@ static void *attend_range(void *arg) {
         }
         for (int64_t d = 0; d < num_heads * head_dim; d++) acc[d] = 0.0f;
         /* Values, token by token: acc[hq] += p[hq] * v_p[hq / group]. */
-        for (int64_t p = 0; p < len; p++) {
+        for (int64_t p = first; p < seq_len; p++) {
             const float *value = w->v_cache + ((int64_t)table[p / block_size] * block_size + p % block_size) * token_stride;
-            if (p + PREFETCH_TOKENS < len)
+            if (p + PREFETCH_TOKENS < seq_len)
                 prefetch_row(w->v_cache + ((int64_t)table[(p + PREFETCH_TOKENS) / block_size] * block_size
                                            + (p + PREFETCH_TOKENS) % block_size) * token_stride, token_stride);
             for (int64_t hq = 0; hq < num_heads; hq++)
-                axpy(acc + hq * head_dim, scores[hq * len + p], value + (hq / group) * head_dim, head_dim);
+                axpy(acc + hq * head_dim, scores[hq * len + p - first], value + (hq / group) * head_dim, head_dim);
         }
         float *o = w->out + w->rows[i] * w->out_row_stride;
         for (int64_t hq = 0; hq < num_heads; hq++)
@@ -164,11 +172,12 @@ int paged_decode_attention(
     const float *query, int64_t query_row_stride, const float *k_cache, const float *v_cache,
     const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
     const int64_t *seqs, const int64_t *rows, int64_t count, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t block_size, float scale, float *out, int64_t out_row_stride, int64_t threads)
+    int64_t head_dim, int64_t block_size, float scale, float *out, int64_t out_row_stride, int64_t threads,
+    int64_t window, float softcap)
 {
     if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || num_heads % num_kv_heads) return -2;
     Work base = {query, k_cache, v_cache, block_tables, seq_lens, seqs, rows, query_row_stride, table_stride,
-                 num_heads, num_kv_heads, head_dim, block_size, out_row_stride, scale, out, 0, count, 0};
+                 num_heads, num_kv_heads, head_dim, block_size, out_row_stride, scale, softcap, window, out, 0, count, 0};
     int64_t total = 0;
     for (int64_t i = 0; i < count; i++) total += seq_lens[seqs[i]];
     if (threads > MAX_THREADS) threads = MAX_THREADS;
@@ -210,7 +219,7 @@ def load() -> ctypes.CDLL | None:
     fn = lib.paged_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64,
-                   i64]
+                   i64, i64, ctypes.c_float]
     fn.restype = ctypes.c_int
     return lib
 
@@ -225,9 +234,10 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, seqs: torch.Tensor, rows: torch.Tensor, scale: float,
-                 out: torch.Tensor, threads: int = 1) -> None:
+                 out: torch.Tensor, threads: int = 1, window: int | None = None,
+                 softcap: float | None = None) -> None:
     """out[rows[i]] = attention of query[rows[i]] over sequence seqs[i]'s first seq_lens[seqs[i]] cached
-    tokens. query/out [T, heads, head_dim] fp32 with contiguous rows; block_tables int32 [S, width],
+    tokens (the last `window` of them with a sliding window; scores soft-capped with softcap). query/out [T, heads, head_dim] fp32 with contiguous rows; block_tables int32 [S, width],
     seq_lens int32 [S], seqs/rows int64 [n]; all contiguous on the CPU (`supports` says when)."""
     lib = load()
     heads, dim = query.shape[1], query.shape[2]
@@ -238,6 +248,7 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         status = lib.paged_decode_attention(
             query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), seq_lens.data_ptr(), seqs.data_ptr(), rows.data_ptr(), seqs.numel(), heads,
-            k_cache.shape[2], dim, k_cache.shape[1], scale, out.data_ptr(), out.stride(0), threads)
+            k_cache.shape[2], dim, k_cache.shape[1], scale, out.data_ptr(), out.stride(0), threads, window or 0,
+            softcap or 0.0)
     if status != 0:
         raise RuntimeError(f"paged_decode_attention failed with status {status}")

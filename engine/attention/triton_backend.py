@@ -18,7 +18,7 @@ from types import ModuleType
 
 import torch
 
-from iterserve.engine.attention.backend import AttentionBackend, AttentionMetadata
+from iterserve.engine.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionMetadata, AttentionOptions
 
 GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The interpreter computes bfloat16 wrongly (silently), so CPU runs take fp32 or fp16.
@@ -82,7 +82,8 @@ class TritonBackend(AttentionBackend):
         key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
         self.kernels.kv_cache.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
 
-    def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+               options: AttentionOptions = FULL_ATTENTION) -> torch.Tensor:
         _check_device_dtype("query", query)
         _check_cache(k_cache, v_cache, query)
         if query.dim() != 3:
@@ -100,11 +101,12 @@ class TritonBackend(AttentionBackend):
         if meta.num_seqs == 0:
             return out
         args = (query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale)
+        extra = {"window": options.sliding_window, "softcap": options.logit_softcap}
         if any(n == 1 for n in meta.query_lens_list):
             self.kernels.decode_attention.paged_decode_attention(
-                *args, max_seq_len=meta.max_seq_len, num_splits=self.decode_splits)
+                *args, max_seq_len=meta.max_seq_len, num_splits=self.decode_splits, **extra)
         if meta.max_query_len > 1:
-            self.kernels.extend_attention.extend_attention(*args, max_query_len=meta.max_query_len)
+            self.kernels.extend_attention.extend_attention(*args, max_query_len=meta.max_query_len, **extra)
         return out
 
     def rms_norm(self, x, weight, eps, residual=None):

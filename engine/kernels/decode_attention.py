@@ -7,6 +7,9 @@ with an online softmax in the log2 domain. With NUM_SPLITS > 1 the sequence is c
 contiguous ranges processed in parallel (flash-decoding); a second kernel merges their partial
 outputs through their log-sum-exps. Sequences whose query length is not 1 are skipped, so the
 kernel can be launched over a mixed prefill/decode batch.
+
+A sliding window (`window` > 0) starts the key range at seq_len - window (the splits share that
+range); a logit soft-cap turns each scaled score s into cap * tanh(s / cap) before the softmax.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ MAX_SPLITS = 16
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
-    scale_log2,
+    scale_log2, scale, window, softcap,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -39,7 +42,7 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -48,8 +51,11 @@ def _paged_decode_kernel(
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_row
     if q_len == 1:
         seq_len = tl.load(seq_lens_ptr + seq)
-        per_split = ((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-        start = split * per_split
+        first = seq_len * 0
+        if window > 0:
+            first = tl.maximum(seq_len - window, 0)
+        per_split = ((seq_len - first + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        start = first + split * per_split
         end = tl.minimum(start + per_split, seq_len)
 
         g = tl.arange(0, GROUP_PAD)
@@ -72,7 +78,11 @@ def _paged_decode_kernel(
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = tl.load(k_cache_ptr + (page * stride_kb + slot * stride_kt + kv_head * stride_kh)[:, None]
                         + d[None, :], mask=kv_mask, other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+            if HAS_SOFTCAP:  # cap * tanh(s / cap), tanh(x) = 1 - 2 / (exp(2x) + 1), then to the log2 domain
+                scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+                scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0)) * 1.4426950408889634
+            else:
+                scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
             scores = tl.where(n_mask[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.reduce(scores, 1, MAX_COMBINE))
             alpha = tl.exp2(m_i - m_new)
@@ -151,6 +161,8 @@ def paged_decode_attention(
     scale: float,
     max_seq_len: int,
     num_splits: int | None = None,
+    window: int | None = None,  # a sliding window: the last `window` keys only
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap)
 ) -> None:
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0:
@@ -159,7 +171,7 @@ def paged_decode_attention(
     num_heads = query.shape[1]
     group = num_heads // num_kv_heads
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, min(max_seq_len, window or max_seq_len), query.device)
     num_splits = next_pow2(num_splits)
     dim_pad = next_pow2(head_dim)
     group_pad = max(16, next_pow2(group))  # tl.dot wants at least 16 rows
@@ -174,7 +186,7 @@ def paged_decode_attention(
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         out, part_out, part_lse,
-        scale * 1.4426950408889634,
+        scale * 1.4426950408889634, scale, window or 0, softcap or 0.0,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -184,7 +196,7 @@ def paged_decode_attention(
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        DOT_PRECISION=dot_precision(query.dtype),
+        DOT_PRECISION=dot_precision(query.dtype), HAS_SOFTCAP=softcap is not None,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](

@@ -10,6 +10,10 @@ sequence i: the GROUP query heads sharing that KV head are folded into the tile'
 token r // GROUP, head g * GROUP + r % GROUP), so each K/V tile is loaded once for all of them.
 It takes rows m*BLOCK_M.. and exits when the sequence has fewer (or fewer than MIN_QUERY_LEN
 tokens, which the decode kernel handles).
+
+A sliding window (`window` > 0) hides keys at or before q_pos - window and starts the key loop at
+the tile holding the tile's oldest visible key; a logit soft-cap turns each scaled score s into
+cap * tanh(s / cap) before the softmax.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from iterserve.engine.kernels.common import MAX_COMBINE, SUM_COMBINE, dot_precis
 @triton.jit
 def _extend_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
-    scale_log2,
+    scale_log2, scale, window, softcap,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -32,7 +36,7 @@ def _extend_attention_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MIN_QUERY_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MIN_QUERY_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     m_tile = tl.program_id(1)
@@ -59,7 +63,10 @@ def _extend_attention_kernel(
         # Keys past this tile's last query position are masked for every row: skip them.
         kv_end = tl.minimum(seq_len, context + ((m_tile + 1) * BLOCK_M - 1) // GROUP + 1)
         table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        for tile_start in range(0, kv_end, BLOCK_N):
+        kv_start = kv_end * 0
+        if window > 0:  # keys older than the tile's first query's window are hidden from every row
+            kv_start = tl.maximum(context + (m_tile * BLOCK_M) // GROUP - window + 1, 0) // BLOCK_N * BLOCK_N
+        for tile_start in range(kv_start, kv_end, BLOCK_N):
             n = tile_start + tl.arange(0, BLOCK_N)
             n_mask = n < kv_end
             page = tl.load(table_row + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
@@ -67,13 +74,21 @@ def _extend_attention_kernel(
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = tl.load(k_cache_ptr + (page * stride_kb + slot * stride_kt + kv_head * stride_kh)[:, None]
                         + d[None, :], mask=kv_mask, other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+            if HAS_SOFTCAP:  # cap * tanh(s / cap), tanh(x) = 1 - 2 / (exp(2x) + 1), then to the log2 domain
+                scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+                scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0)) * 1.4426950408889634
+            else:
+                scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
             visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
+            if window > 0:
+                visible = visible & (n[None, :] > q_pos[:, None] - window)
             scores = tl.where(visible, scores, float("-inf"))
-            # Every row sees key 0 in the first tile, so m_new is finite from then on.
+            # Without a window every row sees key 0 in the first tile; with one, a row may see
+            # nothing in this tile yet (m stays -inf): shift by 0 then, so no inf - inf.
             m_new = tl.maximum(m_i, tl.reduce(scores, 1, MAX_COMBINE))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(scores - m_new[:, None])
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_shift)
+            p = tl.exp2(scores - m_shift[:, None])
             l_i = l_i * alpha + tl.reduce(p, 1, SUM_COMBINE)
             v = tl.load(v_cache_ptr + (page * stride_vb + slot * stride_vt + kv_head * stride_vh)[:, None]
                         + d[None, :], mask=kv_mask, other=0.0)
@@ -96,6 +111,8 @@ def extend_attention(
     scale: float,
     max_query_len: int,
     min_query_len: int = 2,
+    window: int | None = None,  # a sliding window: query at p sees keys p - window + 1 .. p
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap)
 ) -> None:
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or max_query_len < min_query_len:
@@ -108,7 +125,7 @@ def extend_attention(
     grid = (num_seqs, triton.cdiv(max_query_len * group, block_m), num_kv_heads)
     _extend_attention_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        scale * 1.4426950408889634,
+        scale * 1.4426950408889634, scale, window or 0, softcap or 0.0,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -116,5 +133,5 @@ def extend_attention(
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        MIN_QUERY_LEN=min_query_len, DOT_PRECISION=dot_precision(query.dtype),
+        MIN_QUERY_LEN=min_query_len, DOT_PRECISION=dot_precision(query.dtype), HAS_SOFTCAP=softcap is not None,
     )

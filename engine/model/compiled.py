@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from iterserve.engine.attention.backend import AttentionMetadata
-    from iterserve.engine.model.llama import DecoderLayer, LlamaModel
+    from iterserve.engine.model.decoder import DecoderLayer
+    from iterserve.engine.model.decoder import DecoderModel as LlamaModel
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ WARM_UP_TOKENS = (1, 4, 24, 64)
 
 
 def _first(model: LlamaModel, input_ids: torch.Tensor, layer: DecoderLayer, positions: torch.Tensor):
-    return model.attention_input(F.embedding(input_ids, model.embed_tokens), None, layer, positions)
+    return model.attention_input(model.embed(input_ids), None, layer, positions)
 
 
 def _between(model: LlamaModel, attn: torch.Tensor, residual: torch.Tensor, layer: DecoderLayer,
@@ -83,7 +83,7 @@ class CompiledForward:
         q, k, v, residual = self.first(model, input_ids, layers[0], positions)
         for i, (k_cache, v_cache) in enumerate(kv_caches):
             backend.write_kv(k, v, k_cache, v_cache, meta)
-            attn = backend.attend(q, k_cache, v_cache, meta, model.scale)
+            attn = backend.attend(q, k_cache, v_cache, meta, model.scale, layers[i].attention)
             _dynamic(attn, residual)
             if i + 1 == len(layers):
                 return self.last(model, attn, residual, layers[i])

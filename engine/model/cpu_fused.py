@@ -30,7 +30,7 @@ from iterserve.engine import native
 
 if TYPE_CHECKING:
     from iterserve.engine.attention.backend import AttentionMetadata
-    from iterserve.engine.model.llama import LlamaModel
+    from iterserve.engine.model.decoder import DecoderModel as LlamaModel
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def forward(model: LlamaModel, input_ids: torch.Tensor, positions: torch.Tensor,
             kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
     """LlamaModel.forward on the fused kernels (see the module docstring)."""
-    from iterserve.engine.model.llama import linear
+    from iterserve.engine.model.layers import linear
 
     cfg = model.config
     heads, kv_heads, head_dim, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
@@ -185,7 +185,7 @@ def forward(model: LlamaModel, input_ids: torch.Tensor, positions: torch.Tensor,
         x, residual = rms_norm(hidden, residual, layer.input_norm, eps)
         query = rotary_write_kv(linear(x, layer.qkv_proj), positions, model.cos_sin, heads, kv_heads, head_dim,
                                 k_cache, v_cache, slots)
-        attn = backend.attend(query, k_cache, v_cache, meta, scale)
+        attn = backend.attend(query, k_cache, v_cache, meta, scale, layer.attention)
         x, residual = rms_norm(linear(attn.reshape(attn.shape[0], model.q_size), layer.o_proj), residual,
                                layer.post_attention_norm, eps)
         hidden = linear(silu_mul(linear(x, layer.gate_up_proj)), layer.down_proj)

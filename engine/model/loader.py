@@ -1,4 +1,6 @@
-"""Load a Llama-architecture model's config and weights from a GGUF file or a HuggingFace directory.
+"""Load a model's config and weights from a GGUF file or a HuggingFace directory (sharded
+safetensors with their index; bf16/fp16/fp32), its family found in the architecture registry
+(architectures.py).
 
 Either way the result uses HuggingFace tensor names and layouts (model.layers.N.self_attn.q_proj
 .weight as [out, in], rotate-half rotary), so the decoder has one weight format to understand.
@@ -10,12 +12,16 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from iterserve.engine.model.gguf_file import GGUFFile
+
+if TYPE_CHECKING:
+    from iterserve.engine.model.moe import MoeSettings
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +44,32 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     name: str = ""
+    # Which family runs it (engine/model/architectures.py) and the options the families use.
+    architecture: str = "llama"
+    # HF's rope_parameters: {"rope_type": "llama3", "factor": 8.0, ...}; None is plain rotary (rope.py)
+    rope_scaling: dict | None = None
+    attention_bias: bool = False  # q/k/v projections have biases (Qwen2, Llama's attention_bias)
+    attention_out_bias: bool = False  # o_proj has a bias (Llama's attention_bias)
+    mlp_bias: bool = False  # gate/up/down projections have biases (Llama's mlp_bias)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before rotary (Qwen3, Gemma 3)
+    sliding_window: int | None = None  # a query at position p sees keys p - window + 1 .. p
+    # Per layer "full_attention" or "sliding_attention"; None: every layer slides when sliding_window is set
+    layer_types: tuple[str, ...] | None = None
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 instead of head_dim ** -0.5
+    hidden_act: str = "silu"  # the gated MLP's activation: silu or gelu_pytorch_tanh
+    local_rope_theta: float | None = None  # the sliding layers' own rope base (Gemma 3), unscaled
+    norm_weight_offset: float = 0.0  # norms scale by offset + w: 1 for Gemma's checkpoints (a GGUF stores 1 + w)
+    moe: MoeSettings | None = None  # the experts of a mixture-of-experts family (engine/model/moe.py)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of this layer's attention, or None for full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
 
 @dataclass
@@ -63,23 +95,6 @@ def load_model(path: Path, show_progress: bool = True, keep_q4_1: bool = False) 
 
 # -- GGUF -------------------------------------------------------------------------------------------
 
-_GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GGUF_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
 
 _TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                      "tokenizer.ggml.scores")
@@ -98,22 +113,29 @@ def open_gguf(path: Path) -> GGUFFile:
 
 
 def load_gguf(path: Path, show_progress: bool = True, keep_q4_1: bool = False) -> LoadedModel:
+    from iterserve.engine.model import architectures
+
     reader = open_gguf(path)
     q4_1: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     meta = gguf_metadata(reader)
-    config = _gguf_config(meta, path)
+    arch = meta.get("general.architecture")
+    family = architectures.for_gguf(arch, path)
+    config = family.gguf_config(meta, arch, path)
     weights: dict[str, torch.Tensor] = {}
     tensors = tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not show_progress,
                    leave=False)
     for tensor in tensors:
-        name = _hf_name(tensor.name)
+        if tensor.name == "rope_freqs.weight":  # llama.cpp's form of Llama 3's rope scaling
+            config.rope_scaling = {"rope_type": "freq_factors",
+                                   "factors": _dequantize(tensor, path).reshape(-1).tolist()}
+            continue
+        name = _hf_name(tensor.name, family)
         if name is None:
-            continue  # e.g. rope_freqs, which only rope-scaled models carry
+            continue
         array = _dequantize(tensor, path)
         blocks = _q4_1_blocks(tensor) if keep_q4_1 else None
-        heads = {"q_proj.weight": config.num_heads, "k_proj.weight": config.num_kv_heads}.get(
-            ".".join(name.split(".")[-2:]))
-        if heads is not None:
+        heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(name.split(".")[-2])
+        if heads is not None and family.gguf_permuted_qk:
             array = unpermute_rows(array, heads)
             if blocks is not None:  # a row permutation: each row keeps its blocks
                 blocks = tuple(unpermute_rows(b, heads) for b in blocks)
@@ -122,51 +144,20 @@ def load_gguf(path: Path, show_progress: bool = True, keep_q4_1: bool = False) -
         if not array.flags.writeable:  # F32/F16 tensors come back as views of the memory-mapped file
             array = array.copy()
         weights[name] = torch.from_numpy(np.ascontiguousarray(array))
-    _check_complete(weights, config, path)
+    if family.adapt_weights is not None:
+        family.adapt_weights(weights, config)
+    _check_complete(weights, config, path, family)
     return LoadedModel(config, weights, path, "gguf", reader, q4_1 if keep_q4_1 else None)
 
 
-def _gguf_config(meta: dict, path: Path) -> ModelConfig:
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"{path}: architecture {arch!r} is not supported; this engine runs llama models")
+def _hf_name(gguf_name: str, family) -> str | None:
+    from iterserve.engine.model.architectures import GGUF_GLOBAL_NAMES
 
-    def get(key: str, default=None):
-        value = meta.get(f"llama.{key}", default)
-        if value is None:
-            raise ModelLoadError(f"{path}: GGUF metadata llama.{key} is missing")
-        return value
-
-    scaling = meta.get("llama.rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        raise ModelLoadError(f"{path}: rope scaling {scaling!r} is not supported")
-    hidden = int(get("embedding_length"))
-    heads = int(get("attention.head_count"))
-    vocab = meta.get("llama.vocab_size")
-    if vocab is None:
-        vocab = len(meta.get("tokenizer.ggml.tokens", ())) or None
-    return ModelConfig(
-        vocab_size=int(vocab) if vocab else 0,  # filled from token_embd when the file does not say
-        hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(meta.get("llama.rope.dimension_count") or hidden // heads),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(get("context_length")),
-        tie_word_embeddings=False,  # decided once the tensors are read
-        name=str(meta.get("general.name", path.stem)),
-    )
-
-
-def _hf_name(gguf_name: str) -> str | None:
-    if gguf_name in _GGUF_GLOBAL_NAMES:
-        return _GGUF_GLOBAL_NAMES[gguf_name]
+    if gguf_name in GGUF_GLOBAL_NAMES:
+        return GGUF_GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in family.gguf_layer_names:
+        return f"model.layers.{parts[1]}.{family.gguf_layer_names[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -241,6 +232,8 @@ def permute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 def load_hf_dir(path: Path, show_progress: bool = True) -> LoadedModel:
     from safetensors import safe_open
 
+    from iterserve.engine.model import architectures
+
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{path} is a directory without config.json; give a HuggingFace model "
@@ -249,10 +242,9 @@ def load_hf_dir(path: Path, show_progress: bool = True) -> LoadedModel:
         raw = json.loads(config_file.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"cannot read {config_file}: {exc}") from exc
-    config = _hf_config(raw, path)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{path} has no *.safetensors weight files")
+    family = architectures.for_hf_config(raw, path)
+    config = family.hf_config(raw, path)
+    files = _safetensors_files(path)
     weights: dict[str, torch.Tensor] = {}
     for file in tqdm(files, desc=f"loading {path.name}", unit="file", disable=not show_progress, leave=False):
         try:
@@ -262,42 +254,39 @@ def load_hf_dir(path: Path, show_progress: bool = True) -> LoadedModel:
                         weights[name] = handle.get_tensor(name)
         except Exception as exc:  # safetensors raises its own SafetensorError
             raise ModelLoadError(f"cannot read weights from {file}: {exc}") from exc
-    _check_complete(weights, config, path)
+    if family.adapt_weights is not None:
+        family.adapt_weights(weights, config)
+    _check_complete(weights, config, path, family)
     return LoadedModel(config, weights, path, "hf")
 
 
-def _hf_config(raw: dict, path: Path) -> ModelConfig:
-    arch = raw.get("model_type")
-    if arch not in ("llama", "mistral"):
-        raise ModelLoadError(f"{path}: model_type {arch!r} is not supported; this engine runs llama models")
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ModelLoadError(f"{path}: rope scaling {rope_type!r} is not supported")
-    try:
-        hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
-        return ModelConfig(
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            name=path.name,
-        )
-    except KeyError as exc:
-        raise ModelLoadError(f"{path / 'config.json'} lacks {exc.args[0]!r}") from exc
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    """The shards the index names (model.safetensors.index.json's weight_map), else every
+    *.safetensors file in the directory."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ModelLoadError(f"cannot read {index}: {exc}") from exc
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f for f in files if not f.is_file() or f.parent != path]
+        if missing:
+            raise ModelLoadError(f"{index} names {missing[0].name}, which is not in {path}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors weight files")
+    return files
 
 
 # -- both ------------------------------------------------------------------------------------------
 
 
-def _check_complete(weights: dict[str, torch.Tensor], config: ModelConfig, path: Path) -> None:
+def _check_complete(weights: dict[str, torch.Tensor], config: ModelConfig, path: Path, family) -> None:
     embed = weights.get("model.embed_tokens.weight")
     if embed is None:
         raise ModelLoadError(f"{path}: the token embedding tensor is missing")
@@ -305,7 +294,7 @@ def _check_complete(weights: dict[str, torch.Tensor], config: ModelConfig, path:
         config.vocab_size = embed.shape[0]
     if "lm_head.weight" not in weights:
         config.tie_word_embeddings = True
-    per_layer = [_GGUF_LAYER_NAMES[k] + ".weight" for k in _GGUF_LAYER_NAMES]
+    per_layer = family.layer_weights(config)
     missing = [f"model.layers.{i}.{name}" for i in range(config.num_layers) for name in per_layer
                if f"model.layers.{i}.{name}" not in weights]
     if "model.norm.weight" not in weights:
