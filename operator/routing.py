@@ -42,6 +42,7 @@ ROUTER_MIN_AVAILABLE = 1
 # both and aiohttp's own shutdown, so the kubelet's SIGKILL never cuts a draining stream.
 ROUTER_PRESTOP_SLEEP_SECONDS = 5
 ROUTER_DRAIN_GRACE_SECONDS = 30
+ROUTER_MAX_HOLD_SECONDS = 300  # a request held at zero replicas waits at most this long for the first one
 ROUTER_TERMINATION_GRACE_SECONDS = ROUTER_PRESTOP_SLEEP_SECONDS + ROUTER_DRAIN_GRACE_SECONDS + 10
 INFERENCE_POOL_GROUP = "inference.networking.k8s.io"
 INFERENCE_POOL_VERSION = "v1"
@@ -93,6 +94,10 @@ def router_args(owner: Owner, spec: InferenceServiceSpec | None = None) -> list[
         args += ["--max-queue", str(settings.max_queue)]
     if settings is not None and settings.queue_timeout_seconds is not None:
         args += ["--queue-timeout", f"{settings.queue_timeout_seconds:g}"]
+    if spec is not None and spec.autoscaling is not None and spec.autoscaling.min_replicas == 0:
+        # The pool may be at zero: the router holds requests (the activator) while the first replica
+        # starts, as long as the engine may take to start, at most ROUTER_MAX_HOLD_SECONDS.
+        args += ["--hold-timeout", str(min(spec.engine.startup_seconds, ROUTER_MAX_HOLD_SECONDS))]
     if spec is not None and spec.disaggregation.enabled:  # the prefill pool is found by the pods' role label
         args += ["--pd-threshold-tokens", str(spec.disaggregation.threshold_tokens),
                  "--pd-max-prefill-queue", str(spec.disaggregation.max_prefill_queue), *kv_auth.args()]

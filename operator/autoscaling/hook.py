@@ -25,6 +25,7 @@ from iterserve.operator.resources import (
     deployment_name,
     secret_name,
 )
+from iterserve.operator.routing import ROUTER, ROUTER_PORT, router_labels, router_name
 
 logger = logging.getLogger("iterserve.autoscaler")
 
@@ -56,10 +57,11 @@ class AutoscalerHook:
         pools = self._pools(kube, ctx.namespace, ctx.name, spec, owner)
         secret = kube.get("Secret", ctx.namespace, secret_name(ctx.name))
         token = admin_token_from_secret(secret, ADMIN_TOKEN_KEY) if secret and controlled_by(secret, owner) else None
+        routers = self._router_urls(kube, ctx.namespace, ctx.name, spec, owner)
         try:
             tick = asyncio.run(asyncio.wait_for(self.autoscaler.tick(
                 namespace=ctx.namespace, name=ctx.name, spec=spec, pools=pools, port=ENGINE_PORT,
-                admin_token=token, kube=kube), self.tick_deadline_s))
+                admin_token=token, kube=kube, router_urls=routers), self.tick_deadline_s))
         except TimeoutError:
             logger.warning("%s/%s: autoscaler tick dropped: not done within %g s", ctx.namespace, ctx.name,
                            self.tick_deadline_s)
@@ -83,6 +85,17 @@ class AutoscalerHook:
             strangers += more
         self._report_strangers(namespace, name, strangers)
         return pools
+
+    def _router_urls(self, kube, namespace: str, name: str, spec, owner: Owner) -> list[str]:
+        """The trusted router pods' URLs, when the pool may be at zero (minReplicas 0 in Router mode):
+        their held-request count is the signal that brings it back (router_source.py)."""
+        if spec.autoscaling is None or spec.autoscaling.min_replicas != 0 or spec.routing.mode != ROUTER:
+            return []
+        selector = ",".join(f"{k}={v}" for k, v in router_labels(name).items())
+        pods, _ = self._trusted(kube, namespace, router_name(name), owner, kube.list_pods(namespace, selector),
+                                kube.list_replica_sets(namespace, selector))
+        return [f"http://{p['status']['podIP']}:{ROUTER_PORT}" for p in pods
+                if (p.get("status") or {}).get("podIP") and not p["metadata"].get("deletionTimestamp")]
 
     @staticmethod
     def _trusted(kube, namespace: str, deployment: str, owner: Owner, pods: list[dict],

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from iterserve import controller_chain
@@ -39,6 +39,7 @@ from iterserve.operator.autoscaling.report import (
     seqs_by_pod,
     start_max_num_seqs,
 )
+from iterserve.operator.autoscaling.router_source import read_held_requests
 from iterserve.operator.autoscaling.settings import (
     DECODE,
     PREFILL,
@@ -154,7 +155,7 @@ class Autoscaler:
             self.metrics.forget(namespace, name)
 
     async def tick(self, *, namespace: str, name: str, spec, pools: Mapping[str, PoolPods], port: int,
-                   admin_token: str | None, kube: Kube) -> AutoscalerTick:
+                   admin_token: str | None, kube: Kube, router_urls: Sequence[str] = ()) -> AutoscalerTick:
         """Reads every pool's pods at once, then decides and acts for each pool the spec has
         (`settings.pools()`, the decode pool first) that `pools` names: engines' max_num_seqs
         through their admin API and, in Builtin mode, the pool's replicas through `kube`
@@ -168,14 +169,17 @@ class Autoscaler:
                  for pool in settings.pools() if pool.role in pools]
         readable = [PodEndpoint(p.name, urls[p.name]) for _, _, infos, urls in found for p in infos
                     if p.ready_at is not None and p.name in urls]
-        read = await self.source_for(spec, namespace).read(readable) if readable else []
+        read, held = await asyncio.gather(
+            self.source_for(spec, namespace).read(readable) if readable else _nothing(),
+            read_held_requests(router_urls, self.scrape_timeout))
         now = self.clock()
         ticks, samples_by_pool = [], []
         for pool, at, infos, urls in found:
             names = {p.name for p in infos}
             samples = [s for s in read if s.pod in names]
             ticks.append(await self._tick_pool(namespace, name, settings, pool, at.replicas, infos, urls, samples,
-                                               admin_token, kube, started, now, named=len(found) > 1))
+                                               admin_token, kube, started, now, named=len(found) > 1,
+                                               held=held if pool.role == DECODE else None))
             samples_by_pool.append(samples)
         main, samples = ticks[0], samples_by_pool[0]
         if self.metrics:
@@ -188,12 +192,13 @@ class Autoscaler:
     async def _tick_pool(self, namespace: str, name: str, settings: Settings, pool: Pool, replicas: int,
                          infos: list[mem.PodInfo], urls: dict[str, str], samples: list[PodSample],
                          admin_token: str | None, kube: Kube, started: float, now: float,
-                         named: bool) -> PoolTick:
+                         named: bool, held: float | None = None) -> PoolTick:
         """One pool's part of a tick: its memory, its decision, its replica and max_num_seqs changes."""
         key = (namespace, name, pool.role)
         memory = self._memories.get(key) or mem.fresh_memory(replicas, started)
         memory = mem.record_samples(memory, samples, [p.name for p in infos], settings, now)
-        decision = decide(settings, mem.state_for(memory, replicas, infos), memory.history, now, pool.role)
+        state = replace(mem.state_for(memory, replicas, infos), held_requests=held)
+        decision = decide(settings, state, memory.history, now, pool.role)
         record = Record()
         if settings.mode == "Builtin" and decision.replicas_changed:
             try:
@@ -208,6 +213,10 @@ class Autoscaler:
         if decision.replicas_changed or record.seqs.applied or record.seqs.failed:
             logger.info("%s/%s: %s%s", namespace, name, f"{pool.role} pool: " if named else "", decision.message)
         return PoolTick(decision, record)
+
+
+async def _nothing() -> list:
+    return []
 
 
 class _Unconfigured:

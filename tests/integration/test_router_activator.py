@@ -5,6 +5,7 @@ byte comes only once a replica serves it."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -13,6 +14,7 @@ import pytest
 
 from iterserve.devcluster.waiting import free_port, wait_for
 from iterserve.engine import metrics as names
+from iterserve.operator.autoscaling.router_source import read_held_requests
 from tests.integration.test_router import _status, metric, process, router
 from tests.server_fixture import iterserve_command
 
@@ -45,6 +47,8 @@ def test_requests_at_zero_replicas_wait_for_the_first_replica_and_overflow_gets_
         for thread in threads:
             thread.start()
         wait_for(lambda: metric(url, names.ROUTER_HELD_REQUESTS) == 3, 20, 0.05, what="three requests held")
+        # What the operator's autoscaler reads from the router pods (plus one router that is not there).
+        assert asyncio.run(read_held_requests([url, f"http://127.0.0.1:{free_port()}"])) == 3
 
         overflow = httpx.post(f"{url}/v1/completions", json=BODY, timeout=10)
         assert overflow.status_code == 503 and overflow.headers["retry-after"] == "1"

@@ -210,3 +210,13 @@ def test_status_carries_the_predicted_and_measured_p95s_in_the_crd_shape():
     assert status.slo.measured_ttft_p95 == pytest.approx(one.ttft_p95_s, rel=0.01)
     assert status.slo.predicted_ttft_p95 <= 0.045 and status.slo.arrival_rate == pytest.approx(10, rel=0.01)
     assert status.held_requests == 0 and not status.slo.fallback
+
+
+def test_a_pool_that_may_be_at_zero_gets_a_router_that_holds_requests():
+    from iterserve.operator.resources import Owner
+    from iterserve.operator.routing import router_args
+
+    owner = Owner("llm", "ns", "uid")
+    args = router_args(owner, ZERO)
+    assert args[args.index("--hold-timeout") + 1] == "300"
+    assert "--hold-timeout" not in router_args(owner, spec())
