@@ -4,6 +4,7 @@ step (block swaps, a flat batch through the model, sampling) at a time."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
@@ -15,6 +16,7 @@ from iterserve.engine.logprobs import record_prompt_logprobs
 from iterserve.engine.model import cpu_dtype
 from iterserve.engine.model.architectures import model_class
 from iterserve.engine.model.loader import ModelConfig, load_model
+from iterserve.engine.model.quant import effective_mode
 from iterserve.engine.model.registry import resolve_model_path
 from iterserve.engine.model.split_step import StepSplit, chunk_cost, original_order
 from iterserve.engine.model.threads import apply_split_threads, apply_step_threads, split_steps
@@ -55,20 +57,24 @@ class ModelRunner(KVTransferCapable):
     def __init__(self, config: EngineConfig, show_progress: bool = True):
         path, self.model_name = resolve_model_path(config.model)
         self.device = pick_device(config.device)
-        loaded = load_model(path, show_progress, keep_q4_1=config.quantization == "int4")
+        try:  # auto: the GGUF's own block formats on CPU (quant.effective_mode)
+            self.quantization = quantization = effective_mode(config.quantization, Path(path).is_file(), self.device,
+                                                              config.dtype)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        loaded = load_model(path, show_progress, keep_q4_1=quantization == "int4", keep_blocks=quantization == "gguf")
         self.tokenizer = Tokenizer.from_path(path, loaded.gguf_reader)
         model_config = loaded.config
-        self.dtype = pick_dtype(config.dtype, self.device, model_config, config.quantization,
-                                config.attention_backend)
+        self.dtype = pick_dtype(config.dtype, self.device, model_config, quantization, config.attention_backend)
         self.config = config = config.resolve(model_config.max_position_embeddings)
         self.block_size = config.block_size
         backend = get_backend(config.attention_backend, self.device)
-        if config.quantization != "none" and (self.device.type != "cpu" or self.dtype != torch.float32):
-            raise ConfigError(f"--quantization {config.quantization} runs torch's CPU weight-only kernels on "
+        if quantization != "none" and (self.device.type != "cpu" or self.dtype != torch.float32):
+            raise ConfigError(f"--quantization {quantization} runs torch's CPU weight-only kernels on "
                               "an fp32 model; use --device cpu --dtype float32 (or auto on CPU)")
         self.model = model_class(model_config).from_weights(
             model_config, loaded.weights, backend, self.device, self.dtype, max_positions=config.max_model_len,
-            quantization=config.quantization, q4_1=loaded.q4_1)
+            quantization=quantization, q4_1=loaded.q4_1, gguf_blocks=loaded.gguf_blocks)
         del loaded
         if config.compile and self.device.type != "cpu":
             raise ConfigError("--compile compiles the CPU path (inductor's C++ code); on CUDA the Triton "
@@ -78,7 +84,7 @@ class ModelRunner(KVTransferCapable):
         bytes_per_block = 2 * model_config.num_layers * kv_shape[0] * kv_shape[1] * kv_shape[2] * self.dtype.itemsize
         self.num_kv_blocks, self.num_cpu_blocks = kv_pool_blocks(config, bytes_per_block // config.block_size)
         config.check_kv_capacity(self.num_kv_blocks, self.num_cpu_blocks)
-        self._kv_layout = KVLayout(model=f"{self.model_name}/{config.quantization}", dtype=str(self.dtype).removeprefix(
+        self._kv_layout = KVLayout(model=f"{self.model_name}/{quantization}", dtype=str(self.dtype).removeprefix(
             "torch."), num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
             head_size=model_config.head_dim, block_size=config.block_size, itemsize=self.dtype.itemsize)
         # Zeros, not empty: padded decode attention multiplies unused slots by 0, and 0 * NaN is NaN.

@@ -437,6 +437,19 @@ def row_bytes(type_id: int, k: int) -> int:
     return k // weights * nbytes
 
 
+def file_blocks(tensor) -> tuple[int, torch.Tensor] | None:
+    """(ggml type, blocks uint8 [rows, row bytes], a copy) of a 2-D GGUF tensor (gguf_file.Tensor) in a
+    format the kernel takes, else None."""
+    if tensor.tensor_type not in FORMATS or len(tensor.shape) != 2:
+        return None
+    cols, rows = (int(n) for n in tensor.shape)  # GGUF lists dims innermost first
+    weights, nbytes = block_shape(tensor.tensor_type)
+    if cols % weights:
+        return None
+    raw = np.array(tensor.data, dtype=np.uint8).reshape(rows, cols // weights * nbytes)
+    return tensor.tensor_type, torch.from_numpy(raw)
+
+
 def linear(x: torch.Tensor, blocks: torch.Tensor, type_id: int, threads: int,
            lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """y = x @ W.T on the kernel, x fp32 [M, K] (unit stride along K), W as blocks uint8 [N, row bytes]."""

@@ -1,5 +1,7 @@
-"""Quantized linears for CPU models (`--quantization int8|int4|w8a8`): weight-only int8 / int4 below,
-and w8a8 (int8 weights and activations) on iterserve's own kernel (W8A8Linear, cpu_w8a8.py).
+"""Quantized linears for CPU models (`--quantization auto|gguf|int8|int4|w8a8`): a GGUF model's own
+block formats (GGUFLinear on cpu_gguf.py's kernel: the default for GGUF files on CPU), weight-only
+int8 / int4 below, and w8a8 (int8 weights and activations) on iterserve's own kernel (W8A8Linear,
+cpu_w8a8.py).
 
 A decode step with few sequences reads every weight once per token; fp32 SmolLM2-135M is 540 MB
 of weights per step, so a small-batch step is bound by memory bandwidth. These linears keep the
@@ -23,9 +25,10 @@ import os
 import torch
 import torch.nn.functional as F
 
-from iterserve.engine.model import cpu_w8a8
+from iterserve.engine.model import cpu_gguf, cpu_w8a8
 
-MODES = ("none", "int8", "int4", "w8a8")
+# auto: a GGUF file on CPU under --dtype auto runs its own block formats (gguf), anything else none
+MODES = ("auto", "none", "gguf", "int8", "int4", "w8a8")
 Q4_GROUP = 32
 # Rows above which a quantized linear uses the dequantized fp32 weight (see the module docstring).
 DENSE_ABOVE = int(os.environ.get("ITERSERVE_QUANT_DENSE_ABOVE", "16"))
@@ -156,8 +159,78 @@ def int4_from_dense(weight: torch.Tensor, dense_above: int = DENSE_ABOVE) -> Int
 def check_supported(mode: str, device: torch.device) -> None:
     if mode not in MODES:
         raise ValueError(f"--quantization must be one of {', '.join(MODES)}; got {mode!r}")
-    if mode != "none" and device.type != "cpu":
+    if mode not in ("none", "auto") and device.type != "cpu":
         raise ValueError(f"--quantization {mode} runs torch's CPU weight-only kernels; use --device cpu")
+
+
+def effective_mode(requested: str, gguf_file: bool, device: torch.device, dtype_option: str) -> str:
+    """The linears a model runs for --quantization requested: auto is gguf (the file's own block
+    formats) for a GGUF file on a CPU under --dtype auto, else none (an explicit --dtype float32
+    keeps the exact dequantized fp32 path, as parity tests want; safetensors stay fp32/bf16)."""
+    check_supported(requested, device)
+    if requested == "auto":
+        return "gguf" if gguf_file and device.type == "cpu" and dtype_option == "auto" else "none"
+    if requested == "gguf" and not gguf_file:
+        raise ValueError("--quantization gguf computes on a GGUF file's own blocks; this model is not a GGUF "
+                         "file: use --quantization auto, none, int8, int4 or w8a8")
+    return requested
+
+
+class GGUFLinear(QuantLinear):
+    """y = x @ W.T with W in the GGUF file's own block formats (cpu_gguf.py), one part per run of
+    output rows sharing a format (a fused q/k/v of Q4_K and Q6_K tensors is two parts). Without the
+    kernel (no C compiler, no AVX2) it multiplies by the dequantized weight (logged once)."""
+
+    kind = "gguf"
+
+    def __init__(self, parts: list[tuple[int, torch.Tensor]]):
+        merged: list[tuple[int, torch.Tensor]] = []
+        for type_id, blocks in parts:
+            if merged and merged[-1][0] == type_id:
+                merged[-1] = (type_id, torch.cat([merged[-1][1], blocks]))
+            else:
+                merged.append((type_id, blocks.contiguous()))
+        self.parts = merged
+        weights, nbytes = cpu_gguf.block_shape(merged[0][0])
+        self.shape = (sum(b.shape[0] for _, b in merged), merged[0][1].shape[1] // nbytes * weights)
+        self.fast = cpu_gguf.load() is not None and all(
+            self.shape[1] % cpu_gguf.block_shape(t)[0] == 0 for t, _ in merged)
+        self._dense = None if self.fast else self.dense
+
+    @property
+    def dense(self) -> torch.Tensor:
+        """The dequantized weight (the fallback's, tests' and tools'; the kernel never builds it)."""
+        return torch.cat([cpu_gguf.dequantize(b, t) for t, b in self.parts])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._dense is not None:
+            return F.linear(x, self._dense.to(x.dtype))
+        x32 = x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
+        if torch.compiler.is_compiling():
+            outs = [torch.ops.iterserve.gguf_linear(x32, b, t) for t, b in self.parts]
+        else:
+            threads = cpu_w8a8.kernel_threads()
+            outs = [cpu_gguf.linear(x32, b, t, threads) for t, b in self.parts]
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)).to(x.dtype)
+
+
+@torch.library.custom_op("iterserve::gguf_linear", mutates_args=())
+def _gguf_op(x: torch.Tensor, blocks: torch.Tensor, type_id: int) -> torch.Tensor:
+    return cpu_gguf.linear(x, blocks, type_id, cpu_w8a8.kernel_threads())
+
+
+@_gguf_op.register_fake
+def _(x: torch.Tensor, blocks: torch.Tensor, type_id: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], blocks.shape[0]))
+
+
+def gguf_linear(blocks: dict[str, tuple[int, torch.Tensor]] | None, names: tuple[str, ...],
+                pop: bool = True) -> GGUFLinear | None:
+    """The file's blocks of the named tensors, fused along the output rows, or None where one of them
+    is not in a block format the kernel takes (that linear then stays dense)."""
+    if not blocks or not all(n in blocks for n in names):
+        return None
+    return GGUFLinear([blocks.pop(n) if pop else blocks[n] for n in names])
 
 
 def quantize_dense(mode: str, weight: torch.Tensor) -> QuantLinear:

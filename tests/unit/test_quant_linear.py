@@ -17,6 +17,7 @@ from iterserve.engine.model.quant import (
     Int8Linear,
     W8A8Linear,
     check_supported,
+    effective_mode,
     quantize_dense,
     quantize_lm_head,
 )
@@ -148,7 +149,7 @@ def test_a_width_the_kernel_cannot_take_runs_the_reference():
 
 
 def test_modes_build_their_linears_and_refuse_unknown_ones(weight):
-    assert set(MODES) == {"none", "int8", "int4", "w8a8"}
+    assert set(MODES) == {"auto", "none", "gguf", "int8", "int4", "w8a8"}
     assert isinstance(quantize_dense("int8", weight), Int8Linear)
     assert isinstance(quantize_dense("int4", weight), Int4Linear)
     assert isinstance(quantize_dense("w8a8", weight), W8A8Linear)
@@ -156,7 +157,18 @@ def test_modes_build_their_linears_and_refuse_unknown_ones(weight):
     assert isinstance(quantize_lm_head("int4", weight), Int8Linear)
     with pytest.raises(ValueError, match="int2"):
         quantize_dense("int2", weight)
-    with pytest.raises(ValueError, match="--quantization must be one of none, int8, int4, w8a8"):
+    with pytest.raises(ValueError, match="--quantization must be one of auto, none, gguf, int8, int4, w8a8"):
         check_supported("fp8", torch.device("cpu"))
     with pytest.raises(ValueError, match="use --device cpu"):
         check_supported("w8a8", torch.device("cuda"))
+
+
+def test_auto_computes_on_the_gguf_blocks_only_for_a_gguf_file_on_cpu_under_dtype_auto():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert effective_mode("auto", True, cpu, "auto") == "gguf"
+    assert effective_mode("auto", True, cpu, "float32") == "none"  # an explicit fp32 stays exact
+    assert effective_mode("auto", False, cpu, "auto") == "none"  # safetensors: fp32 / bf16
+    assert effective_mode("auto", True, cuda, "auto") == "none"
+    assert effective_mode("w8a8", True, cpu, "float32") == "w8a8"
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        effective_mode("gguf", False, cpu, "auto")
