@@ -8,54 +8,23 @@ KEY_FILE`: the router signs the kv_transfer_params it sends, prefill engines sig
 answers, and engines accept only what carries a valid MAC (engine/kv_transfer/auth.py). No one
 else holds the key: the Secret is never listed or watched, and clients never see it.
 
-Pure builders; reconcile.py creates the Secret, resources.py and routing.py add the volume.
+The builders are key_secret.py's, shared with the router's tenant salt key (router_salt.py).
 """
 
 from __future__ import annotations
 
-import base64
-import secrets
-from typing import Any
+from iterserve.operator.key_secret import KEY, KeySecret
 
-KEY = "key"
-KEY_BYTES = 32
-MOUNT_DIR = "/etc/iterserve/kv-auth"
-KEY_FILE = f"{MOUNT_DIR}/{KEY}"
-FLAG = "--kv-auth-key-file"
-VOLUME = "kv-auth"
-
-
-def secret_name(name: str) -> str:
-    return f"{name}-kv-auth"
-
-
-def build_secret(owner) -> dict[str, Any]:
-    """`owner`: resources.Owner. The key is fresh on every call: create it once, never apply it."""
-    from iterserve.operator.resources import (  # resources imports this module
-        common_labels,
-        owner_reference,
-    )
-
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "type": "Opaque",
-        "metadata": {"name": secret_name(owner.name), "namespace": owner.namespace,
-                     "labels": common_labels(owner.name), "ownerReferences": [owner_reference(owner)]},
-        "data": {KEY: base64.b64encode(secrets.token_bytes(KEY_BYTES)).decode()},
-    }
-
-
-def args() -> list[str]:
-    return [FLAG, KEY_FILE]
-
-
-def volume(name: str) -> dict[str, Any]:
-    # 0444: the pods run as a non-root user without fsGroup (the router), and the mount is the
-    # container's own; only the one key is projected.
-    return {"name": VOLUME, "secret": {"secretName": secret_name(name), "defaultMode": 0o444,
-                                       "items": [{"key": KEY, "path": KEY}]}}
-
-
-def mount() -> dict[str, Any]:
-    return {"name": VOLUME, "mountPath": MOUNT_DIR, "readOnly": True}
+KV_AUTH = KeySecret(suffix="kv-auth", mount_dir="/etc/iterserve/kv-auth", flag="--kv-auth-key-file")
+KEY_BYTES = KV_AUTH.key_bytes
+MOUNT_DIR = KV_AUTH.mount_dir
+KEY_FILE = KV_AUTH.key_file
+FLAG = KV_AUTH.flag
+VOLUME = KV_AUTH.volume_name
+secret_name = KV_AUTH.secret_name
+build_secret = KV_AUTH.build_secret  # the key is fresh on every call: create it once, never apply it
+args = KV_AUTH.args
+volume = KV_AUTH.volume
+mount = KV_AUTH.mount
+__all__ = ["KEY", "KEY_BYTES", "MOUNT_DIR", "KEY_FILE", "FLAG", "VOLUME", "secret_name", "build_secret", "args",
+           "volume", "mount"]

@@ -318,6 +318,13 @@ class RoutingSpec(WireModel):
     queue_timeout_seconds: float | None = Field(
         None, ge=0, description=("Router mode: how long a request waits while every replica is saturated before the "
                                  "router answers 429 with Retry-After (`--queue-timeout`; default: the router's)."))
+    tenant_header: str | None = Field(
+        None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9-]*$",
+        description=("Router mode: the request header naming each request's tenant, set by your gateway after it "
+                     "authenticates the client (e.g. X-Tenant). The router sets cache_salt to a keyed hash of it "
+                     "(`--tenant-salt-header`), so tenants never share prefix-cache KV, and answers 400 to a request "
+                     "without it. The key is Secret NAME-tenant-salt, created once and mounted in every router "
+                     "pod. Default: off, one prefix cache shared by all users."))
 
 
 class PrefillPool(WireModel):

@@ -22,7 +22,14 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from iterserve.operator import disaggregation, kv_auth, metrics, network_policy, routing
+from iterserve.operator import (
+    disaggregation,
+    kv_auth,
+    metrics,
+    network_policy,
+    router_salt,
+    routing,
+)
 from iterserve.operator.autoscaling.report import AutoscalerTick, events_for, tuned_max_num_seqs
 from iterserve.operator.autoscaling.settings import settings_from_spec
 from iterserve.operator.kube import Kube, conflict, invalid, not_found, server_message
@@ -187,7 +194,9 @@ class Reconciler:
         manifests, live, leftovers = self._read_live(owner, spec, max_num_seqs, pool_served)
         secret = self.kube.get("Secret", namespace, secret_name(name))
         kv_secret = self.kube.get("Secret", namespace, kv_auth.secret_name(name)) if spec.disaggregation.enabled else None
-        taken = [obj for obj in (*live.values(), secret, kv_secret) if obj is not None and not controlled_by(obj, owner)]
+        salt_secret = self.kube.get("Secret", namespace, router_salt.secret_name(name)) if router_salt.wanted(spec) else None
+        taken = [obj for obj in (*live.values(), secret, kv_secret, salt_secret)
+                 if obj is not None and not controlled_by(obj, owner)]
         if taken:
             return self._report_conflict(body, generation, taken[0])
         stale = [(m, drift(m, live[_key(m)]) if live[_key(m)] else None) for m in manifests]
@@ -202,6 +211,9 @@ class Reconciler:
         if spec.disaggregation.enabled and kv_secret is None and self._create_secret(
                 body, kv_auth.build_secret(owner), "KV transfer key"):
             changes.append(f"created Secret {kv_auth.secret_name(name)}")
+        if router_salt.wanted(spec) and salt_secret is None and self._create_secret(
+                body, router_salt.build_secret(owner), "router tenant salt key"):
+            changes.append(f"created Secret {router_salt.secret_name(name)}")
         service_before = live.get(("Service", service_name(name)))
         for manifest, difference in stale:
             applied, change = self._write(body, manifest, live[_key(manifest)], difference)
@@ -258,7 +270,8 @@ class Reconciler:
         return f"deleted {kind} {obj_name} ({why})"
 
     def _create_secret(self, owner_body: dict, manifest: dict, what: str) -> bool:
-        """Secrets (the admin token, the KV key) are generated once; an existing one is never rewritten."""
+        """Secrets (the admin token, the KV key, the tenant salt key) are generated once; an
+        existing one is never rewritten."""
         try:
             self.kube.create_secret(manifest)
         except Exception as exc:

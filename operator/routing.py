@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from iterserve.operator import kv_auth
+from iterserve.operator import kv_auth, router_salt
 from iterserve.operator.models import ROUTING_UNAVAILABLE, InferenceServiceSpec
 from iterserve.operator.resources import (
     ENGINE_PORT,
@@ -101,6 +101,8 @@ def router_args(owner: Owner, spec: InferenceServiceSpec | None = None) -> list[
     if spec is not None and spec.disaggregation.enabled:  # the prefill pool is found by the pods' role label
         args += ["--pd-threshold-tokens", str(spec.disaggregation.threshold_tokens),
                  "--pd-max-prefill-queue", str(spec.disaggregation.max_prefill_queue), *kv_auth.args()]
+    if spec is not None:  # every replica salts with the one key of Secret NAME-tenant-salt
+        args += router_salt.args(spec)
     return args
 
 
@@ -143,7 +145,8 @@ def build_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[st
         "lifecycle": {"preStop": {"sleep": {"seconds": ROUTER_PRESTOP_SLEEP_SECONDS}}},
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
         "securityContext": {"readOnlyRootFilesystem": True, **restricted_container()},
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *([kv_auth.mount()] if disaggregated else [])],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *([kv_auth.mount()] if disaggregated else []),
+                         *router_salt.mounts(spec)],
     }
     return {
         "apiVersion": "apps/v1",
@@ -162,7 +165,8 @@ def build_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[st
                     **_router_scheduling(spec),
                     "containers": [container],
                     "volumes": [{"name": "tmp", "emptyDir": {}},
-                                *([kv_auth.volume(owner.name)] if disaggregated else [])],
+                                *([kv_auth.volume(owner.name)] if disaggregated else []),
+                                *router_salt.volumes(owner.name, spec)],
                     "enableServiceLinks": False,
                     "securityContext": {"runAsNonRoot": True, "runAsUser": ENGINE_UID, "runAsGroup": ENGINE_UID,
                                         "seccompProfile": {"type": "RuntimeDefault"}},

@@ -280,19 +280,27 @@ def test_router_mode_end_to_end_and_mode_switches(k8s_cluster, operated):
 
 
 def test_switching_router_to_none_removes_the_router(k8s_cluster, operated):
+    """With spec.routing.tenantHeader both router replicas salt with the one key of Secret
+    solo-tenant-salt: a tenant's prefix is cached across replicas, never across tenants. Then
+    Router -> None removes the router objects."""
     from kubernetes import client
 
     from iterserve.operator.kube import Kube
     from iterserve.operator.models import GROUP, PLURAL, VERSION
+    from iterserve.router.discovery import ready_urls
     from tests.operator_fixture import wait_for as wait
 
     namespace, operator, api, tmp = operated
     kube, custom = Kube(api), client.CustomObjectsApi(api)
-    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, inference_service("solo", replicas=1))
+    solo = inference_service("solo", replicas=1)
+    solo["spec"]["routing"] = {"tenantHeader": "X-Tenant"}
+    solo["spec"]["engine"]["extraArgs"] += ["--enable-prefix-caching"]
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, solo)
     router = routing.router_name("solo")
     wait(lambda: kube.get("Service", namespace, "solo") is not None and
          kube.get("Service", namespace, "solo")["spec"]["selector"] == routing.router_labels("solo"), 120, 0.5,
          lambda: f"the Service on the router; operator:\n{operator.log_tail()}")
+    _one_tenant_salt_for_both_router_replicas(kube, namespace, ready_urls, wait)
     custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "solo",
                                           {"spec": {"routing": {"mode": "None"}}})
     wait(lambda: all(kube.get(kind, namespace, router) is None
@@ -302,6 +310,43 @@ def test_switching_router_to_none_removes_the_router(k8s_cluster, operated):
     # and the router pod itself goes (the garbage collector / Deployment deletion)
     wait(lambda: not kube.list_pods(namespace, ",".join(f"{k}={v}" for k, v in routing.router_labels("solo").items())),
          60, 0.5, "the router pod gone")
+
+
+def _one_tenant_salt_for_both_router_replicas(kube, namespace: str, ready_urls, wait) -> None:
+    """Secret solo-tenant-salt, owned by the InferenceService, mounted in both router pods; a
+    prompt sent through one replica for tenant a is a prefix-cache hit through the other for
+    tenant a (the two salt alike), and a miss for tenant b."""
+    secret = kube.get("Secret", namespace, "solo-tenant-salt")
+    assert secret is not None and [o["kind"] for o in secret["metadata"]["ownerReferences"]] == ["InferenceService"]
+    selector = ",".join(f"{k}={v}" for k, v in routing.router_labels("solo").items())
+    urls = wait(lambda: len(ready_urls(kube.list_pods(namespace, selector), "http")) == routing.ROUTER_REPLICAS
+                and sorted(ready_urls(kube.list_pods(namespace, selector), "http")), 60, 0.5, "both router replicas ready")
+    for pod in kube.list_pods(namespace, selector):
+        [volume] = [v for v in pod["spec"]["volumes"] if v["name"] == "tenant-salt"]
+        assert volume["secret"]["secretName"] == "solo-tenant-salt"
+        args = pod["spec"]["containers"][0]["args"]
+        assert args[args.index("--tenant-salt-header") + 1] == "X-Tenant" and "--tenant-salt-key-file" in args
+    [engine] = wait(lambda: ready_urls(kube.list_pods(namespace, selector_string_of("solo")), "http"), 60, 0.5,
+                    "the engine ready")
+    body = {"model": "fake", "prompt": [(7 * i) % 250 + 3 for i in range(64)], "max_tokens": 1}
+
+    def hits_after(url: str, tenant: str) -> float:
+        response = wait(lambda: (r := httpx.post(f"{url}/v1/completions", json=body, headers={"X-Tenant": tenant},
+                                                 timeout=30)).status_code == 200 and r, 30, 0.5,
+                        f"a completion through {url}")
+        assert response.json()["usage"]["prompt_tokens"] == 64
+        return _metric(engine, names.PREFIX_CACHE_HITS_TOTAL)
+
+    before = _metric(engine, names.PREFIX_CACHE_HITS_TOTAL)
+    first, other_replica, other_tenant = hits_after(urls[0], "a"), hits_after(urls[1], "a"), hits_after(urls[1], "b")
+    assert first == before  # nothing cached yet
+    assert other_replica >= first + 48  # the same tenant through the other replica: 3 full blocks hit
+    assert other_tenant == other_replica  # another tenant, the same prompt: no hit
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=2).text
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
 
 
 def selector_string_of(name: str) -> str:
