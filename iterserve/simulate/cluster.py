@@ -21,7 +21,7 @@ import math
 import random
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from iterserve.operator.autoscaling import memory as mem
 from iterserve.operator.autoscaling.policy import PodSample, decide
@@ -374,10 +374,16 @@ class ClusterSim:
             if not pod.accepting:
                 continue
             stats = pod.replica.engine.stats()
+            counters = pod.replica.counters
             pod.samples.append(PodSample(pod.name, self.now, waiting=float(stats.num_waiting),
                                          running=float(stats.num_running), kv_usage=stats.kv_usage,
                                          preemptions_total=float(stats.num_preemptions),
-                                         max_num_seqs=float(stats.max_num_seqs)))
+                                         max_num_seqs=float(stats.max_num_seqs),
+                                         requests_total=float(counters.requests),
+                                         prompt_tokens_total=float(counters.prompt_tokens),
+                                         generation_tokens_total=float(counters.generation_tokens),
+                                         ttft_buckets=counters.ttft.cumulative(),
+                                         itl_buckets=counters.itl.cumulative()))
 
     def _tick(self) -> None:
         """Autoscaler.tick (operator/autoscaling/loop.py) with the pods, the scrape and the
@@ -394,7 +400,9 @@ class ClusterSim:
             if latest is not None and not any(s is latest for s in self.memory.history.get(pod.name, ())):
                 samples.append(latest)
         self.memory = mem.record_samples(self.memory, samples, [p.name for p in infos], settings, now)
-        decision = decide(settings, mem.state_for(self.memory, self.replicas, infos), self.memory.history, now)
+        # The router's held requests (no ready pod yet): the activator's signal, as router_source reads it.
+        state = replace(mem.state_for(self.memory, self.replicas, infos), held_requests=float(len(self.router_queue)))
+        decision = decide(settings, state, self.memory.history, now)
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
 
         replicas_applied = False

@@ -123,13 +123,10 @@ def _predict(engine, server, profile, workload: Workload, replicas: int, max_num
                 break
     steady = records[int(len(records) * WARMUP_FRACTION):]
     ttfts = [r.first_token - r.arrival for r in steady if r.first_token is not None]
-    itls = []
-    for r in steady:
-        if r.first_token is not None and r.tokens > 1:
-            itls.append((r.last_token - r.first_token) / (r.tokens - 1))
+    itl = _p95(list(replica.gaps))  # every gap, as the engine's ITL histogram observes them
     if refused or len(ttfts) < len(steady):
-        return Prediction(replicas, max_num_seqs, math.inf, _p95(itls), len(steady))
-    return Prediction(replicas, max_num_seqs, _p95(ttfts), _p95(list(replica.gaps)), len(steady))
+        return Prediction(replicas, max_num_seqs, math.inf, itl, len(steady))
+    return Prediction(replicas, max_num_seqs, _p95(ttfts), itl, len(steady))
 
 
 @dataclass(frozen=True)

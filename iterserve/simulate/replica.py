@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shlex
 from array import array
+from bisect import bisect_left
 from dataclasses import dataclass, field, replace
 
 from iterserve.engine.config import EngineConfig, kv_pool_blocks
@@ -96,6 +97,42 @@ class RequestRecord:
     error: str | None = None
 
 
+class Histogram:
+    """A Prometheus histogram's cumulative buckets, as the engine's /metrics would show them."""
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+
+    def cumulative(self) -> tuple[tuple[float, float], ...]:
+        out, total = [], 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            total += count
+            out.append((bound, float(total)))
+        return tuple(out)
+
+
+@dataclass
+class EngineCounters:
+    """What the engine's server counts and the autoscaler reads (SLO mode): finished requests,
+    their prompt and generated tokens, and the TTFT and ITL histograms with the engine's buckets."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    ttft: Histogram = field(default_factory=lambda: Histogram(_buckets()[0]))
+    itl: Histogram = field(default_factory=lambda: Histogram(_buckets()[1]))
+
+
+def _buckets() -> tuple[tuple[float, ...], tuple[float, ...]]:
+    from iterserve.engine.server.metrics import ITL_BUCKETS, TTFT_BUCKETS
+
+    return TTFT_BUCKETS, ITL_BUCKETS
+
+
 @dataclass
 class Replica:
     """An engine pod's engine. `step()` runs one engine step at the replica's clock."""
@@ -109,6 +146,7 @@ class Replica:
     in_flight: dict[str, RequestRecord] = field(default_factory=dict)
     gaps: array = field(default_factory=lambda: array("d"))  # every inter-token gap, for ITL percentiles
     steps: int = 0
+    counters: EngineCounters = field(default_factory=EngineCounters)
 
     def __post_init__(self) -> None:
         config = replace(self.config, step_log=None).resolve(self.profile.model_context_len)
@@ -152,9 +190,11 @@ class Replica:
             if output.outputs[0].new_token_ids:
                 if record.first_token is None:
                     record.first_token = end
+                    self.counters.ttft.observe(end - record.arrival)
                 else:
                     gap = end - record.last_token
                     self.gaps.append(gap)
+                    self.counters.itl.observe(gap)
                     record.max_gap = gap if gap > record.max_gap else record.max_gap
                 record.last_token = end
                 record.tokens += 1
@@ -163,6 +203,9 @@ class Replica:
                 record.finish_reason = reason
                 record.status = "aborted" if reason == "abort" else "ok"
                 del self.in_flight[output.request_id]
+                self.counters.requests += 1
+                self.counters.prompt_tokens += record.prompt_tokens
+                self.counters.generation_tokens += record.tokens
         return end
 
     def abort_all(self, why: str) -> list[RequestRecord]:

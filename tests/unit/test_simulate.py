@@ -275,11 +275,20 @@ def test_modes_that_own_no_replicas_never_scale(mode):
     assert doc["summary"]["pods_created"] == 1
 
 
-def test_a_fleet_at_zero_replicas_gives_up_and_says_so():
-    spec = dict(SPEC, replicas=0, autoscaling=dict(SPEC["autoscaling"], minReplicas=0))
+def test_a_fleet_held_at_zero_replicas_gives_up_and_says_so():
+    spec = dict(SPEC, replicas=0, autoscaling=dict(SPEC["autoscaling"], mode="Off"))
     doc = _run(spec, [traces.TraceRequest(0.0, 16, 4)], give_up_after_s=60)
     assert [r["status"] for r in doc["requests"]] == ["unfinished"]
     assert doc["summary"]["simulated_seconds"] == pytest.approx(60, abs=1)
+
+
+def test_a_fleet_at_zero_comes_back_for_a_held_request_and_goes_back_to_zero_when_idle():
+    spec = dict(SPEC, replicas=0, autoscaling=dict(SPEC["autoscaling"], minReplicas=0, scaleToZeroAfterSeconds=30))
+    doc = _run(spec, [traces.TraceRequest(5.0, 16, 4)], startup=Delay.parse(10), tail_s=120)
+    request = doc["requests"][0]
+    assert request["status"] == "ok" and request["ttft_s"] >= 10  # the cold start: held until the pod is ready
+    events = [(e["from"], e["to"], e["reason"]) for e in doc["summary"]["scale_events"]]
+    assert events == [(0, 1, "held_requests"), (1, 0, "idle_scale_to_zero")]
 
 
 def test_the_router_holds_requests_while_every_replica_is_full_then_answers_429():
