@@ -38,12 +38,12 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-import types  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
 
 from bench import common  # noqa: E402
+from bench.kernels import baseline  # noqa: E402
 from iterserve.engine.attention.backend import AttentionMetadata  # noqa: E402
 from iterserve.engine.attention.torch_backend import TorchBackend  # noqa: E402
 from iterserve.engine.model import llama  # noqa: E402
@@ -81,11 +81,11 @@ class Profiled:
         with torch.profiler.record_function(ATTENTION_RANGE):
             return super().write_kv(key, value, k_cache, v_cache, meta)
 
-    def attend(self, query, k_cache, v_cache, meta, scale):
+    def attend(self, query, k_cache, v_cache, meta, scale, *options):
         if not Profiled.profiling:
-            return super().attend(query, k_cache, v_cache, meta, scale)
+            return super().attend(query, k_cache, v_cache, meta, scale, *options)
         with torch.profiler.record_function(ATTENTION_RANGE):
-            return super().attend(query, k_cache, v_cache, meta, scale)
+            return super().attend(query, k_cache, v_cache, meta, scale, *options)
 
 
 class ProfiledBackend(Profiled, TorchBackend):
@@ -93,13 +93,8 @@ class ProfiledBackend(Profiled, TorchBackend):
 
 
 def baseline_backend(rev: str):
-    """The torch backend as it was at git revision rev (its file is self-contained), profiled."""
-    source = subprocess.run(["git", "show", f"{rev}:engine/attention/torch_backend.py"], check=True,
-                            capture_output=True, text=True, cwd=common.REPO).stdout
-    module = types.ModuleType("baseline_torch_backend")
-    sys.modules[module.__name__] = module  # its dataclass looks its module up
-    exec(compile(source, "baseline_torch_backend.py", "exec"), module.__dict__)  # noqa: S102
-    return type("BaselineBackend", (Profiled, module.TorchBackend), {})()
+    """The torch backend as it was at git revision rev, profiled."""
+    return type("BaselineBackend", (Profiled, baseline.torch_backend_class(rev)), {})()
 
 
 def skeleton_model(cfg: ModelConfig, quantization: str) -> LlamaModel:

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
-import types
 
 import torch
 
 from bench import common
+from bench.kernels import baseline
 from iterserve.engine.attention.backend import AttentionMetadata, get_backend
 from iterserve.engine.model.llama import LlamaModel
 from iterserve.engine.model.loader import load_model
@@ -44,13 +43,8 @@ BLOCK = 16
 
 
 def baseline_backend(rev: str):
-    """TorchBackend as it was at rev (its file is self-contained)."""
-    source = subprocess.run(["git", "show", f"{rev}:engine/attention/torch_backend.py"], check=True,
-                            capture_output=True, text=True, cwd=common.REPO).stdout
-    module = types.ModuleType("baseline_torch_backend")
-    sys.modules[module.__name__] = module  # dataclasses resolve string annotations through sys.modules
-    exec(compile(source, "baseline_torch_backend.py", "exec"), module.__dict__)  # noqa: S102
-    return module.TorchBackend()
+    """TorchBackend as it was at rev."""
+    return baseline.torch_backend_class(rev)()
 
 
 def step(model: LlamaModel, caches, seqs: int, context: int):
