@@ -21,7 +21,7 @@ Weight = torch.Tensor | QuantLinear  # a linear's weight: dense [out, in], or qu
 # Up to this many rows a dense linear is computed as (W @ x.T).T. For 2..32 rows MKL's sgemm on
 # x @ W.T packs the weight (the big operand) first, which in a decode step means reading all of
 # it twice: on this AVX2 EPYC, 1 thread, the real model's 2-sequence step took 148 ms that way and
-# 104 ms as W @ x.T, where the weight is streamed once (bench/step_overhead.py, docs/performance.md). One row
+# 104 ms as W @ x.T, where the weight is streamed once (bench/kernels/step_overhead.py, docs/performance.md). One row
 # is a gemv either way; from ~64 rows the matmul is compute-bound and F.linear is as fast.
 SMALL_ROWS = 32
 
