@@ -111,6 +111,24 @@ def test_every_benchmark_module_the_docs_and_makefile_run_exists():
     assert benches and not bad, "benchmark modules that do not exist:\n" + "\n".join(bad)
 
 
+BENCH_PATH = re.compile(r"(?<![\w/.])bench/[a-z0-9_/]+\.py\b")
+
+
+def test_every_benchmark_path_named_in_code_and_docs_exists():
+    """Comments, docstrings, messages and docs that point at a benchmark by its path (recorded
+    results under docs/perf/ keep what their run printed)."""
+    from tests.unit.test_no_history import read_text, tracked_files
+
+    bad = []
+    for path in tracked_files():
+        text = None if path.startswith("docs/perf/") or path == "tests/unit/test_docs.py" else read_text(path)
+        for name in BENCH_PATH.findall(text or ""):
+            if not (REPO / name).is_file():
+                bad.append(f"{path}: {name}")
+    assert not bad, "benchmark paths that do not exist (bench/ is grouped: docs/development.md#benchmarks):\n" + \
+        "\n".join(bad)
+
+
 def test_every_repository_path_the_docs_name_exists():
     bad = [line for path in DOCS for line in missing_paths(path)]
     assert not bad, "paths named in the docs that do not exist:\n" + "\n".join(bad)
