@@ -142,6 +142,9 @@ def build_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[st
         # 503 with Retry-After itself, rather than leave clients a refused connection.
         "readinessProbe": probe("/health"),
         "livenessProbe": probe("/health"),
+        # Liveness begins once /health first answers: a start slower than liveness' 15 s (a loaded
+        # node, a cold image) is not killed in a loop. Up to 120 s.
+        "startupProbe": {**probe("/health"), "periodSeconds": 2, "failureThreshold": 60},
         "lifecycle": {"preStop": {"sleep": {"seconds": ROUTER_PRESTOP_SLEEP_SECONDS}}},
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
         "securityContext": {"readOnlyRootFilesystem": True, **restricted_container()},
