@@ -167,10 +167,8 @@ def plan(engine, server: ServerOptions, profile: StepProfile, workload: Workload
 
     low, high = max(1, min_replicas), max(1, max_replicas)
     top = best(high)
-    if top is None:
-        last = predict(engine, server, profile, workload, high, candidates[-1])
-        return Plan(high, candidates[-1] if itl_s is not None and last.itl_p95_s < math.inf else spec_seqs,
-                    last, False)
+    if top is None:  # no count meets them: the most replicas, at the spec's max_num_seqs (a cap would only lengthen the queue)
+        return Plan(high, spec_seqs, predict(engine, server, profile, workload, high, spec_seqs), False)
     found = top
     while low < high:
         middle = (low + high) // 2
