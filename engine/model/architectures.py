@@ -25,7 +25,7 @@ from iterserve.engine.model.loader import ModelConfig, ModelLoadError
 from iterserve.engine.model.rope import check_rope
 
 # The family modules, imported on the first lookup (each registers itself).
-FAMILY_MODULES = ["llama", "mistral", "qwen2", "qwen3"]
+FAMILY_MODULES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "qwen3_moe"]
 
 # llama.cpp's per-layer tensor names (blk.N.<name>.weight / .bias) -> HF names under model.layers.N.
 GGUF_LAYER_NAMES: Mapping[str, str] = {

@@ -250,7 +250,8 @@ def load_hf_dir(path: Path, show_progress: bool = True) -> LoadedModel:
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    if name.startswith(("model.", "lm_head.")) and "rotary_emb" not in name:
+                    # (language_model.: a multimodal checkpoint's text model, Gemma 3's older layout)
+                    if name.startswith(("model.", "lm_head.", "language_model.")) and "rotary_emb" not in name:
                         weights[name] = handle.get_tensor(name)
         except Exception as exc:  # safetensors raises its own SafetensorError
             raise ModelLoadError(f"cannot read weights from {file}: {exc}") from exc

@@ -24,6 +24,21 @@ import torch
 import torch.nn.functional as F
 
 
+@dataclass(frozen=True, slots=True)
+class MoeSettings:
+    """A mixture-of-experts model's expert layout (ModelConfig.moe)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    normalize_top_k: bool  # renormalise the k routing weights to sum to 1
+    sparse_layers: tuple[bool, ...]  # per layer: experts (True) or a dense MLP of intermediate_size
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be 1..num_experts ({self.num_experts}); got {self.top_k}")
+
+
 @dataclass(slots=True)
 class SharedExpert:
     """An expert every token runs, scaled by sigmoid(gate . x) when the family has that gate."""
