@@ -57,8 +57,13 @@ class EngineConfig:
     max_model_len: int | None = field(default=None, metadata=flag(
         SCHEDULING, "context length (default: the model's, at most 2048)"))
     block_size: int = field(default=16, metadata=flag(SCHEDULING, "tokens per KV block"))
-    kv_cache_memory: str | int = field(default="512MiB", metadata=flag(
-        SCHEDULING, "KV pool size, e.g. 512MiB or 2GiB"))
+    kv_cache_memory: str | int | None = field(default=None, metadata=flag(
+        SCHEDULING, "KV pool size, e.g. 512MiB or 2GiB (default: sized from the memory left after the weights: "
+                    "--gpu-memory-utilization on CUDA; on a CPU a quarter of the available memory, at most 4 GiB "
+                    "and what --max-num-seqs full-length sequences use; engine/kv_memory.py)"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=flag(
+        SCHEDULING, "CUDA: share of the device's memory this engine may use, weights and activations "
+                    "included; the KV pool gets the rest (unless --kv-cache-memory is given)"))
     num_kv_blocks: int | None = field(default=None, metadata=flag(
         SCHEDULING, "KV pool size in blocks (overrides --kv-cache-memory; tests, simulations)"))
     swap_space: str | int = field(default="256MiB", metadata=flag(
@@ -171,6 +176,8 @@ class EngineConfig:
             raise ConfigError(f"--kv-lease-seconds must be above 0, got {self.kv_lease_seconds}")
         if not self.kv_transfer_timeout > 0:
             raise ConfigError(f"--kv-transfer-timeout must be above 0, got {self.kv_transfer_timeout}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not 0 < self.kv_max_leased_fraction <= 1:
             raise ConfigError(f"--kv-max-leased-fraction must be in (0, 1], got {self.kv_max_leased_fraction}")
         if self.role != "both" and self.scheduling == "static":
@@ -216,18 +223,28 @@ class EngineConfig:
                 f"the KV cache holds {num_blocks} blocks x {self.block_size} tokens, of which {usable} blocks = "
                 f"{usable * self.block_size} tokens are usable beyond the {self.watermark:g} watermark, fewer than "
                 f"--max-model-len ({self.max_model_len}): a full-length sequence could never run. "
-                "Raise --kv-cache-memory or lower --max-model-len."
+                "Raise --kv-cache-memory (or --gpu-memory-utilization on CUDA) or lower --max-model-len."
             )
         if self.preemption_mode == "swap" and num_cpu_blocks == 0:
             raise ConfigError("--preemption-mode swap needs a CPU swap pool; set --swap-space above 0")
 
 
-def kv_pool_blocks(config: EngineConfig, kv_bytes_per_token: int) -> tuple[int, int]:
+# The KV pool of an engine that cannot measure its memory (the fake model, the simulator) when
+# --kv-cache-memory is not given; the real model runner sizes it from memory (engine/kv_memory.py).
+DEFAULT_KV_CACHE_MEMORY = 512 * 2**20
+
+
+def kv_pool_blocks(config: EngineConfig, kv_bytes_per_token: int, auto_bytes: int | None = None) -> tuple[int, int]:
     """The KV pools' sizes in blocks, (GPU, CPU swap), for a model that stores kv_bytes_per_token:
-    --num-kv-blocks or --kv-cache-memory; the CPU pool only with swap preemption (--num-cpu-blocks
-    or --swap-space). Every executor and the simulator size their pools here."""
+    --num-kv-blocks, --kv-cache-memory, else auto_bytes (sized from memory by the caller) or
+    DEFAULT_KV_CACHE_MEMORY; the CPU pool only with swap preemption (--num-cpu-blocks or
+    --swap-space). Every executor and the simulator size their pools here."""
     bytes_per_block = kv_bytes_per_token * config.block_size
-    num_blocks = config.num_kv_blocks or parse_size(config.kv_cache_memory, "--kv-cache-memory") // bytes_per_block
+    if config.kv_cache_memory is not None:
+        memory = parse_size(config.kv_cache_memory, "--kv-cache-memory")
+    else:
+        memory = DEFAULT_KV_CACHE_MEMORY if auto_bytes is None else auto_bytes
+    num_blocks = config.num_kv_blocks or memory // bytes_per_block
     num_cpu_blocks = 0
     if config.preemption_mode == "swap":
         num_cpu_blocks = config.num_cpu_blocks

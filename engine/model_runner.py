@@ -11,6 +11,7 @@ import torch
 from iterserve.engine.attention.backend import AttentionMetadata, get_backend
 from iterserve.engine.config import ConfigError, EngineConfig, kv_pool_blocks
 from iterserve.engine.executor import KVTransferCapable
+from iterserve.engine.kv_memory import activation_reserve, auto_kv_bytes, kv_zeros
 from iterserve.engine.kv_transfer.layout import KVLayout
 from iterserve.engine.logprobs import record_prompt_logprobs
 from iterserve.engine.model import cpu_dtype
@@ -82,15 +83,23 @@ class ModelRunner(KVTransferCapable):
 
         kv_shape = (config.block_size, model_config.num_kv_heads, model_config.head_dim)
         bytes_per_block = 2 * model_config.num_layers * kv_shape[0] * kv_shape[1] * kv_shape[2] * self.dtype.itemsize
-        self.num_kv_blocks, self.num_cpu_blocks = kv_pool_blocks(config, bytes_per_block // config.block_size)
+        per_token, auto_bytes, sized = bytes_per_block // config.block_size, None, "--kv-cache-memory/--num-kv-blocks"
+        if config.kv_cache_memory is None and config.num_kv_blocks is None:  # from memory (engine/kv_memory.py)
+            reserve = activation_reserve(config.max_num_batched_tokens, config.max_num_seqs, model_config.hidden_size,
+                                         model_config.intermediate_size, model_config.vocab_size, self.dtype.itemsize)
+            auto_bytes, sized = auto_kv_bytes(self.device.type, per_token, config.max_num_seqs, config.max_model_len,
+                                              reserve, config.gpu_memory_utilization)
+        self.num_kv_blocks, self.num_cpu_blocks = kv_pool_blocks(config, per_token, auto_bytes)
+        logger.info("KV pool: %d blocks = %d tokens (%.0f MiB; %s)", self.num_kv_blocks,
+                    self.num_kv_blocks * config.block_size, self.num_kv_blocks * bytes_per_block / 2**20, sized)
         config.check_kv_capacity(self.num_kv_blocks, self.num_cpu_blocks)
         self._kv_layout = KVLayout(model=f"{self.model_name}/{quantization}", dtype=str(self.dtype).removeprefix(
             "torch."), num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
             head_size=model_config.head_dim, block_size=config.block_size, itemsize=self.dtype.itemsize)
         # Zeros, not empty: padded decode attention multiplies unused slots by 0, and 0 * NaN is NaN.
         self.kv_caches = [
-            (torch.zeros((self.num_kv_blocks, *kv_shape), dtype=self.dtype, device=self.device),
-             torch.zeros((self.num_kv_blocks, *kv_shape), dtype=self.dtype, device=self.device))
+            (kv_zeros((self.num_kv_blocks, *kv_shape), self.dtype, self.device),
+             kv_zeros((self.num_kv_blocks, *kv_shape), self.dtype, self.device))
             for _ in range(model_config.num_layers)
         ]
         pin = self.device.type == "cuda"
