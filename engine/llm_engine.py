@@ -26,7 +26,12 @@ from iterserve.engine.outputs import CompletionOutput, RequestOutput
 from iterserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.engine.scheduler import Scheduler, SchedulerOutput
 from iterserve.engine.sequence import Sequence
-from iterserve.engine.spec_decode import NgramProposer, SpecDecodeStats, SpecPolicy, SpeculativeConfig
+from iterserve.engine.spec_decode import (
+    NgramProposer,
+    SpecDecodeStats,
+    SpecPolicy,
+    SpeculativeConfig,
+)
 from iterserve.engine.step_log import StepLog
 from iterserve.engine.step_result import RequestFailed, StepToken
 from iterserve.engine.stop import cut_at_stop_string
