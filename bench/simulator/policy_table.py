@@ -2,8 +2,11 @@
 start-up delays of 30 s and 100 s. Prints a markdown table and writes JSON.
 
 Policies: static N (no autoscaling), queue threshold only (waiting requests per replica; no
-preemption signal, no KV retune), iterserve's default (the spec's defaults, retune off) and
-default + retune (the spec's defaults as they are: KV retune on).
+preemption signal, no KV retune), iterserve's default (the spec's defaults, retune off),
+default + retune (the spec's defaults as they are: KV retune on), SLO mode (spec.autoscaling.slo
+at the table's targets, planned by the simulator's own replica model) and scale to zero
+(minReplicas 0, scaleToZeroAfterSeconds 180). The trace ends with an idle spell and a small
+wake-up burst, so scale to zero shows its cold starts (requests held while no replica is ready).
 
     .venv/bin/python -m bench.simulator.policy_table --burst-rate 2 --json docs/perf/sim/policy_table.json \
         --plot docs/perf/sim/policy [--quick]
@@ -16,8 +19,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import time
 
+from bench import common
 from iterserve.operator.models import InferenceServiceSpec
 from iterserve.simulate.cli import simulate
 from iterserve.simulate.cluster import Delay, SimOptions
@@ -35,20 +40,28 @@ POLICIES = {
                                                  kvRetune={"enabled": False})},
     "iterserve default": {"autoscaling": dict(AUTOSCALING, kvRetune={"enabled": False})},
     "default + retune": {"autoscaling": dict(AUTOSCALING)},
+    "SLO mode": {"autoscaling": dict(AUTOSCALING, slo={"ttftP95Ms": 2000, "itlP95Ms": 500,
+                                                       "stepProfile": "smollm2-135m-cpu"})},
+    "scale to zero": {"autoscaling": dict(AUTOSCALING, minReplicas=0, scaleToZeroAfterSeconds=180)},
 }
 PLOTTED = {("default + retune", "30"): "default_retune_30s", ("iterserve default", "100"): "default_100s",
            ("queue threshold only", "100"): "queue_only_100s"}
 
 
+IDLE_S, WAKE_REQUESTS, WAKE_S = 360.0, 20, 10.0
+
+
 def workload(minutes: float, seed: int, burst_rate: float) -> list[TraceRequest]:
-    """Quiet (0.4 req/s), a burst, quiet again (each part gamma-distributed gaps, cv 2)."""
+    """Quiet (0.4 req/s), a burst, quiet again (each part gamma-distributed gaps, cv 2), then
+    IDLE_S seconds without a request and WAKE_REQUESTS requests over WAKE_S seconds."""
     prompt, output = Lengths("uniform", 96, 32), Lengths("zipf", 128)
     part = minutes * 60 / 4
     quiet1 = gamma(0.4, 2.0, part, prompt, output, seed)
     burst = gamma(burst_rate, 2.0, 1.5 * part, prompt, output, seed + 1)
     quiet2 = gamma(0.4, 2.0, 1.5 * part, prompt, output, seed + 2)
+    wake = [TraceRequest(4 * part + IDLE_S + WAKE_S * i / WAKE_REQUESTS, 64, 64) for i in range(WAKE_REQUESTS)]
     return ([r for r in quiet1] + [TraceRequest(r.arrival_s + part, r.prompt_tokens, r.output_tokens) for r in burst]
-            + [TraceRequest(r.arrival_s + 2.5 * part, r.prompt_tokens, r.output_tokens) for r in quiet2])
+            + [TraceRequest(r.arrival_s + 2.5 * part, r.prompt_tokens, r.output_tokens) for r in quiet2] + wake)
 
 
 def main() -> int:
@@ -89,21 +102,25 @@ def main() -> int:
                          "replica_seconds": s["replica_seconds"], "scale_events": len(s["scale_events"]),
                          "retunes": len(s["retunes"]), "preemptions": s["preemptions"],
                          "max_ready": s["max_ready_replicas"], "statuses": s["statuses"],
+                         "cold_start_requests": s["held"]["requests"], "cold_start_ttft_p95_s": s["held"]["ttft_p95_s"],
                          "simulated_s": s["simulated_seconds"], "wall_s": round(wall, 2)})
             print(f"  {name:<22} start-up {startup:>3} s: {rows[-1]}", flush=True)
     print(f"\nprofile {profile.name}{' (MODELLED)' if profile.modelled else ''}; {len(trace)} requests over "
           f"{minutes:g} min (burst {args.burst_rate:g} req/s); SLO TTFT <= {slo.ttft_s} s and mean ITL <= {slo.itl_s} s; "
           f"bench wall {time.perf_counter() - started:.0f} s\n")
-    print("| policy | start-up | SLO attainment | TTFT p95 (s) | replica-seconds | scale events | retunes | preemptions | 429s | max ready |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| policy | start-up | SLO attainment | TTFT p95 (s) | replica-seconds | scale events | retunes | preemptions "
+          "| 429s | max ready | cold starts (TTFT p95 s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         startup = "-" if r["startup_s"] is None else f"{r['startup_s']:.0f} s"
+        cold = (f"{r['cold_start_requests']} ({r['cold_start_ttft_p95_s']:.1f})" if r["cold_start_requests"]
+                else "0")
         print(f"| {r['policy']} | {startup} | {r['slo_attainment']:.1%} | {r['ttft_p95_s']:.2f} | "
               f"{r['replica_seconds']:.0f} | {r['scale_events']} | {r['retunes']} | {r['preemptions']} | "
-              f"{r['statuses'].get('rejected', 0)} | {r['max_ready']} |")
+              f"{r['statuses'].get('rejected', 0)} | {r['max_ready']} | {cold} |")
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"profile": profile.name, "minutes": minutes, "burst_rate": args.burst_rate, "requests": len(trace),
+            json.dump({**common.run_record(), "load_average_at_end": list(os.getloadavg()), "profile": profile.name, "minutes": minutes, "burst_rate": args.burst_rate, "requests": len(trace),
                        "slo": vars(slo), "engine": ENGINE, "rows": rows}, handle, indent=2)
     return 0
 

@@ -327,6 +327,7 @@ class ClusterSim:
         ready = [p for p in self.pods if p.accepting]
         if not ready:
             self.router_queue.append(record)  # no endpoint yet: the client waits for one
+            record.held = True
             return False
         pod = self.picker(ready, next(self._rr), self.route_rng)
         if pod is None:  # the router holds it until a replica has room, or answers 429

@@ -95,6 +95,7 @@ class RequestRecord:
     max_gap: float = 0.0
     finish_reason: str | None = None
     error: str | None = None
+    held: bool = False  # arrived while no replica was ready: the router held it (a cold start)
 
 
 class Histogram:

@@ -39,7 +39,7 @@ def request_rows(result: Result) -> list[dict]:
             "generated_tokens": r.tokens, "ttft_s": _r(ttft), "itl_mean_s": _r(itl),
             "itl_max_s": _r(r.max_gap) if r.tokens > 1 else None,
             "e2e_s": _r(r.last_token - r.arrival) if r.status == "ok" else None,
-            "error": r.error,
+            "error": r.error, "held": r.held,
         })
     return rows
 
@@ -75,6 +75,9 @@ def summarize(result: Result, rows: list[dict], slo: Slo) -> dict:
         "decisions": dict(sorted(result.decisions.items())),
         "preemptions": result.preemptions,
         "engine_steps": result.steps,
+        # Cold starts: requests that arrived while no replica was ready and waited for one.
+        "held": {"requests": sum(1 for r in rows if r["held"]),
+                 "ttft_p95_s": _r(percentile([r["ttft_s"] for r in ok if r["held"]], 95))},
     }
 
 
