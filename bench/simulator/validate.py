@@ -231,6 +231,25 @@ def simulated_figures(trace_path: str, profile: profiles.StepProfile, max_num_se
             "simulated_s": s["simulated_seconds"], "wall_s": wall}
 
 
+NOISE_MARGIN = 1.2  # a check passes when the model's error is at most this times the machine's own
+
+
+def noise_checks(matched: dict, floor: dict, sim_error: dict, spread: dict | None) -> dict:
+    """The checks, each against the noise this machine showed in the same recording: the step
+    model's error on the held-out steps (each run's level matched, against the step medians) next
+    to one level-matched real run against the median of the others, on decode-only and mixed
+    steps; the simulator's end-to-end p95 TTFT and throughput against the real runs' mean, next
+    to the real runs' spread ((max - min) / mean). Each passes when error <= NOISE_MARGIN x noise."""
+    out = {}
+    for kind in ("decode_only", "mixed"):
+        out[f"step_model_{kind}"] = (matched[kind].mean, floor[kind])
+    for key, name in (("ttft_p95_s", "end_to_end_ttft_p95"), ("requests_per_s", "end_to_end_throughput")):
+        out[name] = (abs(sim_error[key]), spread[key] if spread else None)
+    return {name: {"error": error, "noise": noise, "ratio": error / noise if noise else None,
+                   "passed": noise is not None and error <= NOISE_MARGIN * noise}
+            for name, (error, noise) in out.items()}
+
+
 def rel(a: float, b: float) -> float:
     return abs(a - b) / b
 
@@ -317,6 +336,8 @@ def main() -> int:
         shapes = candidate_shapes(profile, train)
         print("4-fold CV error on the training steps, the profile's terms + one candidate shape: " + ", ".join(
             f"{k} {v:.2%}" for k, v in shapes.items()))
+        if clock == "cpu":
+            matched_cpu, floor_cpu = matched, floor
         result[clock] = {"profile": json.loads(profile.to_json()),
                          "step_errors_vs_medians": {k: vars(v) for k, v in errors.items()},
                          "step_errors_vs_single": {k: vars(v) for k, v in single_errors.items()},
@@ -353,6 +374,13 @@ def main() -> int:
           f"({sim['simulated_s'] / sim['wall_s']:.0f}x real time)")
     result.update({"real_runs": runs, "simulated": sim, "sim_error_vs_real_mean": sim_error,
                    "real_spread_max_minus_min_over_mean": spread})
+    checks = noise_checks(matched_cpu, floor_cpu, sim_error, spread)
+    print(f"\nchecks (CPU time; pass: error <= {NOISE_MARGIN:g}x the noise measured in the same recording):")
+    for name, check in checks.items():
+        noise = "none (one real run)" if check["noise"] is None else f"{check['noise']:.1%}"
+        print(f"  {name:<26} error {check['error']:.1%}  noise {noise}  "
+              f"{'passed' if check['passed'] else 'FAILED'}")
+    result["checks"] = {"noise_margin": NOISE_MARGIN, **checks}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")

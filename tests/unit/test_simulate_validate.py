@@ -46,13 +46,20 @@ def test_shipped_profile_is_the_fit_of_the_shipped_evidence(tmp_path):
 
     result = json.loads((tmp_path / "v.json").read_text())
     committed = json.loads((EVIDENCE / "validate.json").read_text())
-    for key in ("cpu", "parity", "real_runs", "sim_error_vs_real_mean"):
+    for key in ("cpu", "parity", "real_runs", "sim_error_vs_real_mean", "checks"):
         computed = dict(_numbers(result[key]))
         for path, value in _numbers(committed[key]):
             if not path.endswith("wall_s"):
                 assert computed[path] == pytest.approx(value, rel=1e-9, abs=1e-12), f"{key}{path}"
     cpu = result["cpu"]
     assert result["parity"]["fraction"] >= 0.99
+    # The checks: each error within 1.2x the noise this machine showed in the same recording.
+    checks = {k: v for k, v in result["checks"].items() if k != "noise_margin"}
+    assert set(checks) == {"step_model_decode_only", "step_model_mixed", "end_to_end_ttft_p95", "end_to_end_throughput"}
+    for name, check in checks.items():
+        assert check["passed"] and check["error"] <= 1.2 * check["noise"], (name, check)
+    assert checks["step_model_decode_only"]["noise"] == pytest.approx(cpu["measurement_floor"]["decode_only"])
+    assert "checks (CPU time; pass: error <= 1.2x the noise" in proc.stdout
     assert len(cpu["error_by_measurements"]) == cpu["noise_heldout"]["measurements_per_step"]
     assert sum(g["steps"] for g in cpu["decode_only_residuals"]["by_num_seqs"].values()) \
         == cpu["step_errors_vs_medians"]["decode_only"]["steps"]
