@@ -141,6 +141,10 @@ def hf_rope(raw: dict, path: Path) -> tuple[float, dict | None]:
     """(rope_theta, the scaling parameters or None) from config.json's rope_parameters / rope_scaling,
     as transformers standardises them (original_max_position_embeddings filled where a type needs it)."""
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    partial = rope.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ModelLoadError(f"{path / 'config.json'}: partial_rotary_factor {partial} is not supported; "
+                             "the rotary embedding covers the whole head (1.0)")
     theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind in (None, "default"):
