@@ -22,6 +22,7 @@ from iterserve.engine.detokenizer import append_new_text
 from iterserve.engine.executor import Executor, kv_transfer_of, load_executor
 from iterserve.engine.kv_transfer import params as kv_params
 from iterserve.engine.kv_transfer.connector import KVConnector
+from iterserve.engine.model.generation_config import defaults_of
 from iterserve.engine.outputs import CompletionOutput, RequestOutput
 from iterserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -178,6 +179,8 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt)
         self._check_prompt(prompt_token_ids)
         request_id = request_id or f"req-{next(self._request_counter)}"
+        # generation_config.json's other end-of-sequence ids stop it too (as vLLM does)
+        params = defaults_of(self.tokenizer).with_eos(params, self.tokenizer.eos_token_id)
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -519,6 +522,9 @@ class LLMEngine:
         )
 
     def close(self) -> None:
+        close_executor = getattr(self.executor, "close", None)  # a tensor-parallel group stops its ranks
+        if close_executor is not None:
+            close_executor()
         if self.kv_connector is not None:
             self.kv_connector.close()
         if self._step_log is not None:

@@ -64,8 +64,10 @@ class ModelRunner(KVTransferCapable):
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         loaded = load_model(path, show_progress, keep_q4_1=quantization == "int4", keep_blocks=quantization == "gguf")
+        if quantization == "gguf" and not loaded.gguf_blocks and config.quantization == "auto":
+            self.quantization = quantization = "none"  # an F32/F16 GGUF: nothing in a block format
         self.tokenizer = Tokenizer.from_path(path, loaded.gguf_reader)
-        model_config = loaded.config
+        model_config = self.shard(loaded, config)  # this rank's slice under tensor parallelism, else all of it
         self.dtype = pick_dtype(config.dtype, self.device, model_config, quantization, config.attention_backend)
         self.config = config = config.resolve(model_config.max_position_embeddings)
         self.block_size = config.block_size
@@ -76,6 +78,7 @@ class ModelRunner(KVTransferCapable):
         self.model = model_class(model_config).from_weights(
             model_config, loaded.weights, backend, self.device, self.dtype, max_positions=config.max_model_len,
             quantization=quantization, q4_1=loaded.q4_1, gguf_blocks=loaded.gguf_blocks)
+        self.parallelize(loaded.config)
         del loaded
         if config.compile and self.device.type != "cpu":
             raise ConfigError("--compile compiles the CPU path (inductor's C++ code); on CUDA the Triton "
@@ -134,6 +137,13 @@ class ModelRunner(KVTransferCapable):
             from iterserve.engine.model.compiled import compile_model
 
             compile_model(self.model)  # compiles (or loads from the cache) now, not during the first requests
+
+    def shard(self, loaded, config: EngineConfig) -> ModelConfig:
+        """The config the model is built with (engine/distributed overrides it to slice the weights)."""
+        return loaded.config
+
+    def parallelize(self, full_config: ModelConfig) -> None:
+        """After the model is built: engine/distributed's hook to make its layers talk to the other ranks."""
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[int | None]:

@@ -156,6 +156,9 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         """False once the engine loop has died (or was stopped): what GET /health reports."""
+        group_failure = getattr(self.engine.executor, "group_failure", None)  # a tensor-parallel rank died
+        if group_failure is not None and self.failed is None:
+            self.failed = group_failure
         return self.failed is None and (self._thread.is_alive() or not self._thread.ident)
 
     @property

@@ -1,0 +1,84 @@
+"""One tensor-parallel group's communication: a torch.distributed process group (gloo on CPU, NCCL on
+CUDA) made from its own TCPStore, not the process-global default group, so one process can hold
+several engines one after another (tests) and nothing else in it is affected.
+
+Every collective waits at most `timeout` seconds: a rank that died or hangs ends the step with an
+error (the engine loop then dies and GET /health answers 503) instead of a hang. The time spent
+inside collectives is summed (`seconds`) for the benchmark's share of a step in communication.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch
+
+# How long one collective (and the rendezvous) may wait for the other ranks.
+COLLECTIVE_TIMEOUT_S = 120.0
+
+
+class Group:
+    def __init__(self, rank: int, size: int, device: torch.device, timeout_s: float = COLLECTIVE_TIMEOUT_S):
+        self.rank = rank
+        self.size = size
+        self.device = device
+        self.timeout = timedelta(seconds=timeout_s)
+        self.pg = None
+        self.store = None
+        self.seconds = 0.0  # spent in collectives
+        self.calls = 0
+
+    def open_store(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Rank 0: the rendezvous store (port 0: a free one); returns its port for the other ranks."""
+        from torch.distributed import TCPStore
+
+        self.store = TCPStore(host, port, self.size, self.rank == 0, timeout=self.timeout, wait_for_workers=False)
+        return self.store.port
+
+    def connect(self, host: str = "127.0.0.1", port: int | None = None) -> None:
+        """Join the group (every rank calls it; it returns once all have, or raises after the timeout)."""
+        import torch.distributed as dist
+
+        if self.store is None:
+            self.store = dist.TCPStore(host, port, self.size, False, timeout=self.timeout)
+        if self.device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = self.timeout
+            self.pg = dist.ProcessGroupNCCL(self.store, self.rank, self.size, options)
+        else:
+            options = dist.ProcessGroupGloo._Options()
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            options._timeout = self.timeout
+            self.pg = dist.ProcessGroupGloo(self.store, self.rank, self.size, options)
+        self.barrier()
+
+    def _wait(self, work) -> None:
+        if not work.wait(self.timeout):
+            raise TimeoutError(f"a tensor-parallel collective waited over {self.timeout.total_seconds():.0f} s "
+                               "for the other ranks")
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks, in place; returns the tensor."""
+        start = time.perf_counter()
+        tensor = tensor.contiguous()
+        self._wait(self.pg.allreduce([tensor]))
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's tensor [N, k], joined along the last dimension: [N, size * k]."""
+        start = time.perf_counter()
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        self._wait(self.pg.allgather([parts], [tensor]))
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        return torch.cat(parts, dim=-1)
+
+    def barrier(self) -> None:
+        self.all_reduce(torch.zeros(1, device=self.device))
+
+    def close(self) -> None:
+        self.pg = None
+        self.store = None

@@ -1,0 +1,292 @@
+"""--tensor-parallel-size N on one node: rank 0 is the engine's own process (scheduler, sampler,
+HTTP server); ranks 1..N-1 are processes it spawns, each holding its slice of the weights and its
+shard of the KV cache (engine/model/parallel.py says which slice).
+
+Per step, rank 0 sends each worker ONE message, the step plan: block swaps, the flat batch's token
+ids, positions, query and sequence lengths, block tables, and which hidden rows go through the LM
+head (the sampled rows, then prompt-logprob rows). Every rank then runs the same forward; the
+collectives inside it (two all-reduces per layer, one for the embedding, one gather of the logits)
+meet in the same order on every rank. Only rank 0 samples.
+
+Workers are `python -m iterserve.engine.distributed.tensor_parallel RANK PORT` processes; each
+connects back to rank 0 over 127.0.0.1 (authenticated with a key passed in its environment) and
+receives its config there. The plan travels over that connection, not a collective: an idle server sends nothing, and a worker blocked
+on the pipe sees rank 0's death as end-of-file and exits. Rank 0 watches its workers: a worker that
+exits ends the group (the log line names the rank, its pid and exit code), the next step raises,
+and GET /health answers 503 (AsyncEngine.alive reads `group_failure`). Collectives time out
+(engine/distributed/group.py), so no rank hangs on a dead peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Client, Listener
+
+import torch
+
+from iterserve.engine.attention.backend import AttentionMetadata
+from iterserve.engine.config import ConfigError, EngineConfig
+from iterserve.engine.distributed.group import Group
+from iterserve.engine.model import parallel
+from iterserve.engine.model.loader import ModelConfig
+from iterserve.engine.model_runner import ModelRunner, pick_device
+from iterserve.engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600.0  # a worker's model load and rendezvous
+_KEY_ENV = "ITERSERVE_TP_KEY"  # the local connection's key, handed to the workers in their environment
+
+
+@dataclass
+class StepPlan:
+    swap_out: list[tuple[int, int]]
+    swap_in: list[tuple[int, int]]
+    input_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    logit_rows: list[list[int]]  # each: one compute_logits call over these hidden rows, in order
+
+
+def step_plan(out: SchedulerOutput) -> StepPlan:
+    """What every rank needs to replay rank 0's step (ModelRunner._forward and its logits calls)."""
+    plan = StepPlan(list(out.swap_out), list(out.swap_in), [], [], [], [], [], [])
+    sample_rows: list[int] = []
+    prompt_rows: list[list[int]] = []
+    for chunk in out.chunks:
+        seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
+        offset = len(plan.input_ids)
+        plan.input_ids += seq.token_slice(start, end)
+        plan.positions += range(start, end)
+        plan.query_lens.append(chunk.num_tokens)
+        plan.seq_lens.append(end)
+        plan.block_tables.append(list(seq.block_table))
+        if chunk.sample:
+            sample_rows.extend(range(len(plan.input_ids) - 1 - chunk.num_spec, len(plan.input_ids)))
+        if seq.params.prompt_logprobs is not None and chunk.start < seq.num_prompt_tokens - 1:
+            prompt_rows.append(list(range(offset, offset + chunk.num_tokens)))
+    plan.logit_rows = ([sample_rows] if sample_rows else []) + prompt_rows
+    return plan
+
+
+class ShardRunner(ModelRunner):
+    """A ModelRunner over one rank's slice of the model."""
+
+    def __init__(self, config: EngineConfig, group: Group, show_progress: bool = True):
+        self.group = group
+        if config.compile:
+            raise ConfigError("--tensor-parallel-size with --compile is not supported; drop --compile")
+        super().__init__(config, show_progress=show_progress)
+        self.split = None  # two threads issuing collectives would interleave them differently per rank
+
+    def shard(self, loaded, config: EngineConfig) -> ModelConfig:
+        size = self.group.size
+        if self.quantization != "none":
+            raise ConfigError(f"--tensor-parallel-size {size} with --quantization {self.quantization}: quantized "
+                              "linears are not sharded; use --quantization none (or --dtype float32)")
+        if config.speculative_config and '"draft_model"' in config.speculative_config.replace(" ", ""):
+            raise ConfigError(f"--tensor-parallel-size {size} with a draft model (--speculative-config): the draft "
+                              'is not sharded; use "method": "ngram"')
+        full = loaded.config
+        try:
+            local = parallel.local_config(full, parallel.Shard(self.group.rank, size))
+        except parallel.ParallelConfigError as error:
+            raise ConfigError(str(error)) from None
+        parallel.shard_weights(loaded.weights, full, parallel.Shard(self.group.rank, size))
+        return local
+
+    def parallelize(self, full_config: ModelConfig) -> None:
+        parallel.parallelize(self.model, full_config, self.group)
+
+    @torch.inference_mode()
+    def replay(self, plan: StepPlan) -> None:
+        """A worker's step: rank 0's plan through the same forward and logits calls."""
+        if plan.swap_out:
+            self._copy_blocks(plan.swap_out, self.kv_caches, self.cpu_caches)
+        if plan.swap_in:
+            self._copy_blocks(plan.swap_in, self.cpu_caches, self.kv_caches)
+        if not plan.input_ids:
+            return
+        device = self.device
+        meta = AttentionMetadata.build(plan.query_lens, plan.seq_lens, plan.block_tables, self.block_size, device)
+        hidden = self.model(torch.tensor(plan.input_ids, dtype=torch.long, device=device),
+                            torch.tensor(plan.positions, dtype=torch.long, device=device), self.kv_caches, meta)
+        for rows in plan.logit_rows:
+            self.model.compute_logits(hidden[torch.tensor(rows, device=device)])
+
+
+class TensorParallelRunner(ShardRunner):
+    """Rank 0: the engine's executor. Sends each step's plan, then runs its own share of it."""
+
+    def __init__(self, config: EngineConfig, show_progress: bool = True):
+        size = config.tensor_parallel_size
+        device = pick_device(config.device)
+        if device.type == "cuda" and torch.cuda.device_count() < size:
+            raise ConfigError(f"--tensor-parallel-size {size} needs {size} CUDA devices; {torch.cuda.device_count()} "
+                              "are visible")
+        if device.type == "cuda":
+            torch.cuda.set_device(0)
+        group = Group(0, size, device)
+        self.group_failure: BaseException | None = None
+        self._workers: list[subprocess.Popen] = []
+        self._pipes: list = []
+        self._closing = False
+        _cpu_threads(size)
+        super().__init__(config, group, show_progress)  # loads rank 0's slice first: its KV pool sizes the others
+        worker_config = replace(config, num_kv_blocks=self.num_kv_blocks, num_cpu_blocks=self.num_cpu_blocks,
+                                kv_cache_memory=None)
+        try:
+            self._start_workers(worker_config, group)
+        except BaseException:
+            self.close()
+            raise
+        logger.info("tensor parallelism: %d ranks (%s), pids %s", size, "nccl" if device.type == "cuda" else "gloo",
+                    [os.getpid()] + [p.pid for p in self._workers])
+        threading.Thread(target=self._watch, name="iterserve-tp-watch", daemon=True).start()
+
+    def _start_workers(self, config: EngineConfig, group: Group) -> None:
+        """Spawn ranks 1..N-1 (`python -m` this module: no re-import of the caller's main script), hand
+        each its config over an authenticated local connection, rendezvous, wait for their models."""
+        size, port = group.size, group.open_store()
+        key = secrets.token_bytes(32)
+        listener = Listener(("127.0.0.1", 0), authkey=key)
+        try:
+            env = {**os.environ, _KEY_ENV: key.hex()}
+            for rank in range(1, size):
+                self._workers.append(subprocess.Popen(
+                    [sys.executable, "-m", "iterserve.engine.distributed.tensor_parallel", str(rank),
+                     str(listener.address[1])], env=env))
+            pipes: dict[int, object] = {}
+            accepting = threading.Thread(target=lambda: pipes.update(
+                (pipe.recv(), pipe) for pipe in (listener.accept() for _ in range(size - 1))), daemon=True)
+            accepting.start()
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while accepting.is_alive():
+                accepting.join(0.5)
+                self._check_alive("during start-up")
+                if time.monotonic() > deadline:
+                    raise ConfigError(f"tensor-parallel ranks did not connect within {START_TIMEOUT_S:.0f} s")
+        finally:
+            listener.close()
+        self._pipes = [pipes[rank] for rank in range(1, size)]
+        for rank, pipe in enumerate(self._pipes, start=1):
+            pipe.send((config, rank, size, port, logging.getLogger().level))
+        group.connect(port=port)
+        for rank, pipe in enumerate(self._pipes, start=1):
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not pipe.poll(0.5):
+                self._check_alive("during start-up")
+                if time.monotonic() > deadline:
+                    raise ConfigError(f"tensor-parallel rank {rank} was not ready within {START_TIMEOUT_S:.0f} s")
+            status, detail = pipe.recv()
+            if status != "ready":
+                raise ConfigError(f"tensor-parallel rank {rank} failed to start: {detail}")
+
+    def _check_alive(self, when: str) -> None:
+        for rank, process in enumerate(self._workers, start=1):
+            if process.poll() is not None:
+                raise ConfigError(f"tensor-parallel rank {rank} (pid {process.pid}) exited {when} "
+                                  f"(code {process.returncode}); see its log above")
+
+    def _watch(self) -> None:
+        while not self._closing:
+            for rank, process in enumerate(self._workers, start=1):
+                if process.poll() is not None and not self._closing:
+                    self.group_failure = RuntimeError(
+                        f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.returncode}; "
+                        f"the group of {self.group.size} ranks cannot compute without it")
+                    logger.error("%s: ending the group (GET /health answers 503)", self.group_failure)
+                    self._stop_workers()
+                    return
+            time.sleep(0.2)
+
+    def execute(self, out: SchedulerOutput):
+        if self.group_failure is not None:
+            raise self.group_failure
+        if out.kv_loads:
+            raise ConfigError("KV loads into a tensor-parallel engine are not implemented")
+        plan = step_plan(out)
+        try:
+            for pipe in self._pipes:
+                pipe.send(plan)
+        except (BrokenPipeError, ConnectionResetError, EOFError) as error:
+            raise RuntimeError(f"a tensor-parallel rank is gone: {error}") from error
+        return super().execute(out)
+
+    def enable_kv_store(self) -> None:
+        raise ConfigError("KV transfer of a tensor-parallel engine's sharded cache is not implemented")
+
+    def close(self) -> None:
+        """Stop the workers (the end of the engine)."""
+        self._closing = True
+        self._stop_workers()
+
+    def _stop_workers(self) -> None:
+        for pipe in self._pipes:
+            try:
+                pipe.send(None)
+            except (OSError, EOFError):
+                pass
+        for process in self._workers:
+            try:
+                process.wait(5.0)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(5.0)
+        for pipe in self._pipes:
+            pipe.close()
+        self._pipes = []
+        self.group.close()
+
+
+def _cpu_threads(size: int) -> None:
+    """On a CPU each rank takes its share of the cores, so N ranks do not oversubscribe them."""
+    if not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+
+
+def worker_main(rank: int, address_port: int) -> None:
+    """A spawned rank: fetch its config from rank 0, join the group, load its slice, then replay plans
+    until rank 0 ends (a None message, or end-of-file when rank 0's process is gone)."""
+    pipe = Client(("127.0.0.1", address_port), authkey=bytes.fromhex(os.environ.pop(_KEY_ENV)))
+    pipe.send(rank)
+    config, rank, size, port, log_level = pipe.recv()
+    logging.basicConfig(level=log_level or logging.INFO, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
+    device = pick_device(config.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(rank)
+    _cpu_threads(size)
+    try:
+        group = Group(rank, size, device)
+        group.connect(port=port)
+        runner = ShardRunner(config, group, show_progress=False)
+    except BaseException as error:  # noqa: BLE001 - reported to rank 0, which refuses to start
+        pipe.send(("error", f"{type(error).__name__}: {error}"))
+        return
+    pipe.send(("ready", None))
+    while True:
+        try:
+            plan = pipe.recv()
+        except (EOFError, OSError):
+            logger.error("rank 0 is gone; rank %d exits", rank)
+            return
+        if plan is None:
+            return
+        try:
+            runner.replay(plan)
+        except BaseException:
+            logger.exception("rank %d failed a step; the group ends", rank)
+            os._exit(1)
+
+
+if __name__ == "__main__":
+    worker_main(int(sys.argv[1]), int(sys.argv[2]))
