@@ -15,8 +15,12 @@ Scenarios (each on fresh engine processes):
   (a Go HTTP load generator: `GOBIN=~/.cache/iterserve-peers/bin go install
   github.com/rakyll/hey@v0.1.4`, or on PATH, or $ITERSERVE_HEY), which holds 200 req/s on 2 vCPUs;
   without it (or with --python-loadgen) iterserve's Python loadgen, which reaches ~60 req/s on a
-  busy 2-vCPU machine. The JSON's `loadgen` says which one ran. With --old-router COMMIT, that
-  commit's router runs as a third arm in the same rounds (its figures under `old_router`).
+  busy 2-vCPU machine. The JSON's `loadgen` says which one ran.
+
+With --old-router COMMIT, that commit's router (a git worktree of it) runs beside this one in
+every scenario, its figures under `old_router` in each: in skewed, identical and overhead as one
+more arm of the same alternating rounds; in metrics_500 and saturated on the same engines right
+after this router's run; in kill on fresh engines of its own (the first run's victim is dead).
 
 Round robin is the loadgen spreading requests over the engine URLs itself, as a Kubernetes
 Service would; the router runs as its own process. Round robin and the router take turns in
@@ -26,7 +30,7 @@ loop of max_num_seqs requests per replica for a few seconds.
 
     python -m bench.routing.router --json docs/perf/routing.json --plot docs/perf/routing.png
     python -m bench.routing.router --quick
-    python -m bench.routing.router --scenarios overhead --old-router COMMIT --json docs/perf/routing.json
+    python -m bench.routing.router --old-router COMMIT --json docs/perf/routing.json --plot docs/perf/routing.png
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ class Procs:
     def __init__(self, logdir: Path):
         self.logdir = logdir
         self.procs: list[subprocess.Popen] = []
+        self.router_logs: dict[str, Path] = {}  # router URL -> its log
 
     def start(self, name: str, command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.logdir / f"{name}.log", "wb")  # noqa: SIM115
@@ -88,6 +93,7 @@ class Procs:
         self.start(name, [*(command or ITERSERVE), "router", "--port", str(port), "--endpoints", ",".join(urls),
                           "--seed", "0", "--log-level", "warning", *extra], env)
         url = f"http://127.0.0.1:{port}"
+        self.router_logs[url] = self.logdir / f"{name}.log"
         wait_for(lambda: _ok(f"{url}/ready"), 30, 0.1, what="router ready")
         return url
 
@@ -174,34 +180,63 @@ def compare(args, procs: Procs, scales: list[float], utilization: float) -> dict
     caps = [capacity(args, [u]) for u in urls]
     router = procs.router(urls)
     # The same router process picking round robin: the same proxy hop, only the policy differs.
-    rr_router = procs.router(urls, "--policy", "round-robin")
+    targets = {"round_robin": dict(endpoints=round_robin(urls)), "router": dict(url=router),
+               "round_robin_via_router": dict(url=procs.router(urls, "--policy", "round-robin"))}
+    if args.old_router:  # one more arm of the same rounds
+        command, env = old_router_command(args.old_router)
+        targets["old_router"] = dict(url=procs.router(urls, command=command, env=env))
     rate = utilization * sum(caps)
     rounds = 2 if args.quick else args.rounds
-    arms = ("round_robin", "router", "round_robin_via_router")
+    arms = tuple(targets)
     kept: dict[str, list] = {arm: [] for arm in arms}
     for i in range(rounds):
         order = arms if i % 2 == 0 else arms[::-1]
         for arm in order:
-            target = {"round_robin": dict(endpoints=round_robin(urls)), "router": dict(url=router),
-                      "round_robin_via_router": dict(url=rr_router)}[arm]
             asyncio.run(run_load(spec(args, rate=rate, duration=args.duration / rounds, seed=args.seed + i,
-                                      on_result=kept[arm].append, **target)))
-    rr, routed, rr_proxied = (pooled(kept[arm]) for arm in arms)
-    ratio = rr["ttft_s"]["p95"] / routed["ttft_s"]["p95"] if routed["ttft_s"]["p95"] else None
-    proxied_ratio = rr_proxied["ttft_s"]["p95"] / routed["ttft_s"]["p95"] if routed["ttft_s"]["p95"] else None
+                                      on_result=kept[arm].append, **targets[arm])))
+    rr, routed, rr_proxied = (pooled(kept[arm]) for arm in arms[:3])
+    ratio = _p95_ratio(rr, routed)
     m = router_metrics(router)
-    return {"step_time_scales": scales, "capacity_per_replica_per_s": caps, "utilization": utilization,
-            "rate_per_s": rate, "rounds": rounds, "round_robin": rr, "router": routed,
-            "round_robin_via_router": rr_proxied, "p95_ttft_ratio": ratio,
-            "p95_ttft_ratio_same_hop": proxied_ratio,
-            "router_picks": {k.split('"')[0].split("=")[-1].rstrip("}"): v for k, v in m.items()
-                             if k.startswith(names.ROUTER_PICKS_TOTAL)}}
+    out = {"step_time_scales": scales, "capacity_per_replica_per_s": caps, "utilization": utilization,
+           "rate_per_s": rate, "rounds": rounds, "round_robin": rr, "router": routed,
+           "round_robin_via_router": rr_proxied, "p95_ttft_ratio": ratio,
+           "p95_ttft_ratio_same_hop": _p95_ratio(rr_proxied, routed),
+           "router_picks": {k.split('"')[0].split("=")[-1].rstrip("}"): v for k, v in m.items()
+                            if k.startswith(names.ROUTER_PICKS_TOTAL)}}
+    if args.old_router:
+        old = pooled(kept["old_router"])
+        out["old_router"] = {**old, "p95_ttft_ratio": _p95_ratio(rr, old),
+                             "p95_ttft_ratio_same_hop": _p95_ratio(rr_proxied, old)}
+        out["old_router_commit"] = _full_commit(args.old_router)
+    return out
+
+
+def _p95_ratio(baseline: dict, routed: dict) -> float | None:
+    return baseline["ttft_s"]["p95"] / routed["ttft_s"]["p95"] if routed["ttft_s"]["p95"] else None
+
+
+def with_old_router(args, run_arm) -> dict:
+    """run_arm(command, env) -> one router's figures (command None: this checkout's router). With
+    --old-router, the same figures of that commit's router under `old_router`, run after this one."""
+    out = run_arm(None, None)
+    if args.old_router:
+        command, env = old_router_command(args.old_router)
+        out["old_router"] = run_arm(command, env)
+        out["old_router_commit"] = _full_commit(args.old_router)
+    return out
+
+
+def _full_commit(commit: str) -> str:
+    return subprocess.run(["git", "rev-parse", commit], cwd=common.REPO, capture_output=True, text=True).stdout.strip()
 
 
 def scenario_skewed(args, procs: Procs) -> dict:
     out = compare(args, procs, [args.scale, 2 * args.scale], 0.6)
     out["target"] = ">= 3"
     out["pass"] = out["p95_ttft_ratio"] is not None and out["p95_ttft_ratio"] >= 3
+    if "old_router" in out:
+        ratio = out["old_router"]["p95_ttft_ratio"]
+        out["old_router"]["pass"] = ratio is not None and ratio >= 3
     return out
 
 
@@ -209,6 +244,8 @@ def scenario_identical(args, procs: Procs) -> dict:
     out = compare(args, procs, [args.scale, args.scale], 0.8)
     out["target"] = ">= 1.2"
     out["pass"] = judge("identical", out)
+    if "old_router" in out:
+        out["old_router"]["pass"] = judge("identical", out["old_router"])
     return out
 
 
@@ -234,14 +271,18 @@ def scenario_metrics_500(args, procs: Procs) -> dict:
     urls = [procs.engine(f"engine{i}", args.scale, args.max_num_seqs) for i in range(2)]
     faulty = procs.fault_proxy(urls[1])
     caps = capacity(args, urls)
-    router = procs.router([urls[0], faulty])
-    report = asyncio.run(run_load(spec(args, router, rate=0.6 * caps)))
-    m = router_metrics(router)
-    to_faulty = _engine_requests(urls[1])
-    return {"rate_per_s": 0.6 * caps, "load": load(report), "client_5xx": _five_xx(report),
-            "stale_endpoints_at_end": m.get(names.ROUTER_STALE_ENDPOINTS),
-            "requests_served_by_the_replica_with_failing_metrics": to_faulty,
-            "target": "0 client 5xx", "pass": _five_xx(report) == 0 and report["failed"] == 0}
+
+    def run_arm(command, env) -> dict:
+        router = procs.router([urls[0], faulty], command=command, env=env)
+        served_before = _engine_requests(urls[1])
+        report = asyncio.run(run_load(spec(args, router, rate=0.6 * caps)))
+        m = router_metrics(router)
+        return {"rate_per_s": 0.6 * caps, "load": load(report), "client_5xx": _five_xx(report),
+                "stale_endpoints_at_end": m.get(names.ROUTER_STALE_ENDPOINTS),
+                "requests_served_by_the_replica_with_failing_metrics": _engine_requests(urls[1]) - served_before,
+                "target": "0 client 5xx", "pass": _five_xx(report) == 0 and report["failed"] == 0}
+
+    return with_old_router(args, run_arm)
 
 
 def _engine_requests(url: str) -> float:
@@ -253,19 +294,30 @@ def _engine_requests(url: str) -> float:
 def scenario_saturated(args, procs: Procs) -> dict:
     urls = [procs.engine(f"engine{i}", args.scale, args.max_num_seqs) for i in range(2)]
     caps = capacity(args, urls)
-    router = procs.router(urls, "--queue-timeout", "1", "--max-queue", str(args.max_num_seqs))
-    report = asyncio.run(run_load(spec(args, router, rate=3 * caps, duration=args.duration / 2)))
-    statuses = dict(report["errors_by_status"])
-    statuses["200"] = report["completed"]
-    return {"rate_per_s": 3 * caps, "statuses": statuses, "load": load(report),
-            "target": "only 200 and 429", "pass": set(statuses) <= {"200", "429"}}
+
+    def run_arm(command, env) -> dict:
+        router = procs.router(urls, "--queue-timeout", "1", "--max-queue", str(args.max_num_seqs),
+                              command=command, env=env)
+        report = asyncio.run(run_load(spec(args, router, rate=3 * caps, duration=args.duration / 2)))
+        statuses = dict(report["errors_by_status"])
+        statuses["200"] = report["completed"]
+        return {"rate_per_s": 3 * caps, "statuses": statuses, "load": load(report),
+                "target": "only 200 and 429", "pass": set(statuses) <= {"200", "429"}}
+
+    return with_old_router(args, run_arm)
 
 
 def scenario_kill(args, procs: Procs) -> dict:
-    urls = [procs.engine(f"engine{i}", args.scale, args.max_num_seqs) for i in range(3)]
+    return with_old_router(args, lambda command, env: _kill_run(args, procs, command, env))
+
+
+def _kill_run(args, procs: Procs, command: list[str] | None, env: dict[str, str] | None) -> dict:
+    """Fresh engines each run: the victim of a run stays dead."""
+    first = len(procs.procs)
+    urls = [procs.engine(f"engine{first + i}", args.scale, args.max_num_seqs) for i in range(3)]
+    victim = procs.procs[first]
     caps = capacity(args, urls)
-    router = procs.router(urls)
-    victim = procs.procs[0]
+    router = procs.router(urls, command=command, env=env)
     killed: dict = {}
 
     async def killer():
@@ -281,7 +333,7 @@ def scenario_kill(args, procs: Procs) -> dict:
 
     report = asyncio.run(both())
     failed_fraction = report["failed"] / report["requests"]
-    ejected = _ejected_at(procs.logdir / "router.log", urls[0])
+    ejected = _ejected_at(procs.router_logs[router], urls[0])
     ejected = None if ejected is None else ejected - killed["at"]
     m = router_metrics(router)
     return {"rate_per_s": 0.6 * caps, "load": load(report), "failed_fraction": failed_fraction,
@@ -461,8 +513,11 @@ def scenario_overhead(args, procs: Procs) -> dict:
             one[arm] += _one_at_a_time(args, hey, targets[arm], 50 if args.quick else 100, args.seed + i)
     out = _overhead_figures(args, hey, rate, rounds, seconds, e2e, ttft, statuses, started, cpu, per_round, one)
     if args.old_router:
-        out["old_router_commit"] = subprocess.run(["git", "rev-parse", args.old_router], cwd=common.REPO,
-                                                  capture_output=True, text=True).stdout.strip()
+        out["old_router_commit"] = _full_commit(args.old_router)
+        out["old_router"]["pass"] = judge("overhead", {**out, **out["old_router"],
+                                                       "achieved_rate_per_s": {
+                                                           "direct": out["achieved_rate_per_s"]["direct"],
+                                                           "router": out["achieved_rate_per_s"]["old_router"]}})
     out["pass"] = judge("overhead", out)
     return out
 
@@ -507,7 +562,7 @@ def _overhead_figures(args, hey, rate, rounds, seconds, e2e, ttft, statuses, sta
 def plot(results: dict, path: str) -> None:
     plt = common.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    labels, rr, rr_hop, routed = [], [], [], []
+    labels, rr, rr_hop, routed, old_routed = [], [], [], [], []
     runs = []
     for name in ("skewed", "identical"):
         if name in results:
@@ -521,14 +576,19 @@ def plot(results: dict, path: str) -> None:
         rr.append(r["round_robin"]["ttft_s"]["p95"])
         rr_hop.append((r.get("round_robin_via_router") or {}).get("ttft_s", {}).get("p95") or 0)
         routed.append(r["router"]["ttft_s"]["p95"])
+        old_routed.append((r.get("old_router") or {}).get("ttft_s", {}).get("p95") or 0)
     x = range(len(labels))
-    axes[0].bar([i - 0.27 for i in x], rr, 0.27, label="round robin (client)", color="#999999")
-    axes[0].bar(list(x), rr_hop, 0.27, label="round robin (router process)", color="#cccccc")
-    axes[0].bar([i + 0.27 for i in x], routed, 0.27, label="router (least load)", color="#1f77b4")
+    bars = [(rr, "round robin (client)", "#999999"), (rr_hop, "round robin (router process)", "#cccccc"),
+            (routed, "router (least load)", "#1f77b4")]
+    if any(old_routed):
+        bars.append((old_routed, "former router, same rounds", "#ff7f0e"))
+    width = 0.8 / len(bars)
+    for k, (values, label, color) in enumerate(bars):
+        axes[0].bar([i + (k - (len(bars) - 1) / 2) * width for i in x], values, width, label=label, color=color)
     axes[0].set_xticks(list(x), labels)
     axes[0].set_ylabel("p95 TTFT (s)")
     axes[0].set_title("p95 time to first token")
-    axes[0].set_ylim(0, 1.4 * max([*rr, *rr_hop, *routed, 0.001]))  # room for the legend
+    axes[0].set_ylim(0, 1.4 * max([*rr, *rr_hop, *routed, *old_routed, 0.001]))  # room for the legend
     axes[0].legend(fontsize=8, loc="upper left")
     lines = []
     for name in ("metrics_500", "saturated", "kill", "overhead"):
@@ -544,6 +604,11 @@ def plot(results: dict, path: str) -> None:
                                         f"{(r.get('loadgen') or {}).get('tool', 'loadgen').split(' ')[0]})"
                                         + (f";\n  old router {r['old_router']['added_p50_ms']:.2f} ms"
                                            if "old_router" in r else "")}[name](r)
+        old = r.get("old_router")
+        if old is not None and name != "overhead":
+            figure += ";\n  former router: " + {"metrics_500": lambda o: f"client 5xx {o['client_5xx']}",
+                                                  "saturated": lambda o: f"statuses {o['statuses']}",
+                                                  "kill": lambda o: f"failed {o['failed_fraction']:.2%}"}[name](old)
         lines.append(f"{name}: {figure} [{'pass' if r['pass'] else 'FAIL'}]")
     axes[1].axis("off")
     axes[1].text(0, 0.9, "\n\n".join(lines), va="top", fontsize=9, family="monospace", wrap=True)
@@ -573,8 +638,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hey-streams", type=int, default=20,
                         help="overhead: one-worker hey processes sharing the rate, evenly staggered (default 20)")
     parser.add_argument("--old-router", metavar="COMMIT",
-                        help="overhead: also run the router of this commit (from a git worktree), side by side "
-                             "in the same rounds")
+                        help="also run the router of this commit (from a git worktree) beside this one in every "
+                             "scenario; its figures under old_router")
     parser.add_argument("--python-loadgen", action="store_true",
                         help="overhead: use iterserve's Python loadgen even when hey is installed")
     args = parser.parse_args(argv)
@@ -626,6 +691,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _summary(name: str, r: dict) -> str:
+    text = _summary_one(name, r)
+    old = r.get("old_router")
+    if old is None or name == "overhead":  # the overhead's line names the old router itself
+        return text
+    if name in ("skewed", "identical"):
+        figure = (f"p95 TTFT {old['ttft_s']['p95']:.3f} s = {old['p95_ttft_ratio']:.2f}x "
+                  f"({old['p95_ttft_ratio_same_hop']:.2f}x against the same-hop round robin)")
+    else:
+        figure = _summary_one(name, old)
+    return f"{text}; old router ({r.get('old_router_commit', '?')[:10]}): {figure} [{'pass' if old['pass'] else 'FAIL'}]"
+
+
+def _summary_one(name: str, r: dict) -> str:
     if name in ("skewed", "identical"):
         same_hop = ("" if "round_robin_via_router" not in r else  # older runs had no third arm
                     f" (round robin through the same router process: "
