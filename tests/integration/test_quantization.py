@@ -19,7 +19,13 @@ import torch
 from iterserve.engine.attention.backend import AttentionMetadata, get_backend
 from iterserve.engine.model.llama import LlamaModel
 from iterserve.engine.model.loader import load_model
-from iterserve.engine.model.quant import Int4Linear, Int8Linear, W8A8Linear, int4_from_dense
+from iterserve.engine.model.quant import (
+    GGUFLinear,
+    Int4Linear,
+    Int8Linear,
+    W8A8Linear,
+    int4_from_dense,
+)
 from iterserve.engine.model.registry import resolve_model_path
 from iterserve.engine.model.tokenizer import Tokenizer
 
@@ -30,8 +36,8 @@ from .test_hf_parity import CHATS, MAX_NEW_TOKENS, RAW_PROMPTS
 # int8 573/588 (0.974), max logit error 2.26; int4 574/588 (0.976), 0.99; w8a8 518/588 (0.881),
 # 11.72 (activation rounding is most of that; with 7-bit activations, earlier: 0.755 / 18.6). The
 # fp32 reference runs the dequantized Q4_1 weights, so int4 (the same blocks) is closest.
-MIN_AGREEMENT = {"int8": 0.95, "int4": 0.95, "w8a8": 0.85}
-MAX_LOGIT_ERROR = {"int8": 4.0, "int4": 2.5, "w8a8": 15.0}
+MIN_AGREEMENT = {"int8": 0.95, "int4": 0.95, "w8a8": 0.85, "gguf": 0.95}
+MAX_LOGIT_ERROR = {"int8": 4.0, "int4": 2.5, "w8a8": 15.0, "gguf": 4.0}
 
 
 def test_int8_and_int4_linears_match_their_dequantized_weights():
@@ -121,10 +127,11 @@ def _greedy(model: LlamaModel, prompts: list[list[int]], new_tokens: int) -> lis
 def models():
     torch.set_num_threads(1)
     path = resolve_model_path(None)[0]
-    loaded = load_model(path, show_progress=False, keep_q4_1=True)  # once: from_weights only pops
+    loaded = load_model(path, show_progress=False, keep_q4_1=True, keep_blocks=True)  # once: from_weights only pops
     built = {mode: LlamaModel.from_weights(loaded.config, dict(loaded.weights), get_backend("torch"),
                                            torch.device("cpu"), torch.float32, max_positions=512,
-                                           quantization=mode, q4_1=dict(loaded.q4_1))
+                                           quantization=mode, q4_1=dict(loaded.q4_1),
+                                           gguf_blocks=dict(loaded.gguf_blocks))
              for mode in ("none", *MIN_AGREEMENT)}
     tokenizer = Tokenizer.from_gguf(path)
     return built, RAW_PROMPTS + [tokenizer.apply_chat_template(c) for c in CHATS], tokenizer
@@ -137,6 +144,7 @@ def test_quantized_models_agree_with_fp32_on_the_parity_prompts(models):
     reference = built["none"]
     assert isinstance(built["int4"].layers[0].qkv_proj, Int4Linear)  # the file's own Q4_1 blocks
     assert isinstance(built["w8a8"].layers[0].down_proj, W8A8Linear) and isinstance(built["w8a8"].lm_head, W8A8Linear)
+    assert isinstance(built["gguf"].layers[0].gate_up_proj, GGUFLinear) and isinstance(built["gguf"].lm_head, GGUFLinear)
     stats = {mode: {"agree": 0, "total": 0, "max_logit_error": 0.0} for mode in MIN_AGREEMENT}
 
     def compare(mode: str, got: torch.Tensor, ref: torch.Tensor) -> None:
