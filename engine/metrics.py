@@ -122,3 +122,19 @@ ENGINE_METRIC_NAMES += [KV_TRANSFER_SECONDS, KV_TRANSFER_BYTES, KV_TRANSFER_FAIL
 # InferenceService's prefill pool on it per replica (spec.disaggregation.prefill.scalingSignal).
 QUEUED_PROMPT_TOKENS = "iterserve_scheduler_queued_prompt_tokens"
 ENGINE_METRIC_NAMES += [QUEUED_PROMPT_TOKENS]
+
+# Speculative decoding (engine/spec_decode), counted since start (vLLM's meaning): verification
+# rounds with proposals (drafts), proposed tokens, accepted tokens, and accepted tokens per
+# proposal position (label position: 0 is the first proposed token). Acceptance rate =
+# accepted / draft tokens; mean accepted length = 1 + accepted / drafts.
+SPEC_DECODE_DRAFTS_TOTAL = "llm_spec_decode_drafts_total"
+SPEC_DECODE_DRAFT_TOKENS_TOTAL = "llm_spec_decode_draft_tokens_total"
+SPEC_DECODE_ACCEPTED_TOKENS_TOTAL = "llm_spec_decode_accepted_tokens_total"
+SPEC_DECODE_ACCEPTED_TOKENS_PER_POS_TOTAL = "llm_spec_decode_accepted_tokens_per_pos_total"
+VLLM_SPEC_DECODE_NUM_DRAFTS = "vllm:spec_decode_num_drafts"
+VLLM_SPEC_DECODE_NUM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+VLLM_SPEC_DECODE_NUM_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens"
+VLLM_SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+SPEC_DECODE_POSITION_LABEL = "position"
+ENGINE_METRIC_NAMES += [SPEC_DECODE_DRAFTS_TOTAL, SPEC_DECODE_DRAFT_TOKENS_TOTAL, SPEC_DECODE_ACCEPTED_TOKENS_TOTAL,
+                        SPEC_DECODE_ACCEPTED_TOKENS_PER_POS_TOTAL]

@@ -200,8 +200,10 @@ class _SchedulerCollector(Collector):
                      s.queued_prompt_tokens if s else 0)
         yield _gauge(names.WAITING_FOR_KV_REQUESTS, "Decode role: requests holding blocks while their prompt KV is "
                      "pulled.", label, s.num_waiting_for_kv if s else 0)
+        yield from _spec_decode_counters(s, label, own=True)
         if not self.vllm_names:
             return
+        yield from _spec_decode_counters(s, label, own=False)
         yield _gauge(names.VLLM_WAITING, "Requests waiting (vLLM name).", label, waiting)
         yield _gauge(names.VLLM_RUNNING, "Requests running (vLLM name).", label, running)
         yield _gauge(names.VLLM_KV_USAGE, "KV cache usage, 0..1 (vLLM name).", label, kv)
@@ -214,6 +216,25 @@ class _SchedulerCollector(Collector):
                                      labels=[names.MODEL_LABEL, "block_size", "num_gpu_blocks"])
             info.add_metric([self.model_name, str(s.block_size), str(s.num_kv_blocks)], 1)
             yield info
+
+
+def _spec_decode_counters(s: EngineStats | None, label: list[str], own: bool) -> Iterable[Metric]:
+    """Speculative decoding's counters under our names (own) or vLLM's; zeros while it is off."""
+    drafts, tokens, accepted = (s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens) if s else (0,) * 3
+    if own:
+        names_ = (names.SPEC_DECODE_DRAFTS_TOTAL, names.SPEC_DECODE_DRAFT_TOKENS_TOTAL,
+                  names.SPEC_DECODE_ACCEPTED_TOKENS_TOTAL, names.SPEC_DECODE_ACCEPTED_TOKENS_PER_POS_TOTAL)
+    else:
+        names_ = (names.VLLM_SPEC_DECODE_NUM_DRAFTS, names.VLLM_SPEC_DECODE_NUM_DRAFT_TOKENS,
+                  names.VLLM_SPEC_DECODE_NUM_ACCEPTED_TOKENS, names.VLLM_SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS)
+    yield _counter(names_[0], "Speculative decoding: verification rounds with proposed tokens.", label, drafts)
+    yield _counter(names_[1], "Speculative decoding: proposed tokens.", label, tokens)
+    yield _counter(names_[2], "Speculative decoding: accepted proposed tokens.", label, accepted)
+    per_pos = CounterMetricFamily(names_[3], "Speculative decoding: accepted tokens by proposal position.",
+                                  labels=[names.MODEL_LABEL, names.SPEC_DECODE_POSITION_LABEL])
+    for position, count in enumerate(s.spec_accepted_per_pos if s else ()):
+        per_pos.add_metric([*label, str(position)], count)
+    yield per_pos
 
 
 def _gauge(name: str, doc: str, label: list[str], value: float) -> GaugeMetricFamily:

@@ -281,3 +281,27 @@ def test_tokens_match_plain_decoding_under_the_property_workload_proposer():
         engine.add_request(prompt=prompt, params=p, request_id=f"r{i}")
     tokens = run_to_completion(engine)
     assert tokens == {rid: out[0] for rid, out in plain.items()}
+
+
+def test_metrics_export_the_counters_under_both_names():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from iterserve.engine import metrics as names
+    from iterserve.engine.server.metrics import ServerMetrics
+
+    _, engine = generate(NGRAM, [SamplingParams(max_tokens=40, ignore_eos=True)] * 5)
+    stats = engine.stats()
+    text = ServerMetrics("m", engine.stats).exposition().decode()
+    samples = {(s.name, s.labels.get("position")): s.value for f in text_string_to_metric_families(text)
+               for s in f.samples if not s.name.endswith("_created")}
+    for own, vllm, value in [
+        (names.SPEC_DECODE_DRAFTS_TOTAL, names.VLLM_SPEC_DECODE_NUM_DRAFTS, stats.spec_num_drafts),
+        (names.SPEC_DECODE_DRAFT_TOKENS_TOTAL, names.VLLM_SPEC_DECODE_NUM_DRAFT_TOKENS, stats.spec_num_draft_tokens),
+        (names.SPEC_DECODE_ACCEPTED_TOKENS_TOTAL, names.VLLM_SPEC_DECODE_NUM_ACCEPTED_TOKENS,
+         stats.spec_num_accepted_tokens),
+    ]:
+        assert value > 0
+        assert samples[(own, None)] == samples[(vllm + "_total", None)] == value
+    for position, count in enumerate(stats.spec_accepted_per_pos):
+        assert samples[(names.VLLM_SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS + "_total", str(position))] == count
+    assert "vllm:" not in ServerMetrics("m", engine.stats, vllm_names=False).exposition().decode()
