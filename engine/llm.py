@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from iterserve.engine.config import DEFAULT_MODEL, ConfigError, EngineConfig
 from iterserve.engine.llm_engine import LLMEngine
+from iterserve.engine.model.generation_config import defaults_of
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.sampling_params import SamplingParams
 
@@ -34,6 +35,10 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (temperature, top_p, ...)."""
+        return SamplingParams(**defaults_of(self.engine.tokenizer).sampling)
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],
@@ -46,7 +51,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

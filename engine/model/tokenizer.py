@@ -10,6 +10,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _RustTokenizer
 
+from iterserve.engine.model import generation_config
 from iterserve.engine.model.loader import ModelLoadError, open_gguf
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
@@ -61,6 +62,8 @@ class Tokenizer:
         self.eos_token_id = eos_token_id
         self.chat_template = chat_template
         self.add_bos_token = add_bos_token
+        # the checkpoint's generation_config.json (extra eos ids, sampling defaults); GGUFs have none
+        self.generation = generation_config.NONE
         if add_bos_token and bos_token_id is not None:
             bos = backend.id_to_token(bos_token_id)
             backend.post_processor = processors.TemplateProcessing(
@@ -173,7 +176,9 @@ class Tokenizer:
         if bos is None:
             bos = model_config.get("bos_token_id")
         # A tokenizer.json whose post-processor already adds BOS needs no help from us.
-        return cls(backend, bos, eos, template, add_bos_token=False)
+        tokenizer = cls(backend, bos, eos, template, add_bos_token=False)
+        tokenizer.generation = generation_config.read(path)
+        return tokenizer
 
 
 def _read_json(path: Path) -> dict:

@@ -8,6 +8,7 @@ import logging
 
 from fastapi import Request
 
+from iterserve.engine.model.generation_config import defaults_of
 from iterserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.engine.server.async_engine import AsyncEngine
 from iterserve.engine.server.errors import invalid, unavailable
@@ -108,13 +109,21 @@ def sampling_params(body: _SamplingFields, max_tokens: int | None, prompt_len: i
                     structured: StructuredOutput | None = None) -> SamplingParams:
     _check_length(prompt_len, max_tokens, engine.engine.config.max_model_len, prompt_field)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    # A field the request leaves out takes the model's generation_config.json default (as vLLM does).
+    model = defaults_of(engine.engine.tokenizer)
+
+    def pick(name: str):
+        value = getattr(body, name)
+        return value if name in body.model_fields_set else model.default_for(name, value)
+
     try:
         return SamplingParams(
-            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-            max_tokens=max_tokens or default_max_tokens, stop=stop, stop_token_ids=body.stop_token_ids or [],
+            temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"), seed=body.seed,
+            max_tokens=max_tokens or min(default_max_tokens, model.default_for("max_tokens", default_max_tokens)),
+            stop=stop, stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos, cache_salt=body.cache_salt, skip_prefix_cache=body.skip_prefix_cache,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty, min_p=body.min_p, min_tokens=body.min_tokens,
+            repetition_penalty=pick("repetition_penalty"), min_p=pick("min_p"), min_tokens=body.min_tokens,
             logit_bias=_logit_bias(body, engine), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             structured=structured,
         )

@@ -377,3 +377,44 @@ def test_unsupported_architecture_and_rope_type_are_one_line_errors(checkpoints,
         with pytest.raises(ModelLoadError, match=match) as info:
             load_model(target, show_progress=False)
         assert "\n" not in str(info.value)
+
+
+# -- generation_config.json --------------------------------------------------------------------
+
+
+def test_generation_config_eos_ids_and_sampling_defaults_are_honoured(checkpoints, prompts, hf_tokens, tokenizer,
+                                                                      tmp_path, one_thread):
+    from types import SimpleNamespace
+
+    from iterserve.engine.server.protocol import CompletionRequest
+    from iterserve.engine.server.request_params import sampling_params
+
+    source = checkpoints["llama3"]
+    target = tmp_path / "llama3-generation"
+    target.mkdir()
+    for file in source.iterdir():
+        if file.name != "generation_config.json":
+            (target / file.name).symlink_to(file)
+    expected = hf_tokens["llama3"][0]
+    stop_at = expected[3]  # a token the model emits 4th: listed as another eos id, it ends the output there
+    eos = tokenizer.eos_token_id
+    (target / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [eos, stop_at], "temperature": 0.0, "top_k": 5, "max_new_tokens": 20,
+         "repetition_penalty": "bad"}))  # a malformed value is ignored, not fatal
+    llm = LLM(model=str(target), max_model_len=144, device="cpu", attention_backend="torch", dtype="float32")
+    defaults = llm.default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.max_tokens, defaults.repetition_penalty) == (0.0, 5, 20, 1.0)
+    stopped = llm.generate([prompts[0]], use_tqdm=False)[0].outputs[0]  # the model's defaults: greedy
+    assert list(stopped.token_ids) == expected[:expected.index(stop_at) + 1] and stopped.finish_reason == "stop"
+    ignored = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    assert len(ignored.token_ids) == NEW_TOKENS and list(ignored.token_ids)[:len(expected)] == expected
+
+    # The OpenAI server: what a request leaves out comes from the file; what it sets wins.
+    engine = SimpleNamespace(engine=llm.engine)
+    body = CompletionRequest(model="m", prompt="hi", top_p=0.5)
+    params = sampling_params(body, None, 3, engine, "prompt", default_max_tokens=100)
+    assert (params.temperature, params.top_k, params.top_p, params.max_tokens) == (0.0, 5, 0.5, 20)
+    body = CompletionRequest(model="m", prompt="hi", temperature=0.7, top_k=-1)
+    params = sampling_params(body, 7, 3, engine, "prompt", default_max_tokens=100)
+    assert (params.temperature, params.top_k, params.max_tokens) == (0.7, -1, 7)
