@@ -13,7 +13,7 @@ sign(x, w)), a scale per lane wd, and either an integer offset (Q4_0 8, Q5_0 16,
 
 Arithmetic (what `reference()` repeats in torch ops, bit for bit): per block, 8 int32 lanes, lane l
 the exact dot of elements 4l..4l+3 (vpmaddubsw + vpmaddwd on AVX2, vpdpbusd with AVX-512 VNNI:
-the same integers), P[l] - offset * S[l] with S the activation lane sums; then, in fp32 with no
+the same integers; signed weights, Q8_0's and q - offset, as |w| x sign(x, w)); then, in fp32 with no
 fused multiply-adds, acc[l] = acc[l] + float(P[l]) * (dx * wd[l]) and, for formats with a minimum,
 acc[l] = acc[l] + float(S[l]) * (dx * wmin); blocks in order, and y = ((a0 + a4) + (a2 + a6)) +
 ((a1 + a5) + (a3 + a7)). A row's result never depends on the other rows of its call, the tiling or
@@ -193,23 +193,21 @@ static inline __attribute__((always_inline)) void tile(const int type, const int
         __m256i q; __m256 wd, wmin = _mm256_setzero_ps();
         decode(type, row, g, &q, &wd, &wmin);
         if ((g & 3) == 0 && s->row_bytes * 8 > 4096) _mm_prefetch((const char*)row + g * s->row_bytes / nb + 512, _MM_HINT_T0);
-        __m256i qabs = q;
-        if (type == Q8_0) qabs = _mm256_abs_epi8(q);
+        /* signed weights (Q8_0, and q - offset) as |w| x sign(x, w): u8 x s8 for maddubs / dpbusd, the same
+           integers as (q - offset) . x */
+        const int is_signed = type == Q8_0 || offset;
+        if (offset) q = _mm256_sub_epi8(q, _mm256_set1_epi8((char)offset));
+        const __m256i qabs = is_signed ? _mm256_abs_epi8(q) : q;
         for (int r = 0; r < MR; r++) {
             const int64_t mb = (m + r) * nb + g;
             __m256i x = _mm256_loadu_si256((const __m256i*)(s->xq + mb * 32));
-            if (type == Q8_0) x = _mm256_sign_epi8(x, q);
-            __m256i p = dot_lanes(qabs, x);
-            if (offset || has_min) {
+            if (is_signed) x = _mm256_sign_epi8(x, q);
+            const __m256i p = dot_lanes(qabs, x);
+            const __m256 dx = _mm256_set1_ps(s->xd[mb]);
+            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dx, wd)));
+            if (has_min) {
                 const __m256i sums = _mm256_loadu_si256((const __m256i*)(s->xs + mb * 8));
-                if (offset) p = _mm256_sub_epi32(p, _mm256_mullo_epi32(sums, _mm256_set1_epi32(offset)));
-                const __m256 dx = _mm256_set1_ps(s->xd[mb]);
-                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dx, wd)));
-                if (has_min)
-                    acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dx, wmin)));
-            } else {
-                const __m256 dx = _mm256_set1_ps(s->xd[mb]);
-                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dx, wd)));
+                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dx, wmin)));
             }
         }
     }
