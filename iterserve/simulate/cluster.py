@@ -200,7 +200,7 @@ class ClusterSim:
         self.open_requests = 0
         self.now = 0.0
         # Fail early on a spec whose engine could not start.
-        engine_config_for(spec, spec.engine.max_num_seqs)
+        self._configs = {spec.engine.max_num_seqs: engine_config_for(spec, spec.engine.max_num_seqs)}
 
     # -- events -------------------------------------------------------------------------------
     def _at(self, when: float, kind: int, payload=None) -> None:
@@ -277,7 +277,9 @@ class ClusterSim:
 
     def _create_pod(self, now: float, ready: bool) -> None:
         seqs = effective_max_num_seqs(self.spec, self.configmap_seqs)
-        config, server = engine_config_for(self.spec, seqs)
+        if seqs not in self._configs:  # parsing the flags costs ~0.1 s: once per value, not per pod
+            self._configs[seqs] = engine_config_for(self.spec, seqs)
+        config, server = self._configs[seqs]
         name = f"pod-{next(self._names)}"
         pod = Pod(name, now, seqs, Replica(name, config, self.profile, server))
         self.pods.append(pod)
