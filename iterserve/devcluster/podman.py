@@ -35,10 +35,24 @@ runtime = "runc"
 
 @functools.cache
 def _conf_file() -> Path:
-    fd, path = tempfile.mkstemp(prefix="iterserve-containers-", suffix=".conf")
+    """One file per user (in their cache folder), rewritten only when its text differs."""
+    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "iterserve"
+    path = folder / "containers.conf"
+    try:
+        if path.is_file() and path.read_text() == CONTAINERS_CONF:
+            return path
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:  # no writable home (a locked-down CI user): the temporary folder, per uid
+        folder = Path(tempfile.gettempdir()) / f"iterserve-{os.getuid()}"
+        folder.mkdir(mode=0o700, exist_ok=True)
+        path = folder / "containers.conf"
+        if path.is_file() and path.read_text() == CONTAINERS_CONF:
+            return path
+    fd, staged = tempfile.mkstemp(prefix=".containers-", suffix=".conf", dir=folder)
     with os.fdopen(fd, "w") as conf:
         conf.write(CONTAINERS_CONF)
-    return Path(path)
+    os.replace(staged, path)  # atomic: a concurrent podman call reads the old or the new text
+    return path
 
 
 def podman_env() -> dict[str, str]:

@@ -15,8 +15,6 @@ from __future__ import annotations
 import base64
 import os
 import re
-import subprocess
-import sys
 import time
 import tomllib
 from pathlib import Path
@@ -27,6 +25,7 @@ import yaml
 
 from iterserve.devcluster import podman
 from iterserve.devcluster.kubeconfig import current_cluster
+from tests.image_fixture import FIRST_BUILD_TIMEOUT_S, built_image
 from tests.operator_fixture import (
     ensure_node,
     example,
@@ -37,7 +36,6 @@ from tests.operator_fixture import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-FIRST_BUILD_TIMEOUT_S = 3600
 DRAIN_S = 5
 GRACE_S = DRAIN_S + 15  # the pod's grace period: drain, plus the margin the operator adds
 READY_TIMEOUT_S = 240
@@ -52,13 +50,7 @@ def container_test(test):
 
 @pytest.fixture(scope="module")
 def image() -> str:
-    reason = podman.unavailable_reason()
-    if reason:
-        pytest.skip(f"image tests did not run: {reason}")
-    built = subprocess.run([sys.executable, str(REPO / "image" / "build.py"), "--if-missing"],
-                           capture_output=True, text=True, timeout=FIRST_BUILD_TIMEOUT_S)
-    assert built.returncode == 0, built.stderr[-4000:]
-    return built.stdout.strip().splitlines()[-1]
+    return built_image()
 
 
 def wait_ready(name: str, url: str) -> None:

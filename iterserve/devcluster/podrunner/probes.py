@@ -4,13 +4,15 @@ failures in a row. Readiness and startup results start as failure, liveness as s
 the startup probe succeeds the others do not run.
 
 httpGet and tcpSocket probes dial the pod's own address (loopback here), whatever `host` the
-probe names: a pod must not make the runtime dial another address for it. exec and grpc probes
-are not run by the local runtime and count as successes."""
+probe names: a pod must not make the runtime dial another address for it. exec probes run in the
+container where the runtime can (container mode: `podman exec`); in process mode they, and grpc
+probes, count as successes."""
 
 from __future__ import annotations
 
 import http.client
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 DEFAULTS = {"periodSeconds": 10, "timeoutSeconds": 1, "successThreshold": 1, "failureThreshold": 3,
@@ -26,8 +28,14 @@ def resolve_port(port: int | str, container: dict) -> int:
     raise ValueError(f"probe port {port!r} names no entry of the container's ports")
 
 
-def check(probe: dict, host: str, container: dict, timeout: float) -> bool:
+# (command, timeout) -> it exited 0 in time; None where the runtime cannot exec in the container
+ExecCommand = Callable[[list[str], float], bool]
+
+
+def check(probe: dict, host: str, container: dict, timeout: float, exec_command: ExecCommand | None = None) -> bool:
     """One probe attempt: True on success."""
+    if "exec" in probe and exec_command is not None:
+        return exec_command(list((probe["exec"] or {}).get("command") or []), timeout)
     if "httpGet" in probe:
         action = probe["httpGet"]
         conn = http.client.HTTPConnection(host, resolve_port(action["port"], container), timeout=timeout)
@@ -69,10 +77,10 @@ class ProbeState:
     def due(self, now: float) -> bool:
         return now >= self.next_at
 
-    def run(self, now: float, host: str, container: dict) -> bool:
+    def run(self, now: float, host: str, container: dict, exec_command: ExecCommand | None = None) -> bool:
         """Probes once; returns the (possibly flipped) result."""
         self.next_at = now + self.settings["periodSeconds"]
-        if check(self.spec, host, container, self.settings["timeoutSeconds"]):
+        if check(self.spec, host, container, self.settings["timeoutSeconds"], exec_command):
             self.successes, self.failures = self.successes + 1, 0
             if self.successes >= self.settings["successThreshold"]:
                 self.ok = True

@@ -23,6 +23,10 @@ def now_iso() -> str:
 
 
 class ContainerProcess:
+    # Process mode cannot run a command inside the container: exec probes count as successes and
+    # an exec preStop is skipped (logged). Container mode (container.py) runs them.
+    runs_exec = False
+
     def __init__(self, launch: Launch, log_path: Path, cwd: Path):
         self.launch = launch
         self.log_path = log_path
@@ -84,3 +88,7 @@ class ContainerProcess:
             self.signal(signal.SIGKILL)
             self.wait(10)
         return self.exit_code
+
+    def exec(self, command: list[str], timeout: float) -> bool:
+        """Run `command` in the container (only where runs_exec): True when it exits 0 in time."""
+        raise NotImplementedError("process mode runs no command inside a container")

@@ -16,12 +16,19 @@ import threading
 import time
 from pathlib import Path
 
+from iterserve.devcluster.podrunner.container import (
+    ContainerOptions,
+    ServiceAccountToken,
+    new_runner_id,
+    reap,
+)
 from iterserve.devcluster.podrunner.worker import PodWorker, WorkerOptions
 
 logger = logging.getLogger("iterserve.podrunner")
 
 LOCAL_RUNTIME_LABEL = "iterserve.dev/local-runtime"
 NODE_CACHE_SECONDS = 5.0
+CONTAINER_RUNTIMES = ("process", "podman")
 TOKEN_SECONDS = 86400  # a router pod's token (bound to the pod; a day outlasts any local run)
 
 
@@ -79,10 +86,22 @@ class KubeApi:
         the kubelet projects one into a pod: it stops working when the pod is deleted."""
         import base64
 
+        from iterserve.devcluster.kubeconfig import token_user, write_kubeconfig
+
+        granted = self.service_account_token(pod, service_account)
+        cluster = {"server": granted.server}
+        if granted.ca_pem:
+            cluster["certificate-authority-data"] = base64.b64encode(granted.ca_pem).decode()
+        folder.mkdir(parents=True, exist_ok=True)
+        meta = pod["metadata"]
+        return write_kubeconfig(folder / "serviceaccount.kubeconfig", cluster, token_user(granted.token),
+                                f"{meta['namespace']}-{service_account}")
+
+    def service_account_token(self, pod: dict, service_account: str) -> ServiceAccountToken:
+        """A token of `service_account` bound to `pod` (TokenRequest API), with the cluster's CA."""
         from kubernetes import client
         from kubernetes.client.exceptions import ApiException
 
-        from iterserve.devcluster.kubeconfig import token_user, write_kubeconfig
         from iterserve.devcluster.podrunner.launch import LaunchError
 
         meta = pod["metadata"]
@@ -99,12 +118,8 @@ class KubeApi:
             raise LaunchError(f"pod {meta['name']}: no token for ServiceAccount {service_account}: "
                               f"{error.status} {error.reason}") from error
         configuration = self.api_client.configuration
-        cluster = {"server": configuration.host}
-        if configuration.ssl_ca_cert:
-            cluster["certificate-authority-data"] = base64.b64encode(Path(configuration.ssl_ca_cert).read_bytes()).decode()
-        folder.mkdir(parents=True, exist_ok=True)
-        return write_kubeconfig(folder / "serviceaccount.kubeconfig", cluster, token_user(token.status.token),
-                                f"{meta['namespace']}-{service_account}")
+        ca = Path(configuration.ssl_ca_cert).read_bytes() if configuration.ssl_ca_cert else b""
+        return ServiceAccountToken(token.status.token, ca, meta["namespace"], configuration.host)
 
     def list_pods(self, namespace: str) -> dict:
         return self._json(self.core.list_namespaced_pod(namespace, _preload_content=False))
@@ -112,18 +127,34 @@ class KubeApi:
 
 class PodRunner:
     """`start()` / `stop()`, or a context manager. Runs the pods of `namespaces` only; logs of
-    each container go to log_dir."""
+    each container go to log_dir. container_runtime "process" (the default) runs each container as
+    a local `iterserve` process; "podman" runs the pod's image (container.py), and `stop()` removes
+    every container this runner made."""
 
     def __init__(self, api_client, log_dir: Path, *, namespaces: list[str] | tuple[str, ...],
                  work_dir: Path | None = None, threads: int = 1, backoff_initial: float = 1.0,
-                 label: str = LOCAL_RUNTIME_LABEL):
+                 label: str = LOCAL_RUNTIME_LABEL, container_runtime: str = "process"):
         if isinstance(namespaces, str) or not namespaces or not all(namespaces):
             raise ValueError("PodRunner needs the list of namespaces whose pods it runs")
+        if container_runtime not in CONTAINER_RUNTIMES:
+            raise ValueError(f"container_runtime {container_runtime!r}: use one of {', '.join(CONTAINER_RUNTIMES)}")
+        container = None
+        if container_runtime == "podman":
+            from iterserve.devcluster import podman
+
+            reason = podman.unavailable_reason()
+            if reason:
+                raise RuntimeError(f"container_runtime podman: {reason}; use container_runtime process")
+            reaped = reap()  # containers of runners that died without stopping
+            if reaped:
+                logger.info("removed %d containers left by runners that no longer run: %s", len(reaped),
+                            ", ".join(reaped))
+            container = ContainerOptions(new_runner_id(), threads, api_client.configuration.host)
         self.namespaces = tuple(dict.fromkeys(namespaces))
         self.api = KubeApi(api_client)
         self.label = label
         self.options = WorkerOptions(Path(log_dir), Path(work_dir or tempfile.mkdtemp(prefix="podrunner-")),
-                                     threads=threads, backoff_initial=backoff_initial)
+                                     threads=threads, backoff_initial=backoff_initial, container=container)
         self.options.log_dir.mkdir(parents=True, exist_ok=True)
         self.workers: dict[str, PodWorker] = {}  # by pod uid
         self._nodes: dict[str, tuple[bool, float]] = {}
@@ -157,6 +188,8 @@ class PodRunner:
             worker.thread.join(max(0.1, deadline - time.monotonic()))
         for thread in self._threads:
             thread.join(2)
+        if self.options.container is not None:
+            reap(self.options.container.runner_id)
 
     def worker_for(self, namespace: str, name: str) -> PodWorker | None:
         with self._lock:

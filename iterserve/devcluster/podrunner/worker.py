@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from iterserve.devcluster.podrunner.launch import LaunchError, build_launch, secret_data
+from iterserve.devcluster.podrunner.container import (
+    ContainerOptions,
+    PodmanContainer,
+    ServiceAccountToken,
+    build_container_launch,
+)
+from iterserve.devcluster.podrunner.launch import Launch, LaunchError, build_launch, secret_data
 from iterserve.devcluster.podrunner.probes import ProbeState, check
 from iterserve.devcluster.podrunner.process import ContainerProcess
 from iterserve.devcluster.podrunner.status import ContainerView, StatusWriter
@@ -33,6 +39,7 @@ class PodApi(Protocol):
     def delete_now(self, namespace: str, name: str, uid: str) -> None: ...
     def read(self, kind: str, namespace: str, name: str) -> dict | None: ...
     def service_account_kubeconfig(self, pod: dict, service_account: str, folder: Path) -> Path: ...
+    def service_account_token(self, pod: dict, service_account: str) -> ServiceAccountToken: ...
 
 
 @dataclass
@@ -44,6 +51,7 @@ class WorkerOptions:
     backoff_initial: float = 1.0
     backoff_max: float = 30.0
     backoff_reset_after: float = 60.0  # running this long clears the back-off
+    container: ContainerOptions | None = None  # container mode (podman); None: local processes
 
 
 def _restarts(policy: str, exit_code: int) -> bool:
@@ -151,11 +159,25 @@ class PodWorker:
             self._wake.wait(self.options.tick_seconds)
             self._wake.clear()
 
+    def _launch(self, pod: dict) -> Launch:
+        lookup = lambda name, kind: self._lookup(kind, name)  # noqa: E731
+        workdir = self.options.work_dir / f"{self.namespace}_{self.name}"
+        if self.options.container is None:
+            return build_launch(pod, lookup, lookup, workdir, self.options.threads,
+                                self.api.service_account_kubeconfig)
+        return build_container_launch(pod, lookup, lookup, workdir, self.options.container,
+                                      self.api.service_account_token, self._log_line)
+
+    def _log_line(self, text: str) -> None:
+        """A line of the runtime's own in the pod's log (and the runtime's), e.g. a limit not enforced."""
+        logger.info("%s/%s: %s", self.namespace, self.name, text)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "a") as log:
+            log.write(f"--- {text}\n")
+
     def _start(self, pod: dict, now: float) -> float:
         try:
-            launch = build_launch(pod, lambda name, kind: self._lookup(kind, name), lambda name, kind: self._lookup(kind, name),
-                                  self.options.work_dir / f"{self.namespace}_{self.name}", self.options.threads,
-                                  self.api.service_account_kubeconfig)
+            launch = self._launch(pod)
         except (LaunchError, ValueError) as error:
             reason = error.reason if isinstance(error, LaunchError) else "CreateContainerConfigError"
             if (self.view.waiting_reason, self.view.waiting_message) != (reason, str(error)):
@@ -170,7 +192,8 @@ class PodWorker:
                 logger.warning("%s/%s: cannot start: %s", self.namespace, self.name, message)
             self.view.waiting_reason, self.view.waiting_message = "RunContainerError", message
             return now + 1.0
-        self.process = ContainerProcess(launch, self.log_path, self.options.work_dir / f"{self.namespace}_{self.name}")
+        kind = ContainerProcess if self.options.container is None else PodmanContainer
+        self.process = kind(launch, self.log_path, self.options.work_dir / f"{self.namespace}_{self.name}")
         self.process.start()
         logger.info("%s/%s: started pid %d on %s:%s (restart %d)", self.namespace, self.name, self.process.pid,
                     launch.host, launch.port, self.view.restart_count)
@@ -215,9 +238,10 @@ class PodWorker:
 
     def _probe(self, now: float) -> None:
         host, container, view = self.process.launch.host, self.process.launch.container, self.view
+        run_exec = self.process.exec if self.process.runs_exec else None
         startup = self.probes.get("startup")
         if startup is not None and not view.started:
-            if startup.due(now) and startup.run(now, host, container):
+            if startup.due(now) and startup.run(now, host, container, run_exec):
                 view.started = True
                 view.ready = "readiness" not in self.probes
                 for kind in ("liveness", "readiness"):  # they begin once startup has passed
@@ -227,12 +251,12 @@ class PodWorker:
                 self._kill_unhealthy("startup")
             return
         liveness = self.probes.get("liveness")
-        if liveness is not None and liveness.due(now) and not liveness.run(now, host, container):
+        if liveness is not None and liveness.due(now) and not liveness.run(now, host, container, run_exec):
             self._kill_unhealthy("liveness")
             return
         readiness = self.probes.get("readiness")
         if readiness is not None and readiness.due(now):
-            view.ready = readiness.run(now, host, container)
+            view.ready = readiness.run(now, host, container, run_exec)
 
     def _kill_unhealthy(self, kind: str) -> None:
         grace = self.pod["spec"].get("terminationGracePeriodSeconds", DEFAULT_GRACE_SECONDS)
@@ -311,6 +335,8 @@ class PodWorker:
         elif "httpGet" in hook:
             check({"httpGet": hook["httpGet"]}, process.launch.host, process.launch.container,
                   max(0.1, deadline - time.monotonic()))
+        elif "exec" in hook and process.runs_exec:
+            process.exec(list((hook["exec"] or {}).get("command") or []), max(0.1, deadline - time.monotonic()))
         else:
             logger.warning("%s/%s: preStop %s is not run by the local runtime", self.namespace, self.name,
                            ", ".join(hook))
