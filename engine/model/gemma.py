@@ -75,8 +75,11 @@ class GemmaModel(DecoderModel):
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor], backend, device: torch.device,
-                     dtype: torch.dtype, max_positions: int, quantization: str = "none", q4_1=None) -> GemmaModel:
-        if quantization != "none":
+                     dtype: torch.dtype, max_positions: int, quantization: str = "none", q4_1=None,
+                     **file_blocks) -> GemmaModel:
+        """Dense only: --quantization gguf (the file's own blocks) has none to give a family whose
+        tensors are rewritten at load, and int8 / int4 are not built for it."""
+        if quantization not in ("none", "gguf"):
             raise ModelLoadError(f"--quantization {quantization} is not available for {config.architecture}; "
                                  "serve it with --quantization none")
         # The norms are held as float32 1 + w, whatever the model's dtype, as transformers computes them.
@@ -133,12 +136,23 @@ class GemmaModel(DecoderModel):
 # -- config ------------------------------------------------------------------------------------------
 
 
+# Gemma3TextConfig's defaults: the multimodal checkpoints' text_config leaves most of them out.
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 131072, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "rope_theta": 1e6, "rope_local_base_freq": 10000.0, "hidden_activation": "gelu_pytorch_tanh",
+}
+
+
 def _text_config(raw: dict) -> dict:
     """Gemma3ForConditionalGeneration keeps the language model's config under text_config."""
     if raw.get("model_type") == "gemma3" and isinstance(raw.get("text_config"), dict):
-        text = dict(raw["text_config"])
+        text = {**GEMMA3_TEXT_DEFAULTS, **raw["text_config"]}
         text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", True))
         return text
+    if raw.get("model_type") == "gemma3_text":
+        return {**GEMMA3_TEXT_DEFAULTS, **raw}
     return raw
 
 

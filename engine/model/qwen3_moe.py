@@ -46,7 +46,7 @@ class Qwen3MoeModel(DecoderModel):
     def __init__(self, config: ModelConfig, backend, layers, embed_tokens, norm, lm_head, max_positions: int,
                  quantization: str = "none"):
         super().__init__(config, backend, layers, embed_tokens, norm, lm_head, max_positions, quantization)
-        self.experts: list[MoeWeights | None] = [None] * len(layers)
+        self.experts: dict[int, MoeWeights] = {}  # id(DecoderLayer) -> its experts, for the MoE layers
         self.fused = False
         self._fused_experts = None
         if backend.name == "triton":
@@ -56,8 +56,11 @@ class Qwen3MoeModel(DecoderModel):
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor], backend, device: torch.device,
-                     dtype: torch.dtype, max_positions: int, quantization: str = "none", q4_1=None) -> Qwen3MoeModel:
-        if quantization != "none":
+                     dtype: torch.dtype, max_positions: int, quantization: str = "none", q4_1=None,
+                     **file_blocks) -> Qwen3MoeModel:
+        """Dense only: --quantization gguf (the file's own blocks) has none to give a family whose
+        tensors are rewritten at load, and int8 / int4 are not built for it."""
+        if quantization not in ("none", "gguf"):
             raise ModelLoadError(f"--quantization {quantization} is not available for qwen3_moe; "
                                  "serve it with --quantization none")
         moe = config.moe
@@ -77,26 +80,14 @@ class Qwen3MoeModel(DecoderModel):
             for name in _MLP:
                 weights[prefix + name] = torch.empty(0, config.hidden_size)
         model = super().from_weights(config, weights, backend, device, dtype, max_positions)
-        for i, block in experts.items():
-            model.experts[i] = block
+        model.experts = {id(model.layers[i]): block for i, block in experts.items()}
         return model
 
-    def forward(self, input_ids, positions, kv_caches, meta):
-        backend = self.backend
-        hidden, residual = self.embed(input_ids), None
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            q, k, v, residual = self.attention_input(hidden, residual, layer, positions)
-            backend.write_kv(k, v, k_cache, v_cache, meta)
-            attn = backend.attend(q, k_cache, v_cache, meta, self.scale, layer.attention)
-            if self.experts[i] is None:
-                hidden, residual = self.mlp(attn, residual, layer)
-            else:
-                hidden, residual = self.moe_mlp(attn, residual, layer, self.experts[i])
-        return self.final_norm(hidden, residual)
-
-    __call__ = forward
-
-    def moe_mlp(self, attn: torch.Tensor, residual: torch.Tensor, layer: DecoderLayer, experts: MoeWeights):
+    def mlp(self, attn: torch.Tensor, residual: torch.Tensor, layer: DecoderLayer):
+        """Output projection, norm, then the layer's experts (or its dense MLP)."""
+        experts = self.experts.get(id(layer))
+        if experts is None:
+            return super().mlp(attn, residual, layer)
         hidden = linear(attn.reshape(attn.shape[0], self.q_size), layer.o_proj, layer.o_bias)
         x, residual = self.backend.rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps, residual)
         return moe_forward(x, experts, self.backend.silu_and_mul, self._fused_experts, linear), residual
