@@ -14,6 +14,7 @@ pure function of trace, spec, profile and seed.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import heapq
 import itertools
@@ -86,6 +87,9 @@ class SimOptions:
     # Give up this long after the last arrival (requests still open are reported "unfinished"):
     # a fleet at zero replicas that never scales up would otherwise tick forever.
     give_up_after_s: float = 3600.0
+    # True: each arrival scans every pod ever created for the ready ones (the reference the
+    # index of accepting pods is tested against; same results, slower on a large fleet).
+    plain_loop: bool = False
 
 
 @dataclass
@@ -187,6 +191,10 @@ class ClusterSim:
         self._names = itertools.count(1)
         self._rr = itertools.count()
         self.pods: list[Pod] = []
+        # The accepting pods (ready, not deleted) in creation order, what routing picks from: kept
+        # as pods change state, so an arrival costs the ready pods, not every pod ever created.
+        self._accepting: list[Pod] = []
+        self._order_of: dict[str, int] = {}
         self.replicas = spec.replicas
         self.configmap_seqs = spec.engine.max_num_seqs  # what new pods start with
         self.memory = mem.fresh_memory(spec.replicas, 0.0)
@@ -282,16 +290,22 @@ class ClusterSim:
         config, server = self._configs[seqs]
         name = f"pod-{next(self._names)}"
         pod = Pod(name, now, seqs, Replica(name, config, self.profile, server))
+        self._order_of[name] = len(self.pods)
         self.pods.append(pod)
         if ready:
             pod.ready_at = now
+            self._accepting.append(pod)  # created in order: the index stays in creation order
         else:
             self._at(now + self.options.startup.draw(self.rng), POD_READY, pod)
+
+    def _created_order(self, pod: Pod) -> int:
+        return self._order_of[pod.name]
 
     def _ready(self, pod: Pod) -> None:
         if pod.deleted_at is not None:
             return
         pod.ready_at = self.now
+        bisect.insort(self._accepting, pod, key=self._created_order)
         while self.router_queue:
             self._route(self.router_queue.popleft())
 
@@ -311,6 +325,9 @@ class ClusterSim:
 
     def _delete(self, pod: Pod) -> None:
         pod.deleted_at = self.now
+        at = next((i for i, p in enumerate(self._accepting) if p is pod), None)
+        if at is not None:
+            del self._accepting[at]
         if not pod.replica.busy:
             pod.gone_at = self.now
             return
@@ -326,7 +343,7 @@ class ClusterSim:
     # -- requests -----------------------------------------------------------------------------
     def _route(self, record: RequestRecord, held: bool = False) -> bool:
         """Sends the request to a pod; False when the router is holding it."""
-        ready = [p for p in self.pods if p.accepting]
+        ready = [p for p in self.pods if p.accepting] if self.options.plain_loop else self._accepting
         if not ready:
             self.router_queue.append(record)  # no endpoint yet: the client waits for one
             record.held = True

@@ -386,3 +386,15 @@ def test_extra_terms_earn_their_place_by_cross_validation():
     assert set(fitted.coefficients) == {*profiles.BASE_TERMS, "multi_token", "prefill_attention"}
     assert fitted.coefficients["multi_token"] == pytest.approx(0.06, rel=0.2)
     assert fitted.fit["test_errors"]["all"]["mean"] < 0.03
+
+
+@pytest.mark.parametrize("router", ["round-robin", "least-load"])
+def test_the_index_of_accepting_pods_gives_the_same_run_as_scanning_every_pod(router):
+    # Scale-ups with start-up delays (pods ready out of creation order), scale-downs and drains.
+    heavy = traces.poisson(20.0, 20, traces.Lengths("fixed", 32), traces.Lengths("fixed", 64), seed=1)
+    light = [traces.TraceRequest(20 + i, 32, 16) for i in range(40)]
+    spec = dict(SPEC, autoscaling=dict(SPEC["autoscaling"], maxReplicas=4))
+    runs = [_run(spec, heavy + light, startup=Delay.parse("uniform:3:9"), tail_s=40, scale=4.0, router=router,
+                 plain_loop=plain) for plain in (True, False)]
+    assert len(runs[0]["summary"]["scale_events"]) >= 2
+    assert json.dumps(runs[0], sort_keys=True) == json.dumps(runs[1], sort_keys=True)
