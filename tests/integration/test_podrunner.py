@@ -6,9 +6,11 @@ passes, restarted (restartCount, lastState) when the process dies, and on deleti
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 import uuid
@@ -261,3 +263,69 @@ def test_deletion_drains_in_flight_requests_and_removes_the_pod_only_after_exit(
     assert exited is not None and exited <= gone, "the pod object went before its process exited"
     assert outcome["status"] == 200 and outcome["done"] and outcome["tokens"] >= 1500, outcome
     assert outcome["ended"] <= exited + 0.5  # the request finished inside the drain, before the exit
+
+
+@pytest.mark.image
+def test_container_mode_runs_the_pods_image_with_exec_probes_prestop_and_cleanup(k8s_cluster, tmp_path):
+    """--container-runtime podman: the pod is `podman run` of its image; an exec readiness probe and
+    an exec preStop run inside it (`podman exec`), SIGTERM reaches it at deletion, and the container
+    is removed with the pod (the emptyDir folder keeps what the preStop wrote)."""
+    from kubernetes import client
+
+    from iterserve.devcluster import podman
+    from iterserve.devcluster.podrunner.container import container_name
+    from tests.image_fixture import built_image
+
+    image = built_image("the container-mode pod test")
+    namespace, node = f"ctr-{uuid.uuid4().hex[:6]}", f"ctr-{uuid.uuid4().hex[:6]}"
+    add_local_runtime_node(k8s_cluster, node, gpus=1)
+    k8s_cluster.kubectl("create", "namespace", namespace)
+    manifest = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": POD}, "spec": {
+        **local_runtime_scheduling(), "terminationGracePeriodSeconds": 20, "automountServiceAccountToken": False,
+        "securityContext": {"runAsUser": 10001, "runAsGroup": 10001, "runAsNonRoot": True},
+        "containers": [{
+            "name": "engine", "image": image, "command": ["iterserve", "serve"],
+            "args": ["--fake-model", "--port", "8000", "--drain-timeout", "5"],
+            "ports": [{"name": "http", "containerPort": 8000}],
+            "readinessProbe": {"exec": {"command": ["cat", "/tmp/ready-flag"]}, "periodSeconds": 1},
+            "lifecycle": {"preStop": {"exec": {"command": ["touch", "/tmp/prestop-ran"]}}},
+            "securityContext": {"readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
+                                "capabilities": {"drop": ["ALL"]}},
+            "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}]}],
+        "volumes": [{"name": "tmp", "emptyDir": {}}]}}
+    api = k8s_cluster.api_client()
+    core = client.CoreV1Api(api)
+    runner = PodRunner(k8s_cluster.api_client(), tmp_path / "logs", namespaces=[namespace],
+                       work_dir=tmp_path / "work", container_runtime="podman").start()
+    name = None
+    try:
+        core.create_namespaced_pod(namespace, manifest)
+        pod = wait_for(pod_when(core, namespace, lambda p: p.status.container_statuses
+                                and p.status.container_statuses[0].state.running), 60, 0.3, "the container running")
+        name = container_name({"metadata": {"namespace": namespace, "name": POD, "uid": pod.metadata.uid}})
+        assert json.loads(subprocess.run(["podman", "inspect", name], capture_output=True, env=podman.podman_env(),
+                                         timeout=30, check=True).stdout)[0]["ImageName"] == image
+
+        def answering():
+            try:
+                return httpx.get(f"http://{pod.status.pod_ip}:8000/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(answering, 120, 0.5, "the engine in the container answering")
+        time.sleep(2)
+        assert not is_ready(read_pod(core, namespace)), "Ready before the exec probe could pass"
+        subprocess.run(["podman", "exec", name, "touch", "/tmp/ready-flag"], check=True, env=podman.podman_env(),
+                       timeout=30)
+        wait_for(pod_when(core, namespace, is_ready), 30, 0.3, "Ready once the exec probe passes")
+        core.delete_namespaced_pod(POD, namespace)
+        wait_for(lambda: not core.list_namespaced_pod(namespace).items, 60, 0.3, "the pod object removed")
+        assert (tmp_path / "work" / f"{namespace}_{POD}" / "volumes" / "tmp" / "prestop-ran").exists()
+        assert "drained" in (tmp_path / "logs" / f"{namespace}_{POD}_engine.log").read_text()  # SIGTERM reached it
+        exists = subprocess.run(["podman", "container", "exists", name], env=podman.podman_env(), timeout=30)
+        assert exists.returncode == 1, "the container outlived its pod"
+    finally:
+        runner.stop()
+        k8s_cluster.kubectl("delete", "namespace", namespace, "--wait=false")
+        k8s_cluster.kubectl("delete", "node", node, "--wait=false")
+        api.close()

@@ -410,6 +410,8 @@ class PodmanContainer(ContainerProcess):
     """The attached `podman run` as the container's process: its exit code is the container's.
     Signals and stop go to the container through podman, not to the client process."""
 
+    runs_exec = True
+
     @property
     def name(self) -> str:
         return self.launch.argv[self.launch.argv.index("--name") + 1]
