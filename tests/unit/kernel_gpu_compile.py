@@ -48,18 +48,19 @@ def sources(dt: str):
     attn_ptrs = {"q_ptr": f"*{dt}", "k_cache_ptr": f"*{dt}", "v_cache_ptr": f"*{dt}", "out_ptr": f"*{dt}",
                  "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
                  "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
-    for group, splits, page, dim in ((1, 1, 16, 128), (4, 4, 32, 64), (3, 8, 8, 64)):
-        yield f"decode g{group} s{splits} p{page} d{dim}", signature(
-            decode_attention._paged_decode_kernel, attn_ptrs, {"scale_log2"},
+    floats = {"scale_log2", "scale", "softcap"}  # window is an i32
+    for group, splits, page, dim, softcap in ((1, 1, 16, 128, False), (4, 4, 32, 64, True), (3, 8, 8, 64, False)):
+        yield f"decode g{group} s{splits} p{page} d{dim} softcap={softcap}", signature(
+            decode_attention._paged_decode_kernel, attn_ptrs, floats,
             dict(GROUP=group, GROUP_PAD=16, HEAD_DIM=dim, DIM_PAD=dim, PAGE_SIZE=page,
-                 BLOCK_N=64, NUM_SPLITS=splits, DOT_PRECISION=prec))
+                 BLOCK_N=64, NUM_SPLITS=splits, DOT_PRECISION=prec, HAS_SOFTCAP=softcap))
     yield "merge splits", signature(decode_attention._merge_splits_kernel, attn_ptrs, set(),
                                     dict(HEAD_DIM=128, DIM_PAD=128, NUM_SPLITS=8))
-    for block_m, dim in ((16, 64), (64, 128)):
-        yield f"extend m{block_m} d{dim}", signature(
-            extend_attention._extend_attention_kernel, attn_ptrs, {"scale_log2"},
+    for block_m, dim, softcap in ((16, 64, True), (64, 128, False)):
+        yield f"extend m{block_m} d{dim} softcap={softcap}", signature(
+            extend_attention._extend_attention_kernel, attn_ptrs, floats,
             dict(GROUP=4, HEAD_DIM=dim, DIM_PAD=dim, PAGE_SIZE=16, BLOCK_M=block_m,
-                 BLOCK_N=64 if dim <= 64 else 32, MIN_QUERY_LEN=2, DOT_PRECISION=prec))
+                 BLOCK_N=64 if dim <= 64 else 32, MIN_QUERY_LEN=2, DOT_PRECISION=prec, HAS_SOFTCAP=softcap))
     yield "write_kv", signature(
         kv_cache._write_kv_kernel, {"key_ptr": f"*{dt}", "value_ptr": f"*{dt}", "k_cache_ptr": f"*{dt}",
                                     "v_cache_ptr": f"*{dt}", "slot_mapping_ptr": "*i64"}, set(),
