@@ -179,3 +179,13 @@ def test_exec_probes_run_in_the_container_where_the_runtime_can():
     assert check(probe, POD_IP, {}, 2.0, lambda command, timeout: ran.append((command, timeout)) or False) is False
     assert ran == [(["cat", "/tmp/ready"], 2.0)]
     assert check(probe, POD_IP, {}, 2.0) is True  # process mode: counted as a success, as before
+
+
+def test_container_mode_without_podman_says_why_and_an_unknown_runtime_is_named(monkeypatch):
+    from iterserve.devcluster.podrunner import PodRunner
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(RuntimeError, match="podman is not installed.*use container_runtime process"):
+        PodRunner(None, Path("/nonexistent"), namespaces=["a"], container_runtime="podman")
+    with pytest.raises(ValueError, match="container_runtime 'docker': use one of process, podman"):
+        PodRunner(None, Path("/nonexistent"), namespaces=["a"], container_runtime="docker")
