@@ -103,9 +103,22 @@ class SloSettings:
     profile: object  # iterserve.simulate.profile.StepProfile
 
 
+_SLO_SETTINGS: dict[str, SloSettings] = {}  # by the spec's JSON: parsing the engine flags costs ~0.1 s a tick
+_SLO_SETTINGS_KEPT = 64
+
+
 def slo_settings(spec, slo: SloTargets) -> SloSettings:
     """The SLO settings of an InferenceService spec; the pod's engine options come from the
-    operator's and the server's own code (the simulator's engine_config_for)."""
+    operator's and the server's own code (the simulator's engine_config_for). Memoized per spec."""
+    key = spec.model_dump_json()
+    if key not in _SLO_SETTINGS:
+        if len(_SLO_SETTINGS) >= _SLO_SETTINGS_KEPT:
+            _SLO_SETTINGS.pop(next(iter(_SLO_SETTINGS)))
+        _SLO_SETTINGS[key] = _slo_settings(spec, slo)
+    return _SLO_SETTINGS[key]
+
+
+def _slo_settings(spec, slo: SloTargets) -> SloSettings:
     from iterserve.simulate.cli import profile_for
     from iterserve.simulate.replica import engine_config_for
 
