@@ -116,6 +116,13 @@ def test_the_operator_pod_gets_its_token_volume_and_binds_its_ports_to_the_pod_i
         "token": "token-of-iterserve", "ca.crt": "CA PEM", "namespace": "system"}
 
 
+def test_an_operator_without_a_liveness_endpoint_gets_none(tmp_path):
+    pod = operator_pod()
+    pod["spec"]["containers"][0]["args"][3] = "--liveness=none"
+    inside = launch(pod, tmp_path).argv
+    assert "--liveness=none" in inside and "--liveness" not in inside
+
+
 def test_without_an_injected_token_volume_the_runtime_mounts_the_token_itself(tmp_path):
     pod = operator_pod()
     container = pod["spec"]["containers"][0]

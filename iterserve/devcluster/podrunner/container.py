@@ -137,7 +137,9 @@ def _liveness_on(args: list[str], host: str) -> list[str]:
     for i, arg in enumerate(args):
         url = arg.split("=", 1)[1] if arg.startswith("--liveness=") else (
             args[i + 1] if arg == "--liveness" and i + 1 < len(args) else None)
-        if url is None or url == "none":
+        if url == "none":
+            return args
+        if url is None:
             continue
         parts = urlsplit(url)
         moved = urlunsplit(parts._replace(netloc=f"{host}:{parts.port or 80}"))
