@@ -11,6 +11,10 @@ from the one that assigns the pod IP (iterserve/devcluster/stages/).
 
 What a pod may make it run is narrow (launch.py): `iterserve serve` with allow-listed flags, no
 PYTHON*/LD_*-style variables, Python isolated; probes dial only the pod's own IP.
+
+Container mode (`PodRunner(..., container_runtime="podman")`, `--container-runtime podman`):
+each container is `podman run` of the pod's own image instead, with its securityContext,
+resource limits and volumes (container.py; docs/image.md).
 """
 
 from iterserve.devcluster.podrunner.runner import (
