@@ -255,7 +255,7 @@ def test_greedy_tokens_equal_transformers_through_the_engine(name, checkpoints, 
         assert mine == theirs, f"{name}: prompt of {len(prompt)} tokens"
     assert sum(len(t) for t in got) > 2 * NEW_TOKENS  # the random model does not stop at once
     assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.block_manager.prefix_cache is not None
+    assert llm.engine.block_manager.prefix_cache.hits > 0  # prefixes were shared (the common one, or a resumed sequence's own)
     assert llm.engine.block_manager.usage() == 0.0
 
 
