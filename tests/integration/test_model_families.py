@@ -46,7 +46,7 @@ class Family:
     config_class: str  # transformers config class name
     kwargs: dict
     gguf_arch: str | None = None  # llama.cpp's general.architecture; None: no GGUF row
-    engine: bool = True  # run the greedy engine test (dynamic rope: logits only, see rope.py)
+    engine: bool = True  # also the greedy engine test (a row that only adds a rope variant checks logits)
     preemption: str = "recompute"
     save: dict = field(default_factory=dict)  # save_pretrained options / storage dtype
 
