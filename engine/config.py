@@ -104,6 +104,9 @@ class EngineConfig:
     tensor_parallel_size: int = field(default=1, metadata=flag(
         MODEL, "ranks the model is split across (heads, MLP and vocabulary sharded; one process per rank on "
                "this node; see docs/parallelism.md)"))
+    pipeline_parallel_size: int = field(default=1, metadata=flag(
+        MODEL, "pipeline stages the layers are split into (one process per stage and tensor-parallel rank; "
+               "see docs/parallelism.md)"))
     step_log: str | None = field(default=None, metadata=flag(
         SCHEDULING, "write one JSON line per engine step to this file", metavar="PATH"))
     watermark: float = 0.01  # share of the KV pool admission keeps free (no flag)
@@ -172,9 +175,11 @@ class EngineConfig:
         _positive("--max-num-batched-tokens", self.max_num_batched_tokens)
         _positive("--block-size", self.block_size)
         _positive("--tensor-parallel-size", self.tensor_parallel_size)
-        if self.tensor_parallel_size > 1 and self.role != "both":
-            raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size} with --role {self.role}: KV "
-                              "transfer of a sharded cache is not implemented; use --tensor-parallel-size 1")
+        _positive("--pipeline-parallel-size", self.pipeline_parallel_size)
+        if self.tensor_parallel_size * self.pipeline_parallel_size > 1 and self.role != "both":
+            raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size} / --pipeline-parallel-size "
+                              f"{self.pipeline_parallel_size} with --role {self.role}: KV transfer of a sharded cache "
+                              "is not implemented; use sizes of 1")
         if self.block_size > 256 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"--block-size must be a power of two up to 256, got {self.block_size}")
         for f in fields(self):  # the allowed values of every field with choices, as its flag declares

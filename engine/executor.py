@@ -66,14 +66,15 @@ def load_executor(config: EngineConfig) -> tuple[Executor, Any, str, EngineConfi
     from iterserve.engine.fake_executor import FAKE_MODEL, fake_model
 
     if config.model == FAKE_MODEL:
-        if config.tensor_parallel_size > 1:
-            raise ConfigError(f"--tensor-parallel-size {config.tensor_parallel_size} needs a real model; the fake "
-                              "model has no weights to split")
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+            raise ConfigError(f"--tensor-parallel-size {config.tensor_parallel_size} / --pipeline-parallel-size "
+                              f"{config.pipeline_parallel_size} needs a real model; the fake model has no weights to "
+                              "split")
         config = config.resolve()
         executor, tokenizer = fake_model(config)
         config.check_kv_capacity(executor.num_kv_blocks, executor.num_cpu_blocks)
         return executor, tokenizer, FAKE_MODEL, config
-    if config.tensor_parallel_size > 1:  # one process per rank (engine/distributed/tensor_parallel.py)
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:  # one process per rank (engine/distributed/tensor_parallel.py)
         from iterserve.engine.distributed.tensor_parallel import TensorParallelRunner
 
         runner = TensorParallelRunner(config)

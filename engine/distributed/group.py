@@ -19,7 +19,9 @@ COLLECTIVE_TIMEOUT_S = 120.0
 
 
 class Group:
-    def __init__(self, rank: int, size: int, device: torch.device, timeout_s: float = COLLECTIVE_TIMEOUT_S):
+    def __init__(self, rank: int, size: int, device: torch.device, timeout_s: float = COLLECTIVE_TIMEOUT_S,
+                 prefix: str = ""):
+        self.prefix = prefix  # a sub-group's name in its parent's store (a pipeline stage's TP group)
         self.rank = rank
         self.size = size
         self.device = device
@@ -36,11 +38,14 @@ class Group:
         self.store = TCPStore(host, port, self.size, self.rank == 0, timeout=self.timeout, wait_for_workers=False)
         return self.store.port
 
-    def connect(self, host: str = "127.0.0.1", port: int | None = None) -> None:
-        """Join the group (every rank calls it; it returns once all have, or raises after the timeout)."""
+    def connect(self, host: str = "127.0.0.1", port: int | None = None, parent: Group | None = None) -> None:
+        """Join the group (every member calls it; it returns once all have, or raises after the timeout).
+        With `parent`: a sub-group of the parent's ranks, rendezvousing under its prefix in the parent's store."""
         import torch.distributed as dist
 
-        if self.store is None:
+        if parent is not None:
+            self.store = dist.PrefixStore(self.prefix, parent.store)
+        elif self.store is None:
             self.store = dist.TCPStore(host, port, self.size, False, timeout=self.timeout)
         if self.device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
@@ -75,6 +80,21 @@ class Group:
         self.seconds += time.perf_counter() - start
         self.calls += 1
         return torch.cat(parts, dim=-1)
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Point to point (a pipeline stage's output to the next stage)."""
+        start = time.perf_counter()
+        self._wait(self.pg.send([tensor.contiguous()], dst, 0))
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        start = time.perf_counter()
+        tensor = torch.empty(shape, dtype=dtype, device=self.device)
+        self._wait(self.pg.recv([tensor], src, 0))
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        return tensor
 
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1, device=self.device))

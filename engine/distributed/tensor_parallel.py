@@ -79,33 +79,46 @@ def step_plan(out: SchedulerOutput) -> StepPlan:
 
 
 class ShardRunner(ModelRunner):
-    """A ModelRunner over one rank's slice of the model."""
+    """A ModelRunner over one rank's slice of the model: its pipeline stage's layers, and within them
+    its tensor-parallel share. `group` joins every rank; `tp_group` the ranks of this stage (the
+    same object when there is one stage; None when the stage is one rank)."""
 
-    def __init__(self, config: EngineConfig, group: Group, show_progress: bool = True):
+    def __init__(self, config: EngineConfig, group: Group, tp_group: Group | None, show_progress: bool = True):
         self.group = group
+        self.tp_group = tp_group
+        self.tp = config.tensor_parallel_size
+        self.stages = config.pipeline_parallel_size
+        self.stage, self.tp_rank = divmod(group.rank, self.tp)
         if config.compile:
-            raise ConfigError("--tensor-parallel-size with --compile is not supported; drop --compile")
+            raise ConfigError(f"{_sizes(config)} with --compile is not supported; drop --compile")
         super().__init__(config, show_progress=show_progress)
         self.split = None  # two threads issuing collectives would interleave them differently per rank
 
     def shard(self, loaded, config: EngineConfig) -> ModelConfig:
-        size = self.group.size
         if self.quantization != "none":
-            raise ConfigError(f"--tensor-parallel-size {size} with --quantization {self.quantization}: quantized "
-                              "linears are not sharded; use --quantization none (or --dtype float32)")
+            raise ConfigError(f"{_sizes(config)} with --quantization {self.quantization}: quantized linears are not "
+                              "sharded; use --quantization none (or --dtype float32)")
         if config.speculative_config and '"draft_model"' in config.speculative_config.replace(" ", ""):
-            raise ConfigError(f"--tensor-parallel-size {size} with a draft model (--speculative-config): the draft "
-                              'is not sharded; use "method": "ngram"')
-        full = loaded.config
+            raise ConfigError(f"{_sizes(config)} with a draft model (--speculative-config): the draft is not "
+                              'sharded; use "method": "ngram"')
+        full = local = loaded.config
         try:
-            local = parallel.local_config(full, parallel.Shard(self.group.rank, size))
+            if self.stages > 1:
+                layers = parallel.stage_layers(full.num_layers, self.stage, self.stages)
+                parallel.stage_weights(loaded.weights, layers)
+                local = parallel.stage_config(full, layers)
+            if self.tp > 1:
+                shard = parallel.Shard(self.tp_rank, self.tp)
+                parallel.shard_weights(loaded.weights, full, shard)
+                local = parallel.local_config(local, shard)
         except parallel.ParallelConfigError as error:
             raise ConfigError(str(error)) from None
-        parallel.shard_weights(loaded.weights, full, parallel.Shard(self.group.rank, size))
         return local
 
     def parallelize(self, full_config: ModelConfig) -> None:
-        parallel.parallelize(self.model, full_config, self.group)
+        if self.tp_group is not None:
+            parallel.parallelize(self.model, full_config, self.tp_group)
+        self.hidden_size = full_config.hidden_size
 
     @torch.inference_mode()
     def replay(self, plan: StepPlan) -> None:
@@ -118,17 +131,60 @@ class ShardRunner(ModelRunner):
             return
         device = self.device
         meta = AttentionMetadata.build(plan.query_lens, plan.seq_lens, plan.block_tables, self.block_size, device)
-        hidden = self.model(torch.tensor(plan.input_ids, dtype=torch.long, device=device),
-                            torch.tensor(plan.positions, dtype=torch.long, device=device), self.kv_caches, meta)
+        ids = torch.tensor(plan.input_ids, dtype=torch.long, device=device)
+        positions = torch.tensor(plan.positions, dtype=torch.long, device=device)
+        if self.stages == 1:
+            hidden = self.model(ids, positions, self.kv_caches, meta)
+        else:
+            carry, last = None, self.stage == self.stages - 1
+            if self.stage > 0:  # the previous stage's rank of the same tensor-parallel share
+                shape, source = (len(plan.input_ids), self.hidden_size), self.group.rank - self.tp
+                carry = (self.group.recv(shape, self.dtype, source), self.group.recv(shape, self.dtype, source))
+            hidden = parallel.stage_forward(self.model, ids, positions, self.kv_caches, meta, carry, last)
+            if not last:
+                for tensor in hidden:
+                    self.group.send(tensor, self.group.rank + self.tp)
+                return
         for rows in plan.logit_rows:
-            self.model.compute_logits(hidden[torch.tensor(rows, device=device)])
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=device)])
+            if self.stages > 1 and self.tp_rank == 0:  # the last stage's logits go to rank 0's sampler
+                self.group.send(logits, 0)
+
+
+class FirstStage:
+    """Rank 0's model under pipeline parallelism: runs stage 0 and sends its output on; the "hidden
+    states" it returns are row numbers, and compute_logits receives those rows' logits from the
+    last stage (which computes them for the same rows, in the same order: StepPlan.logit_rows)."""
+
+    def __init__(self, model, runner: ShardRunner, vocab: int):
+        self.model = model
+        self.runner = runner
+        self.vocab = vocab
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, input_ids, positions, kv_caches, meta):
+        runner = self.runner
+        for tensor in parallel.stage_forward(self.model, input_ids, positions, kv_caches, meta, None, last=False):
+            runner.group.send(tensor, runner.tp)
+        return torch.arange(input_ids.shape[0], device=input_ids.device).unsqueeze(1)
+
+    def compute_logits(self, rows: torch.Tensor) -> torch.Tensor:
+        runner = self.runner
+        return runner.group.recv((rows.shape[0], self.vocab), torch.float32, (runner.stages - 1) * runner.tp)
+
+
+def _sizes(config: EngineConfig) -> str:
+    return f"--tensor-parallel-size {config.tensor_parallel_size} --pipeline-parallel-size {config.pipeline_parallel_size}"
 
 
 class TensorParallelRunner(ShardRunner):
     """Rank 0: the engine's executor. Sends each step's plan, then runs its own share of it."""
 
     def __init__(self, config: EngineConfig, show_progress: bool = True):
-        size = config.tensor_parallel_size
+        tp, stages = config.tensor_parallel_size, config.pipeline_parallel_size
+        size = tp * stages
         device = pick_device(config.device)
         if device.type == "cuda" and torch.cuda.device_count() < size:
             raise ConfigError(f"--tensor-parallel-size {size} needs {size} CUDA devices; {torch.cuda.device_count()} "
@@ -136,24 +192,30 @@ class TensorParallelRunner(ShardRunner):
         if device.type == "cuda":
             torch.cuda.set_device(0)
         group = Group(0, size, device)
+        tp_group = _tp_group(group, tp, stages, device)
         self.group_failure: BaseException | None = None
         self._workers: list[subprocess.Popen] = []
         self._pipes: list = []
         self._closing = False
         _cpu_threads(size)
-        super().__init__(config, group, show_progress)  # loads rank 0's slice first: its KV pool sizes the others
+        super().__init__(config, group, tp_group, show_progress)  # rank 0's slice first: its KV pool sizes the others
         worker_config = replace(config, num_kv_blocks=self.num_kv_blocks, num_cpu_blocks=self.num_cpu_blocks,
                                 kv_cache_memory=None)
         try:
-            self._start_workers(worker_config, group)
+            self._start_workers(worker_config, group, tp_group)
         except BaseException:
             self.close()
             raise
-        logger.info("tensor parallelism: %d ranks (%s), pids %s", size, "nccl" if device.type == "cuda" else "gloo",
-                    [os.getpid()] + [p.pid for p in self._workers])
+        logger.info("tensor parallelism %d x pipeline stages %d: %d ranks (%s), pids %s", tp, stages, size,
+                    "nccl" if device.type == "cuda" else "gloo", [os.getpid()] + [p.pid for p in self._workers])
         threading.Thread(target=self._watch, name="iterserve-tp-watch", daemon=True).start()
 
-    def _start_workers(self, config: EngineConfig, group: Group) -> None:
+    def parallelize(self, full_config: ModelConfig) -> None:
+        super().parallelize(full_config)
+        if self.stages > 1:
+            self.model = FirstStage(self.model, self, full_config.vocab_size)
+
+    def _start_workers(self, config: EngineConfig, group: Group, tp_group: Group | None) -> None:
         """Spawn ranks 1..N-1 (`python -m` this module: no re-import of the caller's main script), hand
         each its config over an authenticated local connection, rendezvous, wait for their models."""
         size, port = group.size, group.open_store()
@@ -181,6 +243,8 @@ class TensorParallelRunner(ShardRunner):
         for rank, pipe in enumerate(self._pipes, start=1):
             pipe.send((config, rank, size, port, logging.getLogger().level))
         group.connect(port=port)
+        if tp_group is not None and tp_group is not group:
+            tp_group.connect(parent=group)
         for rank, pipe in enumerate(self._pipes, start=1):
             deadline = time.monotonic() + START_TIMEOUT_S
             while not pipe.poll(0.5):
@@ -248,6 +312,16 @@ class TensorParallelRunner(ShardRunner):
         self.group.close()
 
 
+def _tp_group(group: Group, tp: int, stages: int, device: torch.device) -> Group | None:
+    """This rank's tensor-parallel group: the whole group with one stage, its stage's ranks otherwise."""
+    if tp == 1:
+        return None
+    if stages == 1:
+        return group
+    stage, tp_rank = divmod(group.rank, tp)
+    return Group(tp_rank, tp, device, prefix=f"stage{stage}/")
+
+
 def _cpu_threads(size: int) -> None:
     """On a CPU each rank takes its share of the cores, so N ranks do not oversubscribe them."""
     if not torch.cuda.is_available():
@@ -268,7 +342,10 @@ def worker_main(rank: int, address_port: int) -> None:
     try:
         group = Group(rank, size, device)
         group.connect(port=port)
-        runner = ShardRunner(config, group, show_progress=False)
+        tp_group = _tp_group(group, config.tensor_parallel_size, config.pipeline_parallel_size, device)
+        if tp_group is not None and tp_group is not group:
+            tp_group.connect(parent=group)
+        runner = ShardRunner(config, group, tp_group, show_progress=False)
     except BaseException as error:  # noqa: BLE001 - reported to rank 0, which refuses to start
         pipe.send(("error", f"{type(error).__name__}: {error}"))
         return

@@ -168,3 +168,51 @@ def parallelize(model, full: ModelConfig, group) -> None:
     model.tp_group = group
     model.fused = False  # cpu_fused's kernels read the dense weights themselves
     model.__class__ = tp_model_class(type(model))
+
+
+# -- pipeline parallelism: each stage holds a contiguous run of the layers ----------------------
+
+
+def stage_layers(num_layers: int, stage: int, stages: int) -> range:
+    """The layers of `stage` (of `stages`): equal runs, the first stages one longer when they do not divide."""
+    if stages > num_layers:
+        raise ParallelConfigError(f"--pipeline-parallel-size {stages} exceeds the model's {num_layers} layers; "
+                                  f"use at most {num_layers}")
+    base, extra = divmod(num_layers, stages)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (stage < extra))
+
+
+def stage_config(config: ModelConfig, layers: range) -> ModelConfig:
+    """The config a stage builds its model with: its own layers, numbered from 0."""
+    if config.moe is not None:
+        raise ParallelConfigError(f"--pipeline-parallel-size: mixture-of-experts models ({config.architecture}) are not "
+                                  "split into stages yet; use --pipeline-parallel-size 1")
+    types = config.layer_types[layers.start : layers.stop] if config.layer_types is not None else None
+    return replace(config, num_layers=len(layers), layer_types=types)
+
+
+def stage_weights(weights: dict[str, torch.Tensor], layers: range) -> None:
+    """In place: keep this stage's layers, renumbered from 0 (embedding, final norm and LM head stay:
+    the first stage embeds, the last computes the logits)."""
+    for name in list(weights):
+        if not name.startswith("model.layers."):
+            continue
+        tensor = weights.pop(name)
+        index, rest = name.removeprefix("model.layers.").split(".", 1)
+        if int(index) in layers:
+            weights[f"model.layers.{int(index) - layers.start}.{rest}"] = tensor
+
+
+def stage_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta,
+                  carry: tuple[torch.Tensor, torch.Tensor] | None, last: bool):
+    """DecoderModel.forward over one stage's layers: from the embedding (carry None) or the previous
+    stage's (hidden, residual); returns the final hidden states on the last stage, else (hidden, residual)."""
+    backend = model.backend
+    hidden, residual = (model.embed(input_ids), None) if carry is None else carry
+    for layer, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True):
+        q, k, v, residual = model.attention_input(hidden, residual, layer, positions)
+        backend.write_kv(k, v, k_cache, v_cache, meta)
+        attn = backend.attend(q, k_cache, v_cache, meta, model.scale, layer.attention)
+        hidden, residual = model.mlp(attn, residual, layer)
+    return model.final_norm(hidden, residual) if last else (hidden, residual)

@@ -5,7 +5,7 @@
   preempt, and prefix caching on (two prompts share a 40-token prefix) are the same tokens at
   TP=2 (and TP=4) as in one process, on small random Llamas (tests/tp_models.py: heads and KV
   heads split by 2 and 4; one KV head replicated; biases; a vocabulary not divisible by the ranks)
-  and on the embedded SmolLM2 (9 heads, 3 KV heads) at TP=3;
+  and on the embedded SmolLM2 (9 heads, 3 KV heads) at TP=3; the same at PP=2 and TP=2 x PP=2;
 - a size that does not divide the heads is refused at start-up, naming both numbers;
 - a killed rank ends the group: GET /health answers 503 and the log names the rank (no hang)."""
 
@@ -50,11 +50,11 @@ def checkpoints(tmp_path_factory):
     return {name: tp_models.build(name, root / name) for name in tp_models.MODELS}
 
 
-def greedy(model: str, prompts, tp: int, new_tokens: int = NEW_TOKENS, **options) -> list[list[int]]:
+def greedy(model: str, prompts, tp: int, new_tokens: int = NEW_TOKENS, pp: int = 1, **options) -> list[list[int]]:
     # 10 blocks x 16 = 160 tokens of KV for four sequences of up to 107 tokens: preemption.
     options = dict(num_kv_blocks=10, num_cpu_blocks=32, max_model_len=144, max_num_seqs=4, max_num_batched_tokens=16,
                    enable_prefix_caching=True, device="cpu", attention_backend="torch", dtype="float32") | options
-    llm = LLM(model=model, tensor_parallel_size=tp, **options)
+    llm = LLM(model=model, tensor_parallel_size=tp, pipeline_parallel_size=pp, **options)
     try:
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
                                use_tqdm=False)
@@ -64,12 +64,35 @@ def greedy(model: str, prompts, tp: int, new_tokens: int = NEW_TOKENS, **options
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,tp", [("h8kv4", 2), ("h4kv1", 2), pytest.param("h8kv4", 4, id="h8kv4-4")])
-def test_greedy_tokens_equal_one_process(checkpoints, prompts, name, tp):
+@pytest.mark.parametrize("name,tp,pp", [("h8kv4", 2, 1), ("h4kv1", 2, 1), ("h8kv4", 4, 1), ("h4kv1", 1, 2),
+                                        ("h8kv4", 2, 2)])
+def test_greedy_tokens_equal_one_process(checkpoints, prompts, name, tp, pp):
+    """TP alone, PP alone (two stages of one layer each), and TP=2 x PP=2 (four ranks)."""
     path = str(checkpoints[name])
     one = greedy(path, prompts, 1)
     assert all(len(tokens) == NEW_TOKENS for tokens in one)
-    assert greedy(path, prompts, tp) == one
+    assert greedy(path, prompts, tp, pp=pp) == one
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_equal_one_process_through_two_stages(checkpoints, prompts):
+    """Prompt logprobs take the pipeline's logits path for every prompt row (not only sampled ones)."""
+    def logprobs(pp):
+        llm = LLM(model=str(checkpoints["h8kv4"]), pipeline_parallel_size=pp, tensor_parallel_size=pp, device="cpu",
+                  attention_backend="torch", dtype="float32", num_kv_blocks=32, max_num_batched_tokens=16,
+                  max_num_seqs=4)
+        try:
+            out = llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2),
+                               use_tqdm=False)
+            return [[(p.token_id, p.logprob) for p in o.prompt_logprobs if p is not None] for o in out]
+        finally:
+            llm.engine.close()
+
+    one, four = logprobs(1), logprobs(2)
+    assert len(one[0]) == len(prompts[0]) - 1
+    for a, b in zip(one, four, strict=True):
+        assert [t for t, _ in a] == [t for t, _ in b]
+        assert max(abs(x - y) for (_, x), (_, y) in zip(a, b, strict=True)) < 1e-4
 
 
 @pytest.mark.slow
@@ -83,7 +106,7 @@ def test_embedded_smollm2_at_three_ranks(prompts):
 def test_a_size_that_does_not_divide_the_heads_is_refused(checkpoints):
     with pytest.raises(ConfigError, match=r"--tensor-parallel-size 3 does not divide the model's 8 attention heads"):
         LLM(model=str(checkpoints["h8kv4"]), tensor_parallel_size=3, device="cpu", dtype="float32")
-    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 2 needs a real model"):
+    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 2 / --pipeline-parallel-size 1 needs a real model"):
         LLM(model="fake", tensor_parallel_size=2)
 
 
