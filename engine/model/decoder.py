@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from iterserve.engine.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionMetadata, AttentionOptions
 from iterserve.engine.model import cpu_fused
 from iterserve.engine.model.layers import Weight, gated_activation, head_rms_norm, linear
-from iterserve.engine.model.loader import ModelConfig
+from iterserve.engine.model.loader import ModelConfig, ModelLoadError
 from iterserve.engine.model.quant import Int4Linear, quantize_dense, quantize_lm_head
 from iterserve.engine.model.rope import rotary_cos_sin
 
@@ -101,7 +101,8 @@ class DecoderModel:
                 return None
             missing = [n for n in names if n not in weights]
             if missing:
-                raise ValueError(f"checkpoint has some biases of a fused projection but not {missing[0]}")
+                raise ModelLoadError(f"{missing[0]} is missing while the checkpoint has the other biases of "
+                                     f"its fused projection ({names[0]}): a checkpoint has all of them or none")
             return torch.cat([weights.pop(n) for n in names], dim=0).to(device=device, dtype=dtype)
 
         layers = []
