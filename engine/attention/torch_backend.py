@@ -27,7 +27,12 @@ import torch
 import torch.nn.functional as F
 
 from iterserve.engine.attention import cpu_paged
-from iterserve.engine.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionMetadata, AttentionOptions
+from iterserve.engine.attention.backend import (
+    FULL_ATTENTION,
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionOptions,
+)
 
 # A decode bucket's shortest sequence has at least this share of its longest one's blocks.
 BUCKET_FILL = 0.67

@@ -18,7 +18,12 @@ from types import ModuleType
 
 import torch
 
-from iterserve.engine.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionMetadata, AttentionOptions
+from iterserve.engine.attention.backend import (
+    FULL_ATTENTION,
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionOptions,
+)
 
 GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The interpreter computes bfloat16 wrongly (silently), so CPU runs take fp32 or fp16.

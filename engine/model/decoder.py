@@ -19,7 +19,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from iterserve.engine.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionMetadata, AttentionOptions
+from iterserve.engine.attention.backend import (
+    FULL_ATTENTION,
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionOptions,
+)
 from iterserve.engine.model import cpu_fused
 from iterserve.engine.model.layers import Weight, gated_activation, head_rms_norm, linear
 from iterserve.engine.model.loader import ModelConfig, ModelLoadError
@@ -69,7 +74,7 @@ class DecoderModel:
         self.quantization = quantization
         self.compiled = None  # a CompiledForward (compiled.py) once compile() ran
         # quantized CPU models run their small ops as fused C kernels (cpu_fused.py)
-        self.fused = (backend.name == "torch" and config.hidden_act == "silu" and all(l.plain for l in layers)
+        self.fused = (backend.name == "torch" and config.hidden_act == "silu" and all(layer.plain for layer in layers)
                       and config.final_logit_softcap is None and cpu_fused.supports(self))
 
     @classmethod

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from iterserve.engine.model.architectures import Family, gguf_base_config, hf_base_config, hf_layer_types, register
+from iterserve.engine.model.architectures import (
+    Family,
+    gguf_base_config,
+    hf_base_config,
+    hf_layer_types,
+    register,
+)
 from iterserve.engine.model.loader import ModelConfig
 
 
