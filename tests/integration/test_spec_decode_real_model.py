@@ -1,0 +1,136 @@
+"""Speculative decoding on the embedded SmolLM2-135M: greedy outputs identical token for token to
+plain decoding, for 30 prompts (code, repeated structures, free text) at batch sizes 1, 4 and 32,
+with chunked prefill (a small step budget) and prefix caching on; n-gram proposals, and the model
+as its own draft. The model is loaded once per runner; each engine gets a fresh block manager.
+
+Plain decoding runs at batch sizes 4 and 32; speculation at batch size 1 is compared with plain
+decoding at 4 (a plain batch-1 run is the costliest part and adds nothing the batch-4 one does
+not check: greedy tokens do not depend on the batch, and the comparison is then stricter)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from iterserve.engine.config import EngineConfig
+from iterserve.engine.llm_engine import LLMEngine
+from iterserve.engine.sampling_params import SamplingParams
+
+MAX_TOKENS = 20
+CODE = [
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "for i in range(10):\n    print(i)\nfor j in range(10):\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\nclass Size:\n",
+    "SELECT name, age FROM users WHERE age > 30;\nSELECT name, city FROM users WHERE",
+    "import os\nimport sys\nimport json\nimport",
+    "x = [1, 2, 3]\ny = [4, 5, 6]\nz = [",
+    "<ul>\n  <li>Apple</li>\n  <li>Banana</li>\n  <li>",
+    'config = {"host": "localhost", "port": 8080, "debug": True}\nprod = {"host":',
+    "def is_even(n):\n    return n % 2 == 0\n\ndef is_odd(n):\n",
+    "if x > 0:\n    sign = 1\nelif x < 0:\n    sign = -1\nelse:\n",
+]
+REPEATED = [
+    "1, 2, 3, 4, 5, 6, 7, 8,",
+    "Monday, Tuesday, Wednesday, Thursday,",
+    "A B C D E F G H I J",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "red green blue red green blue red green",
+    "Q: What is 2+2?\nA: 4\nQ: What is 3+3?\nA: 6\nQ: What is 4+4?\nA:",
+    "- item one\n- item two\n- item three\n-",
+    "Name: Alice\nAge: 30\n\nName: Bob\nAge: 25\n\nName:",
+    "I like cats. I like dogs. I like",
+    "January February March April May",
+]
+FREE = [
+    "Once upon a time",
+    "The capital of France is",
+    "Explain why the sky is blue.",
+    "My favourite food is",
+    "In the year 2050, cities will",
+    "The best way to learn a language is",
+    "Write a short poem about the sea.",
+    "Photosynthesis is the process by which",
+    "Here is a recipe for pancakes:",
+    "The history of the Roman Empire",
+]
+PROMPTS = CODE + REPEATED + FREE
+
+
+class Slice:
+    """The loaded runner under a fresh engine; no `proposer` attribute: the engine's n-gram lookup."""
+
+    def __init__(self, runner):
+        self.runner, self.num_kv_blocks, self.num_cpu_blocks = runner, runner.num_kv_blocks, runner.num_cpu_blocks
+
+    def execute(self, out):
+        return self.runner.execute(out)
+
+    def release(self, request_ids):
+        self.runner.release(request_ids)
+
+
+OPTIONS = dict(num_kv_blocks=512, max_model_len=512, device="cpu", attention_backend="torch", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def threads():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def runner(threads):
+    from iterserve.engine.model_runner import ModelRunner
+
+    return ModelRunner(EngineConfig(**OPTIONS), show_progress=False)
+
+
+def generate(executor, tokenizer, prompts, max_num_seqs: int, speculative_config: str | None):
+    config = EngineConfig(**OPTIONS, max_num_seqs=max_num_seqs, max_num_batched_tokens=64, chunked_prefill=True,
+                          enable_prefix_caching=True, speculative_config=speculative_config).resolve(8192)
+    engine = LLMEngine(config, executor, tokenizer)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt=prompt, params=SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                           request_id=f"p{i}")
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = output.outputs[0].token_ids
+    assert engine.block_manager.usage() == 0.0
+    return outputs, engine.stats()
+
+
+@pytest.fixture(scope="module")
+def plain(runner):
+    return {batch: generate(Slice(runner), runner.tokenizer, PROMPTS, batch, None)[0] for batch in (4, 32)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 4, 32])
+def test_ngram_greedy_equals_plain_greedy(runner, plain, batch):
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                       "prompt_lookup_max": 4, "disable_by_batch_size": 64, "min_acceptance_rate": 0.0})
+    fast, stats = generate(Slice(runner), runner.tokenizer, PROMPTS, batch, spec)
+    assert fast == plain[max(batch, 4)]
+    assert stats.spec_num_accepted_tokens > 30, stats  # the repeated prompts do accept proposals
+
+
+@pytest.mark.slow
+def test_the_model_as_its_own_draft_is_accepted_and_greedy_equal(threads):
+    from iterserve.engine.model_runner import ModelRunner
+
+    spec = json.dumps({"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": 3,
+                       "disable_by_batch_size": 64})
+    drafted = ModelRunner(EngineConfig(**OPTIONS, speculative_config=spec), show_progress=False)
+    prompts = PROMPTS[::4]
+    plain, _ = generate(Slice(drafted), drafted.tokenizer, prompts, 4, None)
+    fast, stats = generate(drafted, drafted.tokenizer, prompts, 4, spec)
+    assert fast == plain
+    # The same weights propose what they then verify: nearly everything is accepted.
+    assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens > 0
+    assert not drafted.proposer.states and drafted.proposer.blocks.usage() == 0.0  # released with the requests
