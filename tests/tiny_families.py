@@ -63,7 +63,8 @@ def hf_model(family: str, seed: int = 0, **overrides):
     config_name, model_name, kwargs = FAMILIES[family]
     kwargs = {**kwargs, "vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2, **overrides}
     if family == "phi3" and "rope_parameters" not in kwargs:
-        kwargs["rope_parameters"] = _phi3_rope(kwargs["hidden_size"] // kwargs["num_attention_heads"])
+        partial = kwargs.get("partial_rotary_factor", 1.0)
+        kwargs["rope_parameters"] = _phi3_rope(int(kwargs["hidden_size"] // kwargs["num_attention_heads"] * partial))
     config = getattr(transformers, config_name)(**kwargs)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -75,7 +76,9 @@ def hf_model(family: str, seed: int = 0, **overrides):
             if name.endswith("norm.weight"):
                 p.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn(p.shape, generator=gen))
             elif "embed_tokens" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if gemma else 1.0))
+                # Gemma scales it by sqrt(hidden) and ties it to the lm_head: a large one makes the
+                # model repeat its input token
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.05 if gemma else 1.0))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
     return model

@@ -24,7 +24,8 @@ pattern and local base are llama.cpp's (6, 10000) unless `<arch>.attention.slidi
 / `<arch>.rope.freq_base_swa` say otherwise.
 
 Paths: the torch and Triton backends (attention with window and soft-cap); the norms and GeGLU
-run in torch. Not the CPU fused kernels, --compile or --quantization.
+run in torch, so not the CPU fused kernels. --quantization int8 / int4 / w8a8 quantize the linears
+(the norms stay float32); a GGUF's own blocks are not used (its norms are rewritten at load).
 """
 
 from __future__ import annotations
@@ -77,15 +78,11 @@ class GemmaModel(DecoderModel):
     def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor], backend, device: torch.device,
                      dtype: torch.dtype, max_positions: int, quantization: str = "none", q4_1=None,
                      **file_blocks) -> GemmaModel:
-        """Dense only: --quantization gguf (the file's own blocks) has none to give a family whose
-        tensors are rewritten at load, and int8 / int4 are not built for it."""
-        if quantization not in ("none", "gguf"):
-            raise ModelLoadError(f"--quantization {quantization} is not available for {config.architecture}; "
-                                 "serve it with --quantization none")
         # The norms are held as float32 1 + w, whatever the model's dtype, as transformers computes them.
         norms = {name: (weights[name].float() + config.norm_weight_offset).to(device)
                  for name in weights if name.endswith("norm.weight")}
-        model = super().from_weights(config, weights, backend, device, dtype, max_positions)
+        model = super().from_weights(config, weights, backend, device, dtype, max_positions, quantization, q4_1,
+                                     **file_blocks)
         model.norm = norms["model.norm.weight"]
         for i, layer in enumerate(model.layers):
             prefix = f"model.layers.{i}."

@@ -10,8 +10,9 @@ q/k rows not interleaved; the LongRoPE factors as the rope_factors_long / rope_f
 tensors with phi3.rope.scaling.original_context_length and .attn_factor;
 phi3.rope.dimension_count is the rotary part of a head.
 
-Paths: the torch and Triton backends and the CPU fused kernels where the rotary is whole; not
---compile (its graphs would not see the LongRoPE switch) or --quantization int4.
+Paths: the torch and Triton backends, and the CPU fused kernels (quantized) where the rotary is
+whole; --quantization int8 / int4 / w8a8 quantize the linears; a GGUF's own blocks are not used
+(its fused tensors are split at load).
 """
 
 from __future__ import annotations
@@ -94,7 +95,9 @@ def hf_config(raw: dict, path: Path) -> ModelConfig:
     if kind not in (None, "default") and not long_rope:
         raise ModelLoadError(f"{path / 'config.json'}: rope scaling type {kind!r} is not supported for phi3; "
                              "supported: default, longrope (su)")
-    config = hf_base_config({**raw, "rope_scaling": None, "rope_parameters": {"rope_theta": theta}}, path, "phi3")
+    # the rope is this family's own (LongRoPE, partial rotary): the shared parser sees plain rotary
+    config = hf_base_config({**raw, "rope_scaling": None, "rope_parameters": {"rope_theta": theta},
+                             "partial_rotary_factor": 1.0}, path, "phi3")
     window = raw.get("sliding_window")
     config.sliding_window = int(window) if window else None
     config.attention_bias = config.attention_out_bias = False

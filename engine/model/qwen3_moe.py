@@ -12,8 +12,8 @@ expert_feed_forward_length; llama.cpp always renormalises the top-k weights (unl
 expert_weights_norm says otherwise), and every layer is sparse.
 
 Paths: torch (the experts grouped by expert, each chosen expert's weights read once per step) and
-Triton (the fused kernel in engine/kernels/moe.py). Not the CPU fused kernels, --compile or
---quantization.
+Triton (the fused kernel in engine/kernels/moe.py); not the CPU fused kernels. --quantization int8 /
+w8a8 quantize the attention and dense MLPs and leave the experts dense; int4 is refused.
 """
 
 from __future__ import annotations
@@ -58,11 +58,10 @@ class Qwen3MoeModel(DecoderModel):
     def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor], backend, device: torch.device,
                      dtype: torch.dtype, max_positions: int, quantization: str = "none", q4_1=None,
                      **file_blocks) -> Qwen3MoeModel:
-        """Dense only: --quantization gguf (the file's own blocks) has none to give a family whose
-        tensors are rewritten at load, and int8 / int4 are not built for it."""
-        if quantization not in ("none", "gguf"):
-            raise ModelLoadError(f"--quantization {quantization} is not available for qwen3_moe; "
-                                 "serve it with --quantization none")
+        """The experts stay dense under --quantization int8 / w8a8 (the attention and dense MLPs are
+        quantized); int4 is refused."""
+        if quantization == "int4":
+            raise ModelLoadError("--quantization int4 is not available for qwen3_moe; use int8, w8a8 or none")
         moe = config.moe
         experts: dict[int, MoeWeights] = {}
         for i, sparse in enumerate(moe.sparse_layers):
@@ -79,7 +78,8 @@ class Qwen3MoeModel(DecoderModel):
             # the shared builder reads a dense MLP per layer: an empty one stands in for the experts
             for name in _MLP:
                 weights[prefix + name] = torch.empty(0, config.hidden_size)
-        model = super().from_weights(config, weights, backend, device, dtype, max_positions)
+        model = super().from_weights(config, weights, backend, device, dtype, max_positions, quantization, q4_1,
+                                     **file_blocks)
         model.experts = {id(model.layers[i]): block for i, block in experts.items()}
         return model
 

@@ -155,6 +155,25 @@ def test_mixed_batch_logits_equal_transformers(name, source, backend_name, model
         assert len(seq) == mine.shape[0]
 
 
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_phi3_partial_rotary_equals_transformers(source, story, tmp_path, one_thread):
+    """Phi-4-mini's layout: only the first head_dim * partial_rotary_factor dims of a head rotate."""
+    model = tiny.hf_model("phi3", partial_rotary_factor=0.5)
+    path = tiny.save_hf(model, tmp_path / "hf") if source == "hf" else tiny.write_gguf("phi3", model, tmp_path / "p.gguf")
+    sequences = batch_sequences(story)
+    for mine, want in zip(engine_logits(path, "torch", sequences), reference_logits(model, sequences), strict=True):
+        assert (mine - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_qwen3_moe_dense_layers_where_mlp_only_layers_says_equal_transformers(story, tmp_path, one_thread):
+    model = tiny.hf_model("qwen3_moe", mlp_only_layers=[1])
+    assert not hasattr(model.model.layers[1].mlp, "experts")
+    sequences = batch_sequences(story)
+    got = engine_logits(tiny.save_hf(model, tmp_path / "hf"), "torch", sequences)
+    for mine, want in zip(got, reference_logits(model, sequences), strict=True):
+        assert (mine - want).abs().max() <= 1e-4 * want.abs().max()
+
+
 def test_phi3_sequences_past_the_original_length_read_the_long_factors(models, story, one_thread):
     """The switch matters: the same chunks with the short factors only are far from transformers."""
     model, directory, _ = models["phi3"]
@@ -228,6 +247,7 @@ def test_greedy_tokens_equal_transformers_through_the_engine(name, source, engin
     for prompt, mine, theirs in zip(prompts, got, hf_tokens[name], strict=True):
         assert mine == theirs, f"{name}/{source}: prompt of {len(prompt)} tokens"
     assert sum(len(t) for t in got) > 2 * NEW_TOKENS  # the random model does not stop at once
+    assert len({t for tokens in got for t in tokens}) > 16  # nor repeat one token
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.block_manager.prefix_cache is not None
     assert llm.engine.block_manager.usage() == 0.0
