@@ -73,6 +73,13 @@ class Qwen3MoeModel(DecoderModel):
                 raise ModelLoadError(f"{config.name}: layer {i} is a mixture-of-experts layer but "
                                      f"{prefix + missing[0]} is missing")
             gate_up, down, router = (weights.pop(prefix + n).to(device=device, dtype=dtype) for n in _EXPERTS)
+            shapes = {"mlp.experts.gate_up_proj": (moe.num_experts, 2 * moe.intermediate_size, config.hidden_size),
+                      "mlp.experts.down_proj": (moe.num_experts, config.hidden_size, moe.intermediate_size),
+                      "mlp.gate.weight": (moe.num_experts, config.hidden_size)}
+            for (name, want), got in zip(shapes.items(), (gate_up, down, router), strict=True):
+                if tuple(got.shape) != want:
+                    raise ModelLoadError(f"{config.name}: {prefix + name} is {tuple(got.shape)}; num_experts, "
+                                         f"hidden_size and moe_intermediate_size give {want}")
             experts[i] = MoeWeights(router=router, gate_up=gate_up.contiguous(), down=down.contiguous(),
                                     top_k=moe.top_k, normalize_top_k=moe.normalize_top_k)
             # the shared builder reads a dense MLP per layer: an empty one stands in for the experts

@@ -280,3 +280,21 @@ def test_gemma3_multimodal_checkpoint_serves_its_language_model(models, story, t
     assert load_model(tmp_path, show_progress=False).config.architecture == "gemma3"
     for mine, theirs in zip(got, want, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_qwen3_moe_checkpoint_whose_experts_disagree_with_its_config_is_refused_naming_the_tensor(models, tmp_path):
+    import json
+
+    from iterserve.engine.model.loader import ModelLoadError
+
+    _, directory, _ = models["qwen3_moe"]
+    for file in directory.iterdir():
+        (tmp_path / file.name).symlink_to(file)
+    config = json.loads((directory / "config.json").read_text())
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps(config | {"moe_intermediate_size": 40}))
+    loaded = load_model(tmp_path, show_progress=False)
+    with pytest.raises(ModelLoadError, match=r"model.layers.0.mlp.experts.gate_up_proj is \(8, 96, 64\); "
+                                             r"num_experts, hidden_size and moe_intermediate_size give \(8, 80, 64\)"):
+        model_class(loaded.config).from_weights(loaded.config, loaded.weights, get_backend("torch"),
+                                                torch.device("cpu"), torch.float32, MAX_POSITIONS)
