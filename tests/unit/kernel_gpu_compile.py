@@ -21,6 +21,7 @@ from iterserve.engine.kernels import (  # noqa: E402
     decode_attention,
     extend_attention,
     kv_cache,
+    moe,
     rms_norm,
     rotary,
 )
@@ -77,6 +78,13 @@ def sources(dt: str):
     yield "silu_and_mul", signature(activation._silu_and_mul_kernel,
                                     {"gate_up_ptr": f"*{dt}", "out_ptr": f"*{dt}"}, set(),
                                     dict(BLOCK_ROWS=8, BLOCK_W=1024))
+    for block_m, per_pair in ((16, False), (64, True)):
+        yield f"moe m{block_m} rows_per_pair={per_pair}", signature(
+            moe._grouped_gemm_kernel, {"a_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": f"*{dt}",
+                                       "sorted_pairs_ptr": "*i64", "block_experts_ptr": "*i64",
+                                       "pair_weights_ptr": f"*{dt}"}, set(),
+            dict(TOP_K=8, ROWS_PER_PAIR=per_pair, MUL_WEIGHT=per_pair, PRECISION=prec, BLOCK_M=block_m,
+                 BLOCK_N=64, BLOCK_K=32))
 
 
 def main(dtypes: list[str]) -> int:

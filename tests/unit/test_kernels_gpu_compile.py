@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-KERNELS = ["decode", "merge splits", "extend", "write_kv", "rms_norm", "rotary", "silu_and_mul"]
+KERNELS = ["decode", "merge splits", "extend", "write_kv", "rms_norm", "rotary", "silu_and_mul", "moe"]
 
 
 @pytest.mark.slow
