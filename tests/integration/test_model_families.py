@@ -418,3 +418,39 @@ def test_generation_config_eos_ids_and_sampling_defaults_are_honoured(checkpoint
     body = CompletionRequest(model="m", prompt="hi", temperature=0.7, top_k=-1)
     params = sampling_params(body, 7, 3, engine, "prompt", default_max_tokens=100)
     assert (params.temperature, params.top_k, params.max_tokens) == (0.7, -1, 7)
+
+
+# -- prefill/decode KV transfer with a sliding window --------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mistral", "qwen2-window"])
+def test_kv_pulled_from_a_prefill_engine_gives_the_local_greedy_tokens(name, checkpoints, prompts, one_thread):
+    """Prompts longer than the window: the decode engine pulls the prefill engine's whole block
+    table and continues with the window applied to it, as an engine that ran the prompt itself."""
+    from iterserve.engine.config import EngineConfig
+    from iterserve.engine.model_runner import ModelRunner
+    from tests.integration.test_kv_transfer_real_model import engine_on, run
+    from tests.kv_auth_helpers import remote_decode
+
+    runner = ModelRunner(EngineConfig(model=str(checkpoints[name]), num_kv_blocks=40, max_model_len=144,
+                                      device="cpu", dtype="float32", attention_backend="torch"), show_progress=False)
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    local, prefill, decode = engine_on(runner, "both"), engine_on(runner, "prefill"), engine_on(runner, "decode")
+    prefill.start_kv_transfer()
+    try:
+        for i, ids in enumerate(prompts[:2]):
+            local.add_request(prompt_token_ids=ids, params=greedy, request_id=f"ref-{i}")
+        expected = {k.removeprefix("ref-"): out.outputs[0].token_ids for k, out in run(local).items()}
+        for i, ids in enumerate(prompts[:2]):
+            prefill.add_request(prompt_token_ids=ids, params=SamplingParams(temperature=0, max_tokens=1),
+                                request_id=f"p-{i}", kv_transfer_params=remote_decode())
+            params = run(prefill)[f"p-{i}"].kv_transfer_params
+            decode.add_request(prompt_token_ids=ids, params=greedy, request_id=f"d-{i}",
+                               kv_transfer_params={**params, "do_remote_prefill": True})
+            out = run(decode)[f"d-{i}"]
+            assert out.error is None and out.outputs[0].token_ids == expected[str(i)], f"{name}: prompt {i}"
+        assert decode.stats().kv_pulls_ok == 2
+    finally:
+        for engine in (local, prefill, decode):
+            engine.close()
