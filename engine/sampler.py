@@ -171,6 +171,7 @@ class Sampler:
         tokens = logits.argmax(dim=-1).tolist()
         random_rows = [j for j, view in enumerate(views) if not view.params.greedy]
         probs = self._probs(logits, views, random_rows) if random_rows else None
+        prob_row = {j: row for row, j in enumerate(random_rows)}
         decided: list[tuple] = []
         for j, view in enumerate(views):
             seq = view.seq
@@ -178,10 +179,10 @@ class Sampler:
             if view.params.greedy:
                 token, accepted = tokens[j], tokens[j] == proposed
             elif proposed is None:
-                token, accepted = sample_position(probs[random_rows.index(j)], self._generator(seq)), False
+                token, accepted = sample_position(probs[prob_row[j]], self._generator(seq)), False
             else:
                 draft = seq.spec_draft_probs[position] if seq.spec_draft_probs is not None else None
-                token, accepted = verify_position(probs[random_rows.index(j)], proposed, draft, self._generator(seq))
+                token, accepted = verify_position(probs[prob_row[j]], proposed, draft, self._generator(seq))
             decided.append((token, accepted and not _ends(view, token)))
         results = [token for token, _ in decided]
         if self._matchers is not None:

@@ -134,3 +134,46 @@ def test_the_model_as_its_own_draft_is_accepted_and_greedy_equal(threads):
     # The same weights propose what they then verify: nearly everything is accepted.
     assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens > 0
     assert not drafted.proposer.states and drafted.proposer.blocks.usage() == 0.0  # released with the requests
+
+
+@pytest.mark.slow
+def test_penalties_grammars_stops_and_logprobs_per_position_match_plain(runner):
+    from iterserve.engine.structured import StructuredOutput
+
+    schema = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}}},
+              "required": ["items"]}
+    names, likes, numbers = REPEATED[7], REPEATED[8], REPEATED[0]  # prompts the model continues by copying
+    cases = [
+        (names, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, repetition_penalty=1.2)),
+        (likes, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, frequency_penalty=0.5, presence_penalty=0.3)),
+        (numbers, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=3)),
+        (numbers, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=["12,"])),
+        (REPEATED[6], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logit_bias={12: 5.0}, min_tokens=5)),
+        ("List three fruits as JSON: ", SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=1,
+                                                       structured=StructuredOutput.json_schema(schema))),
+    ]
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                       "disable_by_batch_size": 64, "min_acceptance_rate": 0.0})
+    results = {}
+    for name, speculative_config in (("plain", None), ("spec", spec)):
+        config = EngineConfig(**OPTIONS, max_num_seqs=8, enable_prefix_caching=True,
+                              speculative_config=speculative_config).resolve(8192)
+        engine = LLMEngine(config, Slice(runner), runner.tokenizer)
+        for i, (prompt, params) in enumerate(cases):
+            engine.add_request(prompt=prompt, params=params, request_id=f"c{i}")
+        outputs = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    outputs[output.request_id] = output.outputs[0]
+        results[name] = outputs
+        if speculative_config:
+            assert engine.stats().spec_num_accepted_tokens >= 10
+    for request_id, plain in results["plain"].items():
+        fast = results["spec"][request_id]
+        assert (fast.token_ids, fast.text, fast.finish_reason) == (plain.token_ids, plain.text, plain.finish_reason)
+        if plain.logprobs is not None:
+            assert [e.token_id for e in fast.logprobs] == [e.token_id for e in plain.logprobs] == plain.token_ids
+            assert [e.logprob for e in fast.logprobs] == pytest.approx([e.logprob for e in plain.logprobs], abs=1e-3)
+            assert [[t for t, _ in e.top] for e in fast.logprobs] == [[t for t, _ in e.top] for e in plain.logprobs]
+    assert results["plain"]["c3"].finish_reason == "stop" and results["plain"]["c3"].text.endswith("11, ")
