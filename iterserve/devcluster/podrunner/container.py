@@ -389,13 +389,13 @@ def build_container_launch(pod: dict, configmaps: Lookup, secrets: Lookup, workd
     argv = pod_argv(container, env, host, where)
     workdir.mkdir(parents=True, exist_ok=True)
     limits = (container.get("resources") or {}).get("limits") or {}
+    user = _user_args(pod, container, image, where)
+    volumes = [*volume_args(pod, container, configmaps, secrets, limits.get("memory"), workdir, where, tokens),
+               *service_account_args(pod, container, tokens, workdir, where)]
     run = ["podman", "run", "--rm", "--pull", "never", "--network", "host", "--log-driver", "none",
            "--name", container_name(pod), "--label", f"{CONTAINER_LABEL}={options.runner_id}",
            "--label", f"{POD_LABEL}={pod['metadata']['namespace']}/{name}",
-           *_user_args(pod, container, image, where),
-           *resource_args(container, where, log),
-           *volume_args(pod, container, configmaps, secrets, limits.get("memory"), workdir, where, tokens),
-           *service_account_args(pod, container, tokens, workdir, where)]
+           *user, *resource_args(container, where, log), *volumes]  # resources last: they log once per start
     server = urlsplit(options.api_server) if options.api_server else None
     container_vars = dict.fromkeys(DEFAULT_THREAD_ENV, str(options.threads))
     if server is not None:
