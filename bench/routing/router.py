@@ -601,18 +601,19 @@ def plot(results: dict, path: str) -> None:
                                     f"{r['ejected_after_s'] if r['ejected_after_s'] is None else round(r['ejected_after_s'], 2)} s",
                   "overhead": lambda r: f"added p50 {r['added_p50_ms']:.2f} ms at {r['rate_per_s']:.0f} req/s "
                                         f"({r['achieved_rate_per_s']['router']:.0f} achieved, "
-                                        f"{(r.get('loadgen') or {}).get('tool', 'loadgen').split(' ')[0]})"
-                                        + (f";\n  old router {r['old_router']['added_p50_ms']:.2f} ms"
-                                           if "old_router" in r else "")}[name](r)
+                                        f"{(r.get('loadgen') or {}).get('tool', 'loadgen').split(' ')[0]})"}
         old = r.get("old_router")
-        if old is not None and name != "overhead":
-            figure += ";\n  former router: " + {"metrics_500": lambda o: f"client 5xx {o['client_5xx']}",
-                                                  "saturated": lambda o: f"statuses {o['statuses']}",
-                                                  "kill": lambda o: f"failed {o['failed_fraction']:.2%}"}[name](old)
-        lines.append(f"{name}: {figure} [{'pass' if r['pass'] else 'FAIL'}]")
+        lines.append(f"{name}: {figure[name](r)} [{'pass' if r['pass'] else 'FAIL'}]" + (
+            "" if old is None else
+            f"\n  former router: {(figure[name] if name != 'overhead' else _old_overhead)(old)} "
+            f"[{'pass' if old['pass'] else 'FAIL'}]"))
     axes[1].axis("off")
     axes[1].text(0, 0.9, "\n\n".join(lines), va="top", fontsize=9, family="monospace", wrap=True)
     common.save_figure(fig, path)
+
+
+def _old_overhead(old: dict) -> str:
+    return f"added p50 {old['added_p50_ms']:.2f} ms"
 
 
 def main(argv: list[str] | None = None) -> int:
