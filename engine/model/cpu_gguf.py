@@ -187,12 +187,13 @@ static inline __attribute__((always_inline)) void tile(const int type, const int
     const uint8_t* row = s->w + n * s->row_bytes;
     const int offset = type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q6_K ? 32 : 0;
     const int has_min = type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K;
+    const int64_t block_bytes = s->row_bytes / nb; /* average bytes per 32 weights, for the prefetch */
     __m256 acc[4];
     for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < nb; g++) {
         __m256i q; __m256 wd, wmin = _mm256_setzero_ps();
         decode(type, row, g, &q, &wd, &wmin);
-        if ((g & 3) == 0 && s->row_bytes * 8 > 4096) _mm_prefetch((const char*)row + g * s->row_bytes / nb + 512, _MM_HINT_T0);
+        if ((g & 3) == 0) _mm_prefetch((const char*)row + g * block_bytes + 512, _MM_HINT_T0);
         /* signed weights (Q8_0, and q - offset) as |w| x sign(x, w): u8 x s8 for maddubs / dpbusd, the same
            integers as (q - offset) . x */
         const int is_signed = type == Q8_0 || offset;
