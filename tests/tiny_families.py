@@ -199,8 +199,10 @@ def write_gguf(family: str, model, path: Path) -> Path:
                 writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
                 writer.add_rope_scaling_factor(full["factor"])
             writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
-        # llama.cpp's files carry no query_pre_attn_scalar; a scale key keeps the tiny model's own
-        writer.add_attention_scale(config.query_pre_attn_scalar ** -0.5)
+        if config.query_pre_attn_scalar != head_dim:
+            # llama.cpp's files carry no query_pre_attn_scalar (the loader then takes head_dim, as
+            # llama.cpp does below 27B); a scale key keeps the tiny Gemma 2's own
+            writer.add_attention_scale(config.query_pre_attn_scalar ** -0.5)
     elif family == "phi3":
         writer.add_rope_freq_base(rope["rope_theta"])
         writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
