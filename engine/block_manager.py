@@ -189,9 +189,11 @@ class BlockManager:
         """seq's chained block hashes, extended to at least num_blocks (tokens only grow)."""
         hashes, size = seq.block_hashes, self.block_size
         salt = seq.params.cache_salt
+        # KV computed under an adapter is that adapter's: its name enters the first block's hash
+        first = tuple(key for key in (salt, None if seq.lora_name is None else f"lora:{seq.lora_name}") if key is not None)
         while len(hashes) < num_blocks:
             i = len(hashes)
-            extra = (salt,) if i == 0 and salt is not None else ()
+            extra = first if i == 0 else ()
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None, seq.token_slice(i * size, (i + 1) * size),
                                             extra))
         return hashes

@@ -23,6 +23,7 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, 
 MODEL = "model"
 SCHEDULING = "scheduling and KV cache"
 PD = "prefill/decode disaggregation"
+LORA = "LoRA adapters"
 
 
 def flag(group: str, help: str, choices: tuple[str, ...] = (), metavar: str | None = None) -> dict:
@@ -142,6 +143,30 @@ class EngineConfig:
         PD, "most of the KV pool a prefill engine keeps leased to decode engines; beyond it a prefill call "
             "is answered without a lease"))
 
+    # engine/lora: adapters in PEFT's format served beside the base model, chosen by a request's `model`.
+    enable_lora: bool = field(default=False, metadata=flag(
+        LORA, "serve LoRA adapters (on when --lora-modules names any); adapters can then also be loaded at run "
+              "time through POST /v1/load_lora_adapter (see docs/lora.md)"))
+    lora_modules: tuple[str, ...] = field(default=(), metadata=flag(
+        LORA, "adapters loaded at start, as NAME=PATH (a PEFT adapter directory) ...", metavar="NAME=PATH"))
+    max_loras: int = field(default=4, metadata=flag(
+        LORA, "adapters one step can mix (the device's adapter slots)"))
+    max_lora_rank: int = field(default=16, metadata=flag(LORA, "largest adapter rank accepted (slots are this wide)"))
+    max_cpu_loras: int | None = field(default=None, metadata=flag(
+        LORA, "adapters kept read in host memory, least recently used dropped (default: 4 x --max-loras)"))
+
+    def lora_module_paths(self) -> dict[str, str]:
+        """--lora-modules as {name: path}."""
+        modules = {}
+        for item in self.lora_modules:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ConfigError(f"--lora-modules takes NAME=PATH items, got {item!r}")
+            if name in modules:
+                raise ConfigError(f"--lora-modules names adapter {name!r} twice")
+            modules[name] = path
+        return modules
+
     def resolve(self, model_context_len: int | None = None) -> EngineConfig:
         """A copy with the defaults that depend on the model filled in, every rule checked."""
         max_model_len = self.max_model_len
@@ -165,7 +190,9 @@ class EngineConfig:
             logger.info("prefix caching is off with --scheduling static (the baseline recomputes every prompt)")
             prefix_caching = False
         resolved = replace(self, max_model_len=max_model_len, max_num_batched_tokens=budget,
-                           long_prefill_token_threshold=threshold, enable_prefix_caching=prefix_caching)
+                           long_prefill_token_threshold=threshold, enable_prefix_caching=prefix_caching,
+                           lora_modules=tuple(self.lora_modules), enable_lora=self.enable_lora or bool(self.lora_modules),
+                           max_cpu_loras=self.max_cpu_loras or 4 * self.max_loras)
         resolved.validate()
         return resolved
 
@@ -174,6 +201,16 @@ class EngineConfig:
         _positive("--max-model-len", self.max_model_len)
         _positive("--max-num-batched-tokens", self.max_num_batched_tokens)
         _positive("--block-size", self.block_size)
+        _positive("--max-loras", self.max_loras)
+        _positive("--max-lora-rank", self.max_lora_rank)
+        if self.max_lora_rank > 256:
+            raise ConfigError(f"--max-lora-rank must be at most 256, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras ({self.max_loras})")
+        self.lora_module_paths()
+        if self.enable_lora and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ConfigError("--enable-lora / --lora-modules with --tensor-parallel-size or --pipeline-parallel-size "
+                              "above 1: sharded LoRA is not implemented; use sizes of 1")
         _positive("--tensor-parallel-size", self.tensor_parallel_size)
         _positive("--pipeline-parallel-size", self.pipeline_parallel_size)
         if self.tensor_parallel_size * self.pipeline_parallel_size > 1 and self.role != "both":

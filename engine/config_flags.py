@@ -39,7 +39,7 @@ def _help(f: dataclasses.Field) -> str:
     text = f.metadata["help"]
     if f.default is True:
         return f"{text} (on by default; this flag turns it off)"
-    if f.default is None or f.default is False:
+    if f.default is None or f.default is False or f.default == ():
         return text  # a None default is explained in the help; False's is the flag's form
     return f"{text} (default {f.default})"
 
@@ -52,6 +52,9 @@ def _add(container: argparse._ActionsContainer, f: dataclasses.Field) -> None:
         container.add_argument(f"--no-{f.name.replace('_', '-')}", dest=f.name, action="store_false", help=_help(f))
     elif kind is bool:
         container.add_argument(name, dest=f.name, action="store_true", help=_help(f))
+    elif isinstance(f.default, tuple):  # a list of values: --flag A B C
+        container.add_argument(name, dest=f.name, nargs="+", type=kind, default=f.default,
+                               metavar=f.metadata["metavar"], help=_help(f))
     else:
         choices = f.metadata["choices"] or None
         container.add_argument(name, dest=f.name, type=kind, default=f.default, choices=choices,
@@ -66,4 +69,5 @@ def add_engine_flags(groups: Mapping[str, argparse._ActionsContainer]) -> None:
 
 def engine_values(args: argparse.Namespace) -> dict:
     """The parsed engine flags as EngineConfig keyword arguments."""
-    return {f.name: getattr(args, f.name) for f in flag_fields()}
+    return {f.name: tuple(value) if isinstance(value := getattr(args, f.name), list) else value
+            for f in flag_fields()}

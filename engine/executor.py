@@ -26,6 +26,8 @@ class Executor(Protocol):
     # Structured outputs' compiled grammars over the model's vocabulary; None where there is no real
     # vocabulary (the fake model), and the server then refuses structured outputs.
     grammars: Any | None
+    # engine/lora's LoraManager when the engine serves LoRA adapters (--enable-lora), else None.
+    lora: Any | None
 
     def execute(self, out: SchedulerOutput) -> list[StepToken]:
         """Apply the step's block swaps, run the batch, return per chunk a sampled token, None (a

@@ -65,6 +65,7 @@ class FakeTokenizer:
 
 class FakeExecutor(KVTransferCapable):
     grammars = None  # no real vocabulary: no structured outputs
+    lora = None  # no weights to adapt
 
     def __init__(
         self,

@@ -22,6 +22,7 @@ from iterserve.engine.detokenizer import append_new_text
 from iterserve.engine.executor import Executor, kv_transfer_of, load_executor
 from iterserve.engine.kv_transfer import params as kv_params
 from iterserve.engine.kv_transfer.connector import KVConnector
+from iterserve.engine.lora.adapter import UnknownAdapterError
 from iterserve.engine.model.generation_config import defaults_of
 from iterserve.engine.outputs import CompletionOutput, RequestOutput
 from iterserve.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -110,6 +111,7 @@ class LLMEngine:
         self.num_request_failures = 0
         self.last_timing = StepTiming()
         self.kv_connector: KVConnector | None = None
+        self.lora = getattr(executor, "lora", None)  # engine/lora's LoraManager (the Executor's optional lora)
         self.speculative = SpeculativeConfig.parse(config.speculative_config)
         self.proposer = self._make_proposer(self.speculative) if self.speculative is not None else None
         kv_side = kv_transfer_of(executor)
@@ -164,10 +166,15 @@ class LLMEngine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         kv_transfer_params: dict | None = None,
+        lora_name: str | None = None,
     ) -> str:
         """Validate and queue a request; raises InvalidRequestError (nothing is queued then).
-        kv_transfer_params: the P/D wire contract's object (engine/kv_transfer/params.py)."""
+        kv_transfer_params: the P/D wire contract's object (engine/kv_transfer/params.py).
+        lora_name: a served LoRA adapter (engine/lora) to run the request with; None: the base model."""
         params = params or SamplingParams()
+        if lora_name is not None and (self.lora is None or not self.lora.is_registered(lora_name)):
+            raise UnknownAdapterError(f"model: LoRA adapter {lora_name!r} is not loaded here; GET /v1/models lists "
+                                      "the served adapters, POST /v1/load_lora_adapter loads one", "model")
         kv_transfer = self._check_kv_transfer(kv_transfer_params)
         if kv_transfer is not None and kv_transfer.remote_prefill is not None and params.prompt_logprobs is not None:
             raise InvalidRequestError("kv_transfer_params.do_remote_prefill: prompt logprobs (echo with logprobs) need the "
@@ -189,6 +196,7 @@ class LLMEngine:
             prompt=prompt,
             eos_token_id=self.tokenizer.eos_token_id,
             kv_transfer=kv_transfer,
+            lora_name=lora_name,
         )
         with self._lock:
             if request_id in self._sequences:

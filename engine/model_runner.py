@@ -79,6 +79,7 @@ class ModelRunner(KVTransferCapable):
             model_config, loaded.weights, backend, self.device, self.dtype, max_positions=config.max_model_len,
             quantization=quantization, q4_1=loaded.q4_1, gguf_blocks=loaded.gguf_blocks)
         self.parallelize(loaded.config)
+        self.lora = self._lora_manager(config, model_config) if config.enable_lora else None
         del loaded
         if config.compile and self.device.type != "cpu":
             raise ConfigError("--compile compiles the CPU path (inductor's C++ code); on CUDA the Triton "
@@ -138,6 +139,21 @@ class ModelRunner(KVTransferCapable):
 
             compile_model(self.model)  # compiles (or loads from the cache) now, not during the first requests
 
+    def _lora_manager(self, config: EngineConfig, model_config: ModelConfig):
+        """engine/lora's adapters for this model, with --lora-modules registered."""
+        from iterserve.engine.lora.adapter import LoraError
+        from iterserve.engine.lora.manager import LoraManager, check_lora_model
+
+        try:
+            check_lora_model(self.model, self.quantization)
+            manager = LoraManager(model_config, self.model.layers, config.max_loras, config.max_lora_rank,
+                                  config.max_cpu_loras, self.device, self.dtype)
+            for name, path in config.lora_module_paths().items():
+                manager.register(name, path)
+        except LoraError as exc:
+            raise ConfigError(f"--lora-modules / --enable-lora: {exc}") from None
+        return manager
+
     def shard(self, loaded, config: EngineConfig) -> ModelConfig:
         """The config the model is built with (engine/distributed overrides it to slice the weights)."""
         return loaded.config
@@ -159,7 +175,7 @@ class ModelRunner(KVTransferCapable):
         total = sum(chunk.num_tokens for chunk in chunks)
         groups = None
         speculative = any(chunk.num_spec for chunk in chunks)
-        if self.split is not None and not speculative:
+        if self.split is not None and not speculative and not any(chunk.seq.lora_name for chunk in chunks):
             groups = self.split.plan([chunk_cost(c.start, c.num_tokens, c.sample) for c in chunks], total)
         if groups is None:
             apply_step_threads(total)  # --threads auto: more threads for a bigger step (CPU server only)
@@ -198,6 +214,7 @@ class ModelRunner(KVTransferCapable):
         """The model over these chunks as one flat batch: (hidden states of every row, logits of the
         sampled chunks' last rows in chunk order, or None when no chunk samples)."""
         input_ids: list[int] = []
+        row_adapters: list[str | None] = []
         positions: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
@@ -206,6 +223,7 @@ class ModelRunner(KVTransferCapable):
         for chunk in chunks:
             seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
             input_ids += seq.token_slice(start, end)
+            row_adapters += [seq.lora_name] * (len(input_ids) - len(row_adapters))
             positions += range(start, end)
             query_lens.append(chunk.num_tokens)
             seq_lens.append(end)
@@ -214,8 +232,12 @@ class ModelRunner(KVTransferCapable):
                 sample_rows.extend(range(len(input_ids) - 1 - chunk.num_spec, len(input_ids)))
         device = self.device
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, device)
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=device),
-                            torch.tensor(positions, dtype=torch.long, device=device), self.kv_caches, meta)
+        self.model.lora_step = self.lora.step(row_adapters) if self.lora is not None else None
+        try:
+            hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=device),
+                                torch.tensor(positions, dtype=torch.long, device=device), self.kv_caches, meta)
+        finally:
+            self.model.lora_step = None
         if not sample_rows:
             return hidden, None
         rows = hidden[torch.tensor(sample_rows, device=device)] if len(sample_rows) < len(input_ids) else hidden

@@ -259,6 +259,8 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) + len(self.waiting_for_kv) < self._max_num_seqs:
+            if not self._lora_fits(self.waiting[0]) and not self._admissible_to_front():
+                break
             seq = self.waiting[0]
             if seq.kv_transfer is not None and seq.kv_transfer.wants_pull and self.connector is not None:
                 if not self._admit_for_kv(seq):
@@ -275,6 +277,23 @@ class Scheduler:
             self.block_manager.start_with_prefix(seq, prefix)
             self._schedule(seq, num_new, out)
             budget -= num_new
+
+    def _lora_fits(self, seq: Sequence) -> bool:
+        """--max-loras: at most that many adapters run at once (each step's adapters need device slots)."""
+        if seq.lora_name is None:
+            return True
+        active = {s.lora_name for s in (*self.running, *self.waiting_for_kv, *self.swapped) if s.lora_name is not None}
+        return seq.lora_name in active or len(active) < self.config.max_loras
+
+    def _admissible_to_front(self) -> bool:
+        """The head waits for an adapter slot: move the first request that fits to the front instead,
+        so a busy adapter set does not block the base model's or running adapters' requests."""
+        for i, seq in enumerate(self.waiting):
+            if self._lora_fits(seq):
+                del self.waiting[i]
+                self.waiting.appendleft(seq)
+                return True
+        return False
 
     def _admit_for_kv(self, seq: Sequence) -> bool:
         """Give seq blocks for its whole prompt and start pulling its KV; no token budget is used.

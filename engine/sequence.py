@@ -54,6 +54,8 @@ class Sequence:
     spec_draft_probs: object | None = None
     spec_acceptance: float = 1.0
     spec_skipped: int = 0
+    # engine/lora: the adapter this request runs (its `model`), None for the base model.
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.metrics is None:

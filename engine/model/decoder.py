@@ -57,6 +57,9 @@ class DecoderLayer:
 
 
 class DecoderModel:
+    # engine/lora's LoraStep while a step has rows of LoRA adapters (set by the model runner), else None
+    lora_step = None
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layers: list[DecoderLayer],
                  embed_tokens: torch.Tensor, norm: torch.Tensor, lm_head: Weight, max_positions: int,
                  quantization: str = "none"):
@@ -160,9 +163,9 @@ class DecoderModel:
         Each layer is: the dense work before attention (`attention_input`), the paged KV write and
         attention (the backend), the dense work after it (`mlp`). With `--compile` (compiled.py) the
         dense work between two attentions runs as one compiled graph; attention stays its boundary."""
-        if self.compiled is not None:
+        if self.compiled is not None and self.lora_step is None:
             return self.compiled.forward(input_ids, positions, kv_caches, meta)
-        if self.fused and kv_caches[0][0].dtype == torch.float32:
+        if self.fused and kv_caches[0][0].dtype == torch.float32 and self.lora_step is None:
             return cpu_fused.forward(self, input_ids, positions, kv_caches, meta)
         backend = self.backend
         hidden, residual = self.embed(input_ids), None
@@ -182,7 +185,8 @@ class DecoderModel:
         backend, num_tokens, cfg = self.backend, hidden.shape[0], self.config
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         x, residual = backend.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps, residual)
-        q, k, v = linear(x, layer.qkv_proj, layer.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.adapted_linear(layer, "qkv", x, layer.qkv_proj, layer.qkv_bias).split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.reshape(num_tokens, heads, head_dim), k.reshape(num_tokens, kv_heads, head_dim)
         if layer.q_norm is not None:
             q = head_rms_norm(backend, q, layer.q_norm, cfg.rms_norm_eps)
@@ -192,11 +196,18 @@ class DecoderModel:
 
     def mlp(self, attn: torch.Tensor, residual: torch.Tensor, layer: DecoderLayer):
         """Output projection, norm and the gated MLP: (hidden [T, hidden], residual)."""
-        hidden = linear(attn.reshape(attn.shape[0], self.q_size), layer.o_proj, layer.o_bias)
+        hidden = self.adapted_linear(layer, "o", attn.reshape(attn.shape[0], self.q_size), layer.o_proj, layer.o_bias)
         x, residual = self.backend.rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps, residual)
-        gate_up = linear(x, layer.gate_up_proj, layer.gate_up_bias)
-        return linear(gated_activation(self.backend, self.config.hidden_act, gate_up), layer.down_proj,
-                      layer.down_bias), residual
+        gate_up = self.adapted_linear(layer, "gate_up", x, layer.gate_up_proj, layer.gate_up_bias)
+        return self.adapted_linear(layer, "down", gated_activation(self.backend, self.config.hidden_act, gate_up),
+                                   layer.down_proj, layer.down_bias), residual
+
+    def adapted_linear(self, layer: DecoderLayer, target: str, x: torch.Tensor, weight: Weight,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+        """linear(), plus this step's LoRA deltas on the rows of requests that chose an adapter
+        (target: qkv, o, gate_up or down; engine/lora)."""
+        out = linear(x, weight, bias)
+        return out if self.lora_step is None else self.lora_step.add(layer, target, x, out)
 
     def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.backend.rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)[0]

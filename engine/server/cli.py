@@ -25,6 +25,7 @@ import uvicorn
 from iterserve.engine.config import (
     DEFAULT_MAX_WAITING_REQUESTS,
     DEFAULT_MODEL,
+    LORA,
     MODEL,
     PD,
     SCHEDULING,
@@ -58,7 +59,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     pd = parser.add_argument_group(
         PD, "A prefill engine runs prompts and leases their KV blocks to decode engines, which pull them over "
             "TCP and generate (requests carry kv_transfer_params; the router's P/D path sends them).")
-    add_engine_flags({MODEL: model, SCHEDULING: scheduling, PD: pd})
+    lora = parser.add_argument_group(LORA, "Adapters in PEFT's format served beside the model; a request names one "
+                                           "as its model (docs/lora.md).")
+    add_engine_flags({MODEL: model, SCHEDULING: scheduling, PD: pd, LORA: lora})
     pd.add_argument("--kv-transfer-port", type=int, default=0,
                     help="port of the KV transfer listener, beside HTTP (role prefill; default 0: any "
                          "free port, reported in kv_transfer_params)")
