@@ -43,6 +43,9 @@ NAME = "chat"
 ENGINE_MEMORY = "3Gi"  # -> podman run --memory
 ENGINE_SELECTOR = "app.kubernetes.io/name=iterserve-engine"
 START_TIMEOUT_S = 300  # containers start on a shared two-core machine
+NAMESPACED_KINDS = ("deployments,replicasets,pods,services,configmaps,secrets,serviceaccounts,roles,rolebindings,"
+                    "networkpolicies,poddisruptionbudgets,inferenceservices")
+NAMESPACE_DEFAULTS = ("serviceaccount/default", "configmap/kube-root-ca.crt")
 
 
 def inference_service(image: str) -> dict:
@@ -224,13 +227,15 @@ def test_chart_runs_the_image_in_container_mode_and_scales_and_uninstalls_cleanl
         installed = False
         wait_for(lambda: not cluster.pods(system), 120, 1, "the operator pod gone")
         wait_for(lambda: not containers(runner_id), 60, 1, "every container removed")
-        left = k8s_cluster.kubectl("get", "deployments,services,configmaps,secrets,roles,rolebindings,"
-                                   "serviceaccounts,networkpolicies,inferenceservices", "-n", namespace,
-                                   "-o", "name", "-l", f"app.kubernetes.io/instance={NAME}").stdout.split()
-        assert not left, f"left behind in {namespace}: {left}"
-        release = k8s_cluster.kubectl("get", "all,serviceaccounts,roles,rolebindings", "-n", system, "-o", "name",
-                                      "-l", f"app.kubernetes.io/instance={RELEASE}").stdout.split()
-        assert not release, f"left behind by helm uninstall: {release}"
+
+        def left_in(ns: str) -> list[str]:
+            """Every object of these kinds in `ns`, but what each namespace has from its creation."""
+            listed = k8s_cluster.kubectl("get", NAMESPACED_KINDS, "-n", ns, "-o", "name").stdout.split()
+            return [name for name in listed if name not in NAMESPACE_DEFAULTS]
+
+        # The operator's objects go by owner references (the garbage collector); helm's at once.
+        wait_for(lambda: not left_in(namespace), 60, 1, lambda: f"{namespace} empty (left: {left_in(namespace)})")
+        assert not left_in(system), f"left behind by helm uninstall: {left_in(system)}"
         cluster_wide = k8s_cluster.kubectl("get", "clusterroles,clusterrolebindings,validatingadmissionpolicies,"
                                            "validatingadmissionpolicybindings", "-o", "name", "-l",
                                            f"app.kubernetes.io/instance={RELEASE}").stdout.split()
