@@ -123,6 +123,14 @@ class EnvVar(WireModel):
     value_from: FreeForm | None = Field(None, description="As in a container's env[].valueFrom.")
 
 
+class ParallelismSpec(WireModel):
+    """One model across several processes (docs/parallelism.md): tensor x pipeline ranks in one pod."""
+
+    tensor: int = Field(1, ge=1, le=64, description="Tensor-parallel ranks (`--tensor-parallel-size`): each layer split across them.")
+    pipeline: int = Field(1, ge=1, le=64, description="Pipeline stages (`--pipeline-parallel-size`): the layers split into them.")
+    nodes: Literal[1] = Field(1, description="Nodes per replica; only 1 for now (multi-node groups are not implemented).")
+
+
 class EngineSpec(WireModel):
     """The engine container and its options (each maps to an `iterserve serve` flag)."""
 
@@ -146,6 +154,7 @@ class EngineSpec(WireModel):
     chunked_prefill: bool = True
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     kv_cache_memory: str | None = Field(None, pattern=SIZE_PATTERN, description="KV cache pool size, e.g. 512MiB or 20GiB.")
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="Tensor and pipeline parallelism: one process per rank in the pod; with GPUs, the pod asks for tensor x pipeline of them.")
     extra_args: list[str] = Field(default_factory=list, description="More `iterserve serve` flags (not the ones above, which the operator manages).")
     env: list[EnvVar] = Field(default_factory=list)
     drain_seconds: int = Field(30, ge=0, le=3600, description="How long a terminating pod may take to finish in-flight requests (preStop drain).")

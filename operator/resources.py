@@ -43,7 +43,7 @@ SHUTDOWN_MARGIN_SECONDS = 10
 MANAGED_FLAGS = flags_of(
     "host", "port", "model", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
     "chunked_prefill", "preemption_mode", "kv_cache_memory", "drain_timeout", "role", "kv_transfer_port",
-    "kv_advertise_host", "kv_auth_key_file",
+    "kv_advertise_host", "kv_auth_key_file", "tensor_parallel_size", "pipeline_parallel_size",
 )
 POD_IP_ENV = "POD_IP"
 RESERVED_ENV = (MAX_NUM_SEQS_ENV, ADMIN_TOKEN_ENV, POD_IP_ENV)
@@ -151,12 +151,20 @@ def engine_args(spec: InferenceServiceSpec, role: str | None = None) -> list[str
         args += ["--kv-cache-memory", engine.kv_cache_memory]
     if not engine.chunked_prefill:
         args.append("--no-chunked-prefill")
+    parallel = engine.parallelism
+    if parallel.tensor > 1:
+        args += ["--tensor-parallel-size", str(parallel.tensor)]
+    if parallel.pipeline > 1:
+        args += ["--pipeline-parallel-size", str(parallel.pipeline)]
     return args + list(engine.extra_args) + role_args(spec, role_of(spec, role))
 
 
 def gpu_count(spec: InferenceServiceSpec) -> int:
+    """GPUs per engine pod: as the resources ask; a pod that asks for GPUs under parallelism gets one per rank."""
     res = spec.engine.resources
-    return int(str(res.limits.get(GPU_RESOURCE, res.requests.get(GPU_RESOURCE, 0))))
+    asked = int(str(res.limits.get(GPU_RESOURCE, res.requests.get(GPU_RESOURCE, 0))))
+    ranks = spec.engine.parallelism.tensor * spec.engine.parallelism.pipeline
+    return ranks if asked and ranks > 1 else asked
 
 
 def container_resources(spec: InferenceServiceSpec) -> dict[str, Any]:

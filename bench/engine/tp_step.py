@@ -2,9 +2,11 @@
 steady decode at several batch sizes and in one prefill step, and the share of rank 0's step spent
 inside collectives (engine/distributed/group.py sums the time in every all-reduce and gather).
 
-Both sizes use the same cores: TP=1 runs torch on all of them, TP=2 gives each rank its half
-(engine/distributed/tensor_parallel.py). The model is the embedded SmolLM2-135M, dense fp32
-(tensor parallelism shards dense weights only). Rank 0's collective time includes waiting for the
+TP=1 runs torch on --threads threads (default 1: on a small shared machine more threads spin
+against other work); each TP=2 rank takes half the cores (engine/distributed/tensor_parallel.py),
+one each on a 2-core machine, so TP=2 has twice the compute and 2x is the ideal speed-up. The model has SmolLM2-135M's shape with 8 heads and 4 KV
+heads (SmolLM2's own 9 and 3 do not split in 2), random weights, dense fp32 (tensor parallelism
+shards dense weights only). Rank 0's collective time includes waiting for the
 slower rank, so it measures communication plus imbalance. On a machine shared with other work the
 figures are provisional: the JSON records the load average at the start and the end.
 
@@ -14,9 +16,12 @@ figures are provisional: the JSON records the load average at the start and the 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
+import tempfile
+from pathlib import Path
 
 from bench import common
 from iterserve.engine.config import EngineConfig
@@ -25,14 +30,39 @@ from iterserve.engine.sampling_params import SamplingParams
 
 PROMPT_LEN = 32
 PREFILL_LEN = 256
+# SmolLM2-135M's shape (hidden 576, MLP 1536, 30 layers, its vocabulary) with 8 heads of 64 and 4 KV
+# heads, so that 2 ranks divide them (SmolLM2's own 9 heads and 3 KV heads split only by 3).
+SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=8,
+             num_key_value_heads=4, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True)
 
 
-def measure(tp: int, batch: int, steps: int, model: str) -> dict:
+def random_llama(directory: Path) -> Path:
+    """A Llama of SHAPE with random weights (step time does not depend on them) and the embedded tokenizer."""
+    import torch
+    import transformers
+
+    from iterserve.engine.model.registry import resolve_model_path
+    from iterserve.engine.model.tokenizer import Tokenizer
+
+    if (directory / "config.json").exists():
+        return directory
+    tokenizer = Tokenizer.from_gguf(resolve_model_path(None)[0])
+    config = transformers.LlamaConfig(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_token_id,
+                                      eos_token_id=tokenizer.eos_token_id, **SHAPE)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
+    tokenizer.backend.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": tokenizer.token(tokenizer.eos_token_id), "bos_token": tokenizer.token(tokenizer.bos_token_id)}))
+    return directory
+
+
+def measure(tp: int, batch: int, steps: int, model: str, threads: int) -> dict:
     """Median model time per decode step with `batch` running sequences, and of one prefill step."""
     import torch
 
     if tp == 1:
-        torch.set_num_threads(os.cpu_count() or 1)
+        torch.set_num_threads(threads)
     config = EngineConfig(model=model, tensor_parallel_size=tp, quantization="none", dtype="float32", device="cpu",
                           attention_backend="torch", max_num_seqs=max(batch, 1), num_kv_blocks=batch * 8 + 40,
                           max_model_len=512, max_num_batched_tokens=PREFILL_LEN, enable_prefix_caching=False)
@@ -72,15 +102,23 @@ def main(argv: list[str] | None = None) -> None:
     common.add_common_args(parser)
     parser.add_argument("--batches", default="1,4,16", help="running sequences per decode step")
     parser.add_argument("--steps", type=int, default=20, help="measured decode steps per point")
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", help="a model whose heads 2 divides (default: a random Llama of SmolLM2-135M's "
+                                            "shape with 8 heads and 4 KV heads, built in a temporary folder)")
     args = parser.parse_args(argv)
+    if args.model is None:
+        folder = tempfile.TemporaryDirectory(prefix="iterserve-tp-step-")
+        args.model = str(random_llama(Path(folder.name)))
+        label = "random Llama, SmolLM2-135M's shape, 8 heads / 4 KV heads"
+    else:
+        label = args.model
     batches = [1, 4] if args.quick else [int(b) for b in args.batches.split(",")]
     steps = 6 if args.quick else args.steps
-    info = common.machine(os.cpu_count() or 1)
+    info = common.machine(args.threads)
+    info["tp2_threads_per_rank"] = max(1, (os.cpu_count() or 1) // 2)
     rows = []
     for batch in batches:
         for tp in (1, 2):  # interleaved, so a change in the machine's load hits both sizes alike
-            rows.append(measure(tp, batch, steps, args.model))
+            rows.append(measure(tp, batch, steps, args.model, args.threads))
             print(rows[-1], file=sys.stderr, flush=True)
     by = {(r["tp"], r["batch"]): r for r in rows}
     table = [[b, by[1, b]["decode_step_ms"], by[2, b]["decode_step_ms"],
@@ -93,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     common.write_json(args.json, {
         "benchmark": "tp_step", "provisional": True,
         "note": "shared machine: figures are noisy; compare TP=1 and TP=2 within this run only",
-        "model": args.model, "backend": "gloo", "machine": common.finish_machine(info), "results": rows})
+        "model": label, "shape": SHAPE, "backend": "gloo", "machine": common.finish_machine(info), "results": rows})
     if args.plot:
         plt = common.pyplot()
         fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
@@ -103,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         left.set_ylabel("model time per step (ms)")
         left.set_xscale("log", base=2)
         left.legend()
-        left.set_title(f"{args.model}, fp32, {info['cpus']} CPUs (provisional)")
+        left.set_title(f"135M Llama, fp32, {info['cpus']} CPUs (provisional)")
         right.bar([str(b) for b in batches], [100 * by[2, b]["decode_collective_share"] for b in batches])
         right.set_xlabel("running sequences (decode)")
         right.set_ylabel("% of rank 0's TP=2 step in collectives")
