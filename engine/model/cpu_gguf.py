@@ -30,6 +30,7 @@ import ctypes
 import functools
 import logging
 import re
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -449,6 +450,18 @@ def file_blocks(tensor) -> tuple[int, torch.Tensor] | None:
     return tensor.tensor_type, torch.from_numpy(raw)
 
 
+_local = threading.local()
+
+
+def _scratch(nbytes: int) -> torch.Tensor:
+    """This thread's scratch for the quantized activations, grown as needed and kept: a fresh buffer of a
+    prefill's size per call is a fresh mmap, and its page faults cost more than the product at 64 rows."""
+    buffer = getattr(_local, "scratch", None)
+    if buffer is None or buffer.numel() < nbytes:
+        buffer = _local.scratch = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8)
+    return buffer
+
+
 def linear(x: torch.Tensor, blocks: torch.Tensor, type_id: int, threads: int,
            lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """y = x @ W.T on the kernel, x fp32 [M, K] (unit stride along K), W as blocks uint8 [N, row bytes]."""
@@ -456,7 +469,7 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, type_id: int, threads: int,
     n = blocks.shape[0]
     lib = lib or load()
     y = torch.empty(rows, n)
-    scratch = torch.empty(lib.gguf_scratch_bytes(rows, k), dtype=torch.uint8)
+    scratch = _scratch(lib.gguf_scratch_bytes(rows, k))
     with native.profiled("cpu_gguf::linear"):
         status = lib.gguf_linear(type_id, x.data_ptr(), x.stride(0), rows, k, blocks.data_ptr(), blocks.stride(0),
                                  n, y.data_ptr(), n, scratch.data_ptr(), threads)
