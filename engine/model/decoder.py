@@ -28,7 +28,7 @@ from iterserve.engine.attention.backend import (
 from iterserve.engine.model import cpu_fused
 from iterserve.engine.model.layers import Weight, gated_activation, head_rms_norm, linear
 from iterserve.engine.model.loader import ModelConfig, ModelLoadError
-from iterserve.engine.model.quant import Int4Linear, quantize_dense, quantize_lm_head
+from iterserve.engine.model.quant import Int4Linear, gguf_linear, quantize_dense, quantize_lm_head
 from iterserve.engine.model.rope import rotary_cos_sin
 
 
@@ -83,10 +83,13 @@ class DecoderModel:
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor], backend: AttentionBackend,
                      device: torch.device, dtype: torch.dtype, max_positions: int, quantization: str = "none",
-                     q4_1: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> DecoderModel:
+                     q4_1: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+                     gguf_blocks: dict[str, tuple[int, torch.Tensor]] | None = None) -> DecoderModel:
         """quantization int8 / int4 (CPU): the decoder's linears weight-only quantized; int4 takes the
         file's own Q4_1 blocks where it has them (q4_1), else blocks made from the float weight. The
-        tied lm_head is int8 in both modes (the GGUF stores it as Q8_0). Biases and norms stay dense."""
+        tied lm_head is int8 in both modes (the GGUF stores it as Q8_0). gguf: the linears and the
+        lm_head on the file's own blocks (gguf_blocks, quant.GGUFLinear) where the kernel takes their
+        format, else dense. Biases and norms stay dense."""
         def take(name: str) -> torch.Tensor:
             return weights.pop(name).to(device=device, dtype=dtype)
 
@@ -94,13 +97,17 @@ class DecoderModel:
             return take(name) if name in weights else None
 
         def fused(*names: str) -> Weight:
+            if quantization == "gguf" and (on_blocks := gguf_linear(gguf_blocks, names)) is not None:
+                for n in names:
+                    weights.pop(n)
+                return on_blocks
             if quantization == "int4" and q4_1 and all(n in q4_1 for n in names):
                 parts = [q4_1.pop(n) for n in names]
                 for n in names:
                     weights.pop(n)
                 return Int4Linear(*(torch.cat([p[i] for p in parts], dim=0) for i in range(3)))
             dense = torch.cat([weights.pop(n) for n in names], dim=0)
-            if quantization != "none":
+            if quantization not in ("none", "gguf"):
                 return quantize_dense(quantization, dense)
             return dense.to(device=device, dtype=dtype)
 
@@ -135,7 +142,10 @@ class DecoderModel:
             cls.take_layer_extras(config, i, layers[-1], take)
         embed = take("model.embed_tokens.weight")
         lm_head = embed if config.tie_word_embeddings else take("lm_head.weight")
-        if quantization != "none":
+        if quantization == "gguf":
+            lm_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+            lm_head = gguf_linear(gguf_blocks, (lm_name,)) or lm_head
+        elif quantization != "none":
             lm_head = quantize_lm_head(quantization, lm_head)
         return cls(config, backend, layers, embed, take("model.norm.weight"), lm_head, max_positions, quantization)
 

@@ -82,14 +82,18 @@ class LoadedModel:
     # With keep_q4_1: each Q4_1 tensor's blocks as (q uint8 [out, in], d, m float32 [out, in / 32]),
     # rows in HF order, for the int4 linears (engine/model/quant.py).
     q4_1: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    # With keep_blocks: each linear tensor in a block format cpu_gguf.py computes on, as (ggml type,
+    # blocks uint8 [out, row bytes]), rows in HF order (`--quantization auto` / gguf, quant.GGUFLinear).
+    gguf_blocks: dict[str, tuple[int, torch.Tensor]] | None = None
 
 
-def load_model(path: Path, show_progress: bool = True, keep_q4_1: bool = False) -> LoadedModel:
+def load_model(path: Path, show_progress: bool = True, keep_q4_1: bool = False,
+               keep_blocks: bool = False) -> LoadedModel:
     path = Path(path)
     if path.is_dir():
         return load_hf_dir(path, show_progress)
     if path.is_file():
-        return load_gguf(path, show_progress, keep_q4_1)
+        return load_gguf(path, show_progress, keep_q4_1, keep_blocks)
     raise ModelLoadError(f"model path {path} does not exist")
 
 
@@ -112,11 +116,13 @@ def open_gguf(path: Path) -> GGUFFile:
         raise ModelLoadError(f"cannot read {path} as a GGUF file: {exc}") from exc
 
 
-def load_gguf(path: Path, show_progress: bool = True, keep_q4_1: bool = False) -> LoadedModel:
-    from iterserve.engine.model import architectures
+def load_gguf(path: Path, show_progress: bool = True, keep_q4_1: bool = False,
+              keep_blocks: bool = False) -> LoadedModel:
+    from iterserve.engine.model import architectures, cpu_gguf
 
     reader = open_gguf(path)
     q4_1: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    file_blocks: dict[str, tuple[int, torch.Tensor]] = {}
     meta = gguf_metadata(reader)
     arch = meta.get("general.architecture")
     family = architectures.for_gguf(arch, path)
@@ -134,20 +140,27 @@ def load_gguf(path: Path, show_progress: bool = True, keep_q4_1: bool = False) -
             continue
         array = _dequantize(tensor, path)
         blocks = _q4_1_blocks(tensor) if keep_q4_1 else None
+        raw = cpu_gguf.file_blocks(tensor) if keep_blocks else None
         heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(name.split(".")[-2])
         if heads is not None and family.gguf_permuted_qk:
             array = unpermute_rows(array, heads)
+            if raw is not None:
+                raw = (raw[0], torch.from_numpy(np.ascontiguousarray(unpermute_rows(raw[1].numpy(), heads))))
             if blocks is not None:  # a row permutation: each row keeps its blocks
                 blocks = tuple(unpermute_rows(b, heads) for b in blocks)
         if blocks is not None:
             q4_1[name] = tuple(torch.from_numpy(np.ascontiguousarray(b)) for b in blocks)
+        if raw is not None:
+            file_blocks[name] = raw
         if not array.flags.writeable:  # F32/F16 tensors come back as views of the memory-mapped file
             array = array.copy()
         weights[name] = torch.from_numpy(np.ascontiguousarray(array))
     if family.adapt_weights is not None:
         family.adapt_weights(weights, config)
     _check_complete(weights, config, path, family)
-    return LoadedModel(config, weights, path, "gguf", reader, q4_1 if keep_q4_1 else None)
+    # a family that rewrites weights after loading (adapt_weights) computes on the rewritten dense ones
+    blocks_kept = file_blocks if keep_blocks and family.adapt_weights is None else None
+    return LoadedModel(config, weights, path, "gguf", reader, q4_1 if keep_q4_1 else None, blocks_kept)
 
 
 def _hf_name(gguf_name: str, family) -> str | None:
