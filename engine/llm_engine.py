@@ -71,6 +71,12 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # LoRA adapters (engine/lora): --max-loras (0: LoRA off), the adapters of running and waiting
+    # requests, and requests accepted per adapter since start.
+    max_loras: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    lora_requests: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(slots=True)
@@ -112,6 +118,7 @@ class LLMEngine:
         self.last_timing = StepTiming()
         self.kv_connector: KVConnector | None = None
         self.lora = getattr(executor, "lora", None)  # engine/lora's LoraManager (the Executor's optional lora)
+        self._lora_requests: dict[str, int] = {}  # requests accepted per adapter
         self.speculative = SpeculativeConfig.parse(config.speculative_config)
         self.proposer = self._make_proposer(self.speculative) if self.speculative is not None else None
         kv_side = kv_transfer_of(executor)
@@ -203,6 +210,8 @@ class LLMEngine:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
             self._sequences[request_id] = seq
             self._inbox.append(seq)
+            if lora_name is not None:
+                self._lora_requests[lora_name] = self._lora_requests.get(lora_name, 0) + 1
         return request_id
 
     def _check_kv_transfer(self, raw: dict | None):
@@ -302,7 +311,21 @@ class LLMEngine:
             queued_prompt_tokens=sched.queued_prompt_tokens(tuple(self._inbox)),
             **self._spec_stats(),
             **self._kv_stats(),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict:
+        if self.lora is None:
+            return {}
+        sched = self.scheduler
+
+        def names(seqs) -> tuple[str, ...]:
+            return tuple(dict.fromkeys(s.lora_name for s in seqs if s.lora_name is not None))
+
+        return {"max_loras": self.config.max_loras,
+                "running_lora_adapters": names((*tuple(sched.running), *tuple(sched.swapped))),
+                "waiting_lora_adapters": names((*tuple(sched.waiting), *tuple(self._inbox))),
+                "lora_requests": tuple(self._lora_requests.items())}
 
     def _spec_stats(self) -> dict:
         spec = self.scheduler.spec_stats

@@ -138,3 +138,14 @@ VLLM_SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS = "vllm:spec_decode_num_accepted_to
 SPEC_DECODE_POSITION_LABEL = "position"
 ENGINE_METRIC_NAMES += [SPEC_DECODE_DRAFTS_TOTAL, SPEC_DECODE_DRAFT_TOKENS_TOTAL, SPEC_DECODE_ACCEPTED_TOKENS_TOTAL,
                         SPEC_DECODE_ACCEPTED_TOKENS_PER_POS_TOTAL]
+
+# LoRA adapters (engine/lora). vLLM's info gauge, exactly as vLLM exposes it (no model_name label;
+# the value is the Unix time of the sample; adapter names comma-joined), which the Gateway API
+# Inference Extension's endpoint picker routes on; and requests accepted per adapter since start.
+VLLM_LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+LORA_RUNNING_LABEL = "running_lora_adapters"
+LORA_WAITING_LABEL = "waiting_lora_adapters"
+LORA_MAX_LABEL = "max_lora"
+LORA_REQUESTS_TOTAL = "iterserve_lora_requests_total"
+LORA_NAME_LABEL = "lora_name"
+LORA_METRIC_NAMES = [VLLM_LORA_REQUESTS_INFO, LORA_REQUESTS_TOTAL]  # series only while LoRA adapters are served

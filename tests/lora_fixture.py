@@ -58,3 +58,31 @@ def peft_adapters(tmp_path_factory):
         yield root, model, ADAPTERS
     finally:
         torch.set_num_threads(previous)
+
+
+# The embedded SmolLM2-135M's linears: (in, out).
+SMOLLM_SHAPES = {"q_proj": (576, 576), "k_proj": (576, 192), "v_proj": (576, 192), "o_proj": (576, 576),
+                 "gate_proj": (576, 1536), "up_proj": (576, 1536), "down_proj": (1536, 576)}
+
+
+def write_adapter(folder, rank: int, targets: tuple[str, ...], seed: int, layers: int = 30, alpha: int = 16):
+    """An adapter in PEFT's file format for the embedded model, written without peft (fast): random
+    A and B on every layer's targets."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(layers):
+        for module in targets:
+            fan_in, fan_out = SMOLLM_SHAPES[module]
+            block = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * 0.1
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.1
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": alpha,
+                                                            "target_modules": list(targets), "bias": "none"}))
+    return folder

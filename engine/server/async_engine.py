@@ -115,7 +115,7 @@ class AsyncEngine:
     # -- the event loop side ---------------------------------------------------------------------
     def add_request(
         self, prompt: str | None, params: SamplingParams, prompt_token_ids: list[int] | None = None,
-        kv_transfer_params: dict | None = None,
+        kv_transfer_params: dict | None = None, lora_name: str | None = None,
     ) -> RequestStream:
         """Queue a request; raises InvalidRequestError, QueueFull or NotAccepting."""
         if self.failed is not None:
@@ -130,7 +130,7 @@ class AsyncEngine:
         self._streams[request_id] = stream
         try:
             self.engine.add_request(prompt, params, prompt_token_ids=prompt_token_ids, request_id=request_id,
-                                    kv_transfer_params=kv_transfer_params)
+                                    kv_transfer_params=kv_transfer_params, lora_name=lora_name)
         except BaseException:
             del self._streams[request_id]
             raise

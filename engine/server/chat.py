@@ -61,7 +61,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                              default_max_tokens=max(1, engine.engine.config.max_model_len - len(token_ids)),
                              logprobs=(body.top_logprobs or 0) if body.logprobs else None, structured=structured)
     ids = ResponseIds("chatcmpl", state.model_name)
-    choices = Choices([(text, token_ids)], [params], body.n, "messages", request_kv_transfer(body, 1))
+    choices = Choices([(text, token_ids)], [params], body.n, "messages", request_kv_transfer(body, 1),
+                      lora_name=state.lora_of(body.model))
     if body.stream:
         outputs = await started_stream(request, engine, choices)
         return sse_response(_chat_events(outputs, ids, StreamUsage.of(body), body.n, tokenizer, body.logprobs, tools),

@@ -58,7 +58,8 @@ async def create_completion(body: CompletionRequest, request: Request, response:
     ]
     ids = ResponseIds("cmpl", state.model_name)
     echo_texts = await _echo_texts(tokenizer, encoded) if body.echo else [""] * len(encoded)
-    choices = Choices(encoded, params, body.n, "prompt", request_kv_transfer(body, len(encoded)))
+    choices = Choices(encoded, params, body.n, "prompt", request_kv_transfer(body, len(encoded)),
+                      lora_name=state.lora_of(body.model))
     if body.stream:
         outputs = await started_stream(request, engine, choices)
         events = _completion_events(outputs, ids, StreamUsage.of(body), body.n, tokenizer, echo_texts,

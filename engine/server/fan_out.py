@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 
+from iterserve.engine.lora.adapter import UnknownAdapterError
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.sampling_params import MAX_SEED, InvalidRequestError, SamplingParams
 from iterserve.engine.server.async_engine import (
@@ -56,6 +57,7 @@ class Choices:
     n: int
     prompt_field: str  # the request field an invalid prompt is reported against
     kv_transfer_params: dict | None = None  # P/D: only with one prompt and n 1
+    lora_name: str | None = None  # the LoRA adapter every choice runs (engine/lora), None: the base model
 
     @property
     def count(self) -> int:
@@ -141,7 +143,10 @@ def _submit(engine: AsyncEngine, prompt: Prompt, params: SamplingParams, choices
             kv_transfer_params: dict | None = None) -> RequestStream:
     text, token_ids = prompt
     try:
-        return engine.add_request(text, params, prompt_token_ids=token_ids, kv_transfer_params=kv_transfer_params)
+        return engine.add_request(text, params, prompt_token_ids=token_ids, kv_transfer_params=kv_transfer_params,
+                                  lora_name=choices.lora_name)
+    except UnknownAdapterError as error:  # unloaded between the model check and here
+        raise APIError(404, str(error), "invalid_request_error", "model", "model_not_found") from None
     except InvalidRequestError as error:
         raise invalid(str(error), choices.prompt_field if error.param == "prompt" else error.param) from None
     except QueueFull as error:

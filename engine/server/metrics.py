@@ -201,8 +201,19 @@ class _SchedulerCollector(Collector):
         yield _gauge(names.WAITING_FOR_KV_REQUESTS, "Decode role: requests holding blocks while their prompt KV is "
                      "pulled.", label, s.num_waiting_for_kv if s else 0)
         yield from _spec_decode_counters(s, label, own=True)
+        lora = CounterMetricFamily(names.LORA_REQUESTS_TOTAL, "Requests accepted per LoRA adapter.",
+                                   labels=[names.MODEL_LABEL, names.LORA_NAME_LABEL])
+        for lora_name, count in s.lora_requests if s else ():
+            lora.add_metric([*label, lora_name], count)
+        yield lora
         if not self.vllm_names:
             return
+        if s is not None and s.max_loras:
+            info = GaugeMetricFamily(names.VLLM_LORA_REQUESTS_INFO, "Running stats on lora requests.",
+                                     labels=[names.LORA_MAX_LABEL, names.LORA_WAITING_LABEL, names.LORA_RUNNING_LABEL])
+            info.add_metric([str(s.max_loras), ",".join(s.waiting_lora_adapters), ",".join(s.running_lora_adapters)],
+                            time.time())
+            yield info
         yield from _spec_decode_counters(s, label, own=False)
         yield _gauge(names.VLLM_WAITING, "Requests waiting (vLLM name).", label, waiting)
         yield _gauge(names.VLLM_RUNNING, "Requests running (vLLM name).", label, running)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from iterserve.engine.server import chat, completions
+from iterserve.engine.server import chat, completions, lora_api
 from iterserve.engine.server.protocol import ModelCard, ModelList
 from iterserve.engine.server.state import ServerState
 
@@ -25,9 +25,14 @@ router = APIRouter()
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request) -> ModelList:
     state: ServerState = request.app.state.server
-    card = ModelCard(id=state.model_name, created=state.created, max_model_len=state.engine_config.max_model_len)
-    return ModelList(data=[card])
+    max_model_len = state.engine_config.max_model_len
+    card = ModelCard(id=state.model_name, created=state.created, max_model_len=max_model_len, root=state.model_name)
+    lora = state.engine.engine.lora if state.engine is not None else None
+    adapters = [ModelCard(id=a.name, created=state.created, max_model_len=max_model_len, root=a.path,
+                          parent=state.model_name) for a in (lora.adapters() if lora is not None else ())]
+    return ModelList(data=[card, *adapters])
 
 
 router.include_router(completions.router)
 router.include_router(chat.router)
+router.include_router(lora_api.router)

@@ -284,6 +284,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "iterserve"
     max_model_len: int | None = None
+    root: str | None = Field(None, description="A LoRA adapter's directory (vLLM's field); the model's own id otherwise.")
+    parent: str | None = Field(None, description="A LoRA adapter's base model; null for the base model.")
 
 
 class ModelList(BaseModel):
@@ -302,7 +304,7 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 413, 429, 500, 503)}  # in the OpenAPI
+ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 404, 413, 429, 500, 503)}  # in the OpenAPI
 
 
 # -- admin -----------------------------------------------------------------------------------
@@ -319,6 +321,20 @@ class AdminConfig(BaseModel):
     num_kv_blocks: int
     max_waiting_requests: int
     draining: bool
+
+
+class LoadLoraAdapterRequest(_Request):
+    """vLLM's POST /v1/load_lora_adapter body."""
+    lora_name: Text = Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$",
+                            description="The name requests send as `model`.")
+    lora_path: Text = Field(min_length=1, max_length=4096, description="The adapter's directory (PEFT format) on "
+                            "this server's filesystem.")
+
+
+class UnloadLoraAdapterRequest(_Request):
+    """vLLM's POST /v1/unload_lora_adapter body."""
+    lora_name: Text = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = Field(None, description="Accepted for vLLM compatibility; not used.")
 
 
 class DrainStatus(BaseModel):

@@ -118,17 +118,25 @@ class ServerState:
         return self.engine
 
     def engine_for(self, requested_model: str | None) -> AsyncEngine:
-        """The engine, for a request naming `requested_model`: 503 while it cannot take one, 400 for
-        a model this server does not serve."""
+        """The engine, for a request naming `requested_model`: 503 while it cannot take one, 404 for
+        a model (or LoRA adapter) this server does not serve."""
         engine = self.require_engine()
         self.check_model(requested_model)
         return engine
 
+    def lora_of(self, requested: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names, None for the base model (engine/lora)."""
+        return None if requested is None or requested == self.model_name else requested
+
     def check_model(self, requested: str | None) -> None:
-        if requested is not None and requested != self.model_name:
-            raise APIError(400, f"model {requested!r} is not served here; this server serves "
-                                f"{self.model_name!r} (GET /v1/models)", "invalid_request_error", "model",
-                           "model_not_found")
+        if requested is None or requested == self.model_name:
+            return
+        lora = self.engine.engine.lora if self.engine is not None else None
+        if lora is not None and lora.is_registered(requested):
+            return
+        raise APIError(404, f"model {requested!r} does not exist: this server serves {self.model_name!r}"
+                            + (f" and the LoRA adapters {[a.name for a in lora.adapters()]}" if lora else "")
+                            + " (GET /v1/models)", "invalid_request_error", "model", "model_not_found")
 
     @property
     def in_flight(self) -> int:

@@ -68,7 +68,6 @@ def test_streaming_completion_is_sse_ending_with_done(server):
     ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "x", "temperature": 2.5}, "temperature"),
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
-    ({"prompt": "x", "model": "gpt-4"}, "model"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "n": 17}, "n"),
@@ -87,6 +86,13 @@ def test_invalid_requests_get_400_naming_the_field(server, body, param):
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
     assert set(error) == {"message", "type", "param", "code"} and "Traceback" not in response.text
+
+
+def test_an_unknown_model_gets_404_naming_it(server):
+    response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "model": "gpt-4"})
+    assert response.status_code == 404, response.text  # vLLM's answer to a model (or LoRA adapter) it does not serve
+    error = response.json()["error"]
+    assert error["param"] == "model" and error["code"] == "model_not_found" and "'gpt-4'" in error["message"]
 
 
 def test_bad_json_and_bad_chat_messages_get_400(server):
