@@ -110,3 +110,20 @@ def test_a_width_that_is_not_whole_blocks_is_refused_with_the_format_named():
     blocks = blocks_for("Q4_K", 4, 256)
     with pytest.raises(ValueError, match="Q4_K"):
         cpu_gguf.linear(torch.randn(2, 288), blocks, cpu_gguf.BY_NAME["Q4_K"], 1)
+
+
+@needs_kernel
+def test_the_default_serves_the_embedded_gguf_on_its_own_blocks_and_float32_stays_exact():
+    from iterserve.engine.llm import LLM, SamplingParams
+    from iterserve.engine.model.quant import GGUFLinear
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    default = LLM(device="cpu", max_model_len=256, num_kv_blocks=64)
+    runner = default.engine.executor
+    assert runner.quantization == "gguf"
+    assert isinstance(runner.model.lm_head, GGUFLinear) and runner.model.lm_head.parts[0][0] == 8  # Q8_0
+    assert runner.model.layers[0].qkv_proj.parts[0][0] == 3  # the file's Q4_1
+    text = default.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0].text
+    assert "Paris" in text
+    exact = LLM(device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=64).engine.executor
+    assert exact.quantization == "none" and isinstance(exact.model.lm_head, torch.Tensor)
