@@ -305,3 +305,45 @@ def test_metrics_export_the_counters_under_both_names():
     for position, count in enumerate(stats.spec_accepted_per_pos):
         assert samples[(names.VLLM_SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS + "_total", str(position))] == count
     assert "vllm:" not in ServerMetrics("m", engine.stats, vllm_names=False).exposition().decode()
+
+
+@pytest.mark.parametrize("length", [15, 16, 17, 33])
+def test_a_decode_engine_speculates_after_a_kv_pull(length):
+    from tests.unit import test_kv_transfer as kv
+
+    prefill_engine = kv.make_engine("prefill")
+    decode_engine = kv.make_engine("decode", speculative_config=spec(min_acceptance_rate=0.0))
+    decode_engine.proposer = SometimesRight(length)
+    prefill_engine.start_kv_transfer()
+    try:
+        prompt = "".join(chr(97 + (i * 7) % 26) for i in range(length))
+        params = kv.prefill(prefill_engine, prompt)
+        decode_engine.add_request(prompt, kv.GREEDY, request_id="d", kv_transfer_params=kv.remote(params))
+        out = kv.run(decode_engine)["d"]
+        assert out.error is None and out.outputs[0].token_ids == kv.reference(prompt)
+        assert decode_engine.stats().kv_pulls_ok == 1 and decode_engine.stats().spec_num_accepted_tokens > 0
+        manager = decode_engine.block_manager
+        assert manager.num_free_blocks == manager.num_blocks
+    finally:
+        prefill_engine.close()
+        decode_engine.close()
+
+
+def test_the_admin_retune_applies_while_speculating():
+    engine = fake_engine(speculative_config=spec(min_acceptance_rate=0.0), max_num_seqs=8)
+    engine.proposer = SometimesRight(3)
+    for i in range(8):
+        engine.add_request(prompt=f"{i} abc abc", request_id=f"r{i}", params=SamplingParams(max_tokens=30, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    engine.set_max_num_seqs(2)
+    engine.add_request(prompt="late", request_id="late", params=SamplingParams(max_tokens=5, ignore_eos=True))
+    tokens = {}
+    while engine.has_unfinished_requests():
+        assert len(engine.scheduler.running) <= 8
+        for output in engine.step():
+            if output.finished:
+                tokens[output.request_id] = output.outputs[0].token_ids
+        if len(tokens) >= 7:
+            assert len(engine.scheduler.running) <= 2
+    assert len(tokens) == 9 and engine.block_manager.usage() == 0.0
