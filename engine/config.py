@@ -255,11 +255,11 @@ class EngineConfig:
                 f"got {self.long_prefill_token_threshold!r}"
             )
         if self.speculative_config is not None:
-            from iterserve.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
+            from iterserve.engine.spec_decode import config as spec
 
             try:
-                SpeculativeConfig.parse(self.speculative_config)
-            except SpeculativeConfigError as error:
+                spec.SpeculativeConfig.parse(self.speculative_config)
+            except spec.SpeculativeConfigError as error:
                 raise ConfigError(str(error)) from None
         if not 0 <= self.watermark < 0.5:
             raise ConfigError(f"watermark must be in [0, 0.5), got {self.watermark}")
