@@ -201,14 +201,13 @@ def main() -> None:
     prompts = [tokenizer.encode(p) for p in PROMPTS + chats]
     with torch.inference_mode():
         exact = greedy(models["none"], prompts, args.tokens)
+        wanted = [forced_logits(models["none"], p + r, len(r)) for p, r in zip(prompts, exact, strict=True)]
         result = {"model": path.name, "prompts": len(prompts), "tokens": args.tokens, "modes": {}}
         for mode in modes:
             got = greedy(models[mode], prompts, args.tokens)
             agree, total, worst = 0, 0, 0.0
-            for prompt, reference in zip(prompts, exact, strict=True):
-                seq = prompt + reference
-                want = forced_logits(models["none"], seq, len(reference))
-                have = forced_logits(models[mode], seq, len(reference))
+            for prompt, reference, want in zip(prompts, exact, wanted, strict=True):
+                have = forced_logits(models[mode], prompt + reference, len(reference))
                 agree += int((want.argmax(-1) == have.argmax(-1)).sum())
                 total += len(reference)
                 worst = max(worst, float((want - have).abs().max()))
@@ -218,6 +217,7 @@ def main() -> None:
             print(f"{mode}: {result['modes'][mode]['free_running']['exact']}/{len(prompts)} exact, "
                   f"{result['modes'][mode]['free_running']['mean_tokens_before_divergence']:.1f} tokens before "
                   f"divergence; fed the exact prefix {agree}/{total}, max logit error {worst:.2f}", flush=True)
+            common.write_json(args.json, result)  # each mode as it finishes
     binary = find_llama_server(args.llama_server)
     if binary is None:
         result["llama_cpp"] = {"skipped": "no llama-server binary (bench/peers/compare.py builds one)"}
