@@ -16,5 +16,5 @@ def packages_under(prefix: str, folder: str) -> list[str]:
 setup(
     package_dir=ROOTS,
     packages=[pkg for prefix, folder in ROOTS.items() for pkg in packages_under(prefix, folder)],
-    package_data={"iterserve.operator": ["*.yaml"], "iterserve": ["devcluster/stages/*.yaml", "simulate/profiles/*.json"]},
+    package_data={"iterserve.operator": ["*.yaml"], "iterserve": ["devcluster/stages/*.yaml", "replica_model/profiles/*.json"]},
 )

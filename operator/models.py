@@ -16,8 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validat
 from pydantic.alias_generators import to_camel
 
 from iterserve.engine.config import EngineConfig  # its defaults are the engine's own
+from iterserve.replica_model.profile import DEFAULT_PROFILE, PROFILES  # the shipped step profiles
 from iterserve.router.disagg import PdPolicy  # the router's P/D defaults are its own
-from iterserve.simulate.profile import DEFAULT_PROFILE, PROFILES  # the shipped step profiles
 
 GROUP = "iterserve.dev"
 VERSION = "v1alpha1"

@@ -17,9 +17,9 @@ import json
 import time
 
 from iterserve.operator.models import InferenceServiceSpec
+from iterserve.replica_model.profile import load_profile
 from iterserve.simulate.cli import simulate
 from iterserve.simulate.cluster import SimOptions
-from iterserve.simulate.profile import load_profile
 from iterserve.simulate.report import Slo
 from iterserve.simulate.traces import Lengths, poisson
 
@@ -63,7 +63,7 @@ def throughput_at(curve: list[dict], target: float) -> float | None:
 
 def capacity_guess(profile, setup: dict) -> float:
     """Requests/s one replica might sustain with a full batch (to place the sweep)."""
-    from iterserve.simulate.profile import StepFeatures
+    from iterserve.replica_model.profile import StepFeatures
 
     mean_out = sum(n ** -0.1 for n in range(1, setup["output_cap"] + 1)) / sum(
         n ** -1.1 for n in range(1, setup["output_cap"] + 1))

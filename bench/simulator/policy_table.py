@@ -24,9 +24,9 @@ import time
 
 from bench import common
 from iterserve.operator.models import InferenceServiceSpec
+from iterserve.replica_model.profile import load_profile
 from iterserve.simulate.cli import simulate
 from iterserve.simulate.cluster import Delay, SimOptions
-from iterserve.simulate.profile import load_profile
 from iterserve.simulate.report import Slo
 from iterserve.simulate.traces import Lengths, TraceRequest, gamma
 

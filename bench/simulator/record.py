@@ -50,7 +50,7 @@ def record_run(trace, step_log: str, max_num_seqs: int, clock_kind: str, replay:
     from iterserve.engine.config import EngineConfig
     from iterserve.engine.llm_engine import LLMEngine
     from iterserve.engine.sampling_params import SamplingParams
-    from iterserve.simulate.replica import prompt_tokens
+    from iterserve.replica_model.replica import prompt_tokens
 
     if os.path.exists(step_log):
         os.remove(step_log)

@@ -39,9 +39,9 @@ def main() -> int:
     rate = args.rate or TARGET_REQUESTS / TARGET_SECONDS * args.replicas / TARGET_REPLICAS
 
     from iterserve.operator.models import InferenceServiceSpec
+    from iterserve.replica_model.profile import load_profile
     from iterserve.simulate import traces
     from iterserve.simulate.cluster import ClusterSim, SimOptions
-    from iterserve.simulate.profile import load_profile
 
     spec = InferenceServiceSpec.model_validate({
         "model": {"uri": "smollm2-135m"}, "replicas": args.replicas,
@@ -60,7 +60,7 @@ def main() -> int:
     stats = pstats.Stats(profiler, stream=io.StringIO())
     total = sum(v[3] for k, v in stats.stats.items() if k[2] == "run" and k[0].endswith("cluster.py"))
     where = {}
-    for (path, _, function), (_, _, own, cumulative, _) in stats.stats.items():
+    for (path, _, function), (_, _, _own, cumulative, _) in stats.stats.items():
         short = f"{os.path.basename(path)}:{function}"
         if any(part in path for part in ("iterserve", "engine")) and cumulative > 0.02 * total:
             where[short] = round(cumulative / total, 3)

@@ -33,11 +33,11 @@ def main() -> int:
     args = parser.parse_args()
 
     from iterserve.operator.models import InferenceServiceSpec
-    from iterserve.simulate import profile as profiles
+    from iterserve.replica_model import profile as profiles
+    from iterserve.replica_model.replica import fake_model_profile
     from iterserve.simulate import traces
     from iterserve.simulate.cli import simulate
     from iterserve.simulate.cluster import SimOptions
-    from iterserve.simulate.replica import fake_model_profile
     from iterserve.simulate.report import Slo
 
     rows = []

@@ -25,10 +25,10 @@ import numpy as np
 
 from iterserve.engine.config import EngineConfig
 from iterserve.engine.sampling_params import SamplingParams
-from iterserve.simulate import profile as profiles
+from iterserve.replica_model import profile as profiles
+from iterserve.replica_model.replica import Replica, prompt_tokens
 from iterserve.simulate.cli import SMOLLM2_CONTEXT, SMOLLM2_KV_BYTES_PER_TOKEN, simulate
 from iterserve.simulate.cluster import SimOptions
-from iterserve.simulate.replica import Replica, prompt_tokens
 from iterserve.simulate.report import Slo, percentile
 from iterserve.simulate.traces import load_trace
 

@@ -12,8 +12,9 @@ import argparse
 import json
 
 from e2e.wholeloop.scenario import Scenario, inference_service
+from iterserve.operator.engine_config import profile_for
 from iterserve.operator.models import InferenceServiceSpec
-from iterserve.simulate.cli import profile_for, simulate
+from iterserve.simulate.cli import simulate
 from iterserve.simulate.cluster import Delay, SimOptions
 from iterserve.simulate.report import Slo, plot
 from iterserve.simulate.traces import Lengths, TraceRequest, poisson

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from iterserve.simulate import profile as profiles
+from iterserve.replica_model import profile as profiles
 from iterserve.simulate import traces
 
 SMOLLM2_KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # 30 layers x K,V x 3 KV heads x 64 dims x fp32
@@ -93,15 +93,6 @@ def load_spec(path: str | None):
     return InferenceServiceSpec.model_validate(raw)
 
 
-def profile_for(spec, name: str | None) -> profiles.StepProfile:
-    from iterserve.simulate.replica import engine_config_for, fake_model_profile
-
-    config, _ = engine_config_for(spec, spec.engine.max_num_seqs)
-    if name == "fake-model" or (name is None and config.model == "fake"):
-        return fake_model_profile(config.fake_step_time_scale)
-    return profiles.load_profile(name)
-
-
 def simulate(trace, spec, profile, options, slo, inputs: dict, progress: bool = False) -> tuple[dict, float]:
     """Runs one simulation; returns the JSON document and the wall seconds it took."""
     from iterserve.simulate.cluster import ClusterSim
@@ -142,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args) -> int:
+    from iterserve.operator.engine_config import profile_for
     from iterserve.simulate.cluster import Delay, SimOptions, router_for
     from iterserve.simulate.report import Slo, dumps, plot
 

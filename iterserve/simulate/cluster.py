@@ -28,9 +28,10 @@ from iterserve.operator.autoscaling import memory as mem
 from iterserve.operator.autoscaling.policy import PodSample, decide
 from iterserve.operator.autoscaling.report import config_max_num_seqs
 from iterserve.operator.autoscaling.settings import settings_from_spec
+from iterserve.operator.engine_config import engine_config_for
 from iterserve.operator.resources import effective_max_num_seqs
-from iterserve.simulate.profile import StepProfile
-from iterserve.simulate.replica import Replica, RequestRecord, engine_config_for
+from iterserve.replica_model.profile import StepProfile
+from iterserve.replica_model.replica import Replica, RequestRecord
 from iterserve.simulate.traces import TraceRequest
 
 # Event kinds, in the order they run when due at the same instant.

@@ -91,7 +91,7 @@ class PrefillSettings:
 @dataclass(frozen=True)
 class SloSettings:
     """spec.autoscaling.slo in seconds, and the replica model the plan runs: the EngineConfig and
-    server options a pod starts with and the step profile (slo.py; iterserve/simulate/plan.py)."""
+    server options a pod starts with and the step profile (slo.py; iterserve/replica_model/plan.py)."""
 
     ttft_p95_s: float | None
     itl_p95_s: float | None
@@ -99,8 +99,8 @@ class SloSettings:
     hysteresis: float
     max_prediction_error: float
     engine: object  # iterserve.engine.config.EngineConfig of a pod, max_num_seqs as the spec sets it
-    server: object  # iterserve.simulate.replica.ServerOptions
-    profile: object  # iterserve.simulate.profile.StepProfile
+    server: object  # iterserve.replica_model.replica.ServerOptions
+    profile: object  # iterserve.replica_model.profile.StepProfile
 
 
 _SLO_SETTINGS: dict[str, SloSettings] = {}  # by the spec's JSON: parsing the engine flags costs ~0.1 s a tick
@@ -109,7 +109,7 @@ _SLO_SETTINGS_KEPT = 64
 
 def slo_settings(spec, slo: SloTargets) -> SloSettings:
     """The SLO settings of an InferenceService spec; the pod's engine options come from the
-    operator's and the server's own code (the simulator's engine_config_for). Memoized per spec."""
+    operator's and the server's own code (engine_config.py). Memoized per spec."""
     key = spec.model_dump_json()
     if key not in _SLO_SETTINGS:
         if len(_SLO_SETTINGS) >= _SLO_SETTINGS_KEPT:
@@ -119,8 +119,7 @@ def slo_settings(spec, slo: SloTargets) -> SloSettings:
 
 
 def _slo_settings(spec, slo: SloTargets) -> SloSettings:
-    from iterserve.simulate.cli import profile_for
-    from iterserve.simulate.replica import engine_config_for
+    from iterserve.operator.engine_config import engine_config_for, profile_for
 
     engine, server = engine_config_for(spec, spec.engine.max_num_seqs)
     profile = profile_for(spec, slo.step_profile)  # a shipped name only (the model's Literal): never a path

@@ -1,5 +1,5 @@
 """SLO mode's reading, pure: the measured workload and p95s of the decode pool's warm pods over
-the window, the simulator's replica model run on that workload (iterserve/simulate/plan.py, the
+the window, the simulator's replica model run on that workload (iterserve/replica_model/plan.py, the
 one implementation the simulator also runs), and what it proposes.
 
 Rules, in order:
@@ -33,7 +33,7 @@ from iterserve.operator.autoscaling.readings import (
     windowed_quantile,
 )
 from iterserve.operator.autoscaling.settings import Settings, SloSettings
-from iterserve.simulate.plan import Plan, Prediction, Workload, plan, predict
+from iterserve.replica_model.plan import Plan, Prediction, Workload, plan, predict
 
 MIN_OBSERVED = 20  # requests in the window before a measured p95 can overrule the prediction
 SLO_SIGNAL = "SLO"

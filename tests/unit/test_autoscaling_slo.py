@@ -12,7 +12,7 @@ import pytest
 from iterserve.operator.autoscaling.policy import PodSample, PodState, State, decide
 from iterserve.operator.autoscaling.settings import DirectionRules, RatePolicy, settings_from_spec
 from iterserve.operator.models import AutoscalingSpec, InferenceServiceSpec
-from iterserve.simulate.plan import Workload, plan, predict
+from iterserve.replica_model.plan import Workload, plan, predict
 
 NOW = 10_000.0
 INF = float("inf")

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from iterserve.engine import kv_memory
-from iterserve.engine.config import DEFAULT_KV_CACHE_MEMORY, ConfigError, EngineConfig, kv_pool_blocks
+from iterserve.engine.config import (
+    DEFAULT_KV_CACHE_MEMORY,
+    ConfigError,
+    EngineConfig,
+    kv_pool_blocks,
+)
 
 PER_TOKEN = 46080  # SmolLM2-135M in fp32: 2 x 30 layers x 3 KV heads x 64 x 4 bytes
 

@@ -12,11 +12,12 @@ import pytest
 from iterserve.cli import main as iterserve_main
 from iterserve.engine.config import EngineConfig
 from iterserve.engine.llm_engine import LLMEngine
+from iterserve.operator.engine_config import engine_config_for
 from iterserve.operator.models import InferenceServiceSpec
-from iterserve.simulate import profile as profiles
+from iterserve.replica_model import profile as profiles
+from iterserve.replica_model.replica import Replica, fake_model_profile
 from iterserve.simulate import traces
 from iterserve.simulate.cluster import ClusterSim, Delay, SimOptions
-from iterserve.simulate.replica import Replica, engine_config_for, fake_model_profile
 from iterserve.simulate.report import Slo, to_json
 
 # ------------------------------------------------------------------------------------- traces

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from iterserve.simulate import profile as profiles
+from iterserve.replica_model import profile as profiles
 
 ROOT = Path(__file__).resolve().parents[2]
 EVIDENCE = ROOT / "docs" / "perf" / "sim" / "cpu_profile"  # the recording the shipped smollm2-135m-cpu profile is fitted on

@@ -3,12 +3,11 @@ the spec's kvCacheMemory buys for the profiled model, a clock of its own, and an
 samples no model: a step "takes" the profile's time, which advances the replica's clock.
 
 The engine options come from the spec through the operator's own `engine_args` and the server's
-own flag parser, so a replica runs with exactly the options a pod would.
+own flag parser (operator/engine_config.py), so a replica runs with exactly the options a pod would.
 """
 
 from __future__ import annotations
 
-import shlex
 from array import array
 from bisect import bisect_left
 from dataclasses import dataclass, field, replace
@@ -17,7 +16,7 @@ from iterserve.engine.config import EngineConfig, kv_pool_blocks
 from iterserve.engine.fake_executor import FAKE_KV_BYTES_PER_TOKEN, FAKE_MODEL, FakeExecutor
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.sampling_params import InvalidRequestError, SamplingParams
-from iterserve.simulate.profile import StepProfile
+from iterserve.replica_model.profile import StepProfile
 
 PROMPT_TOKEN = 100  # every simulated prompt token; the fake executor's tokens depend on it only
 
@@ -55,23 +54,6 @@ class ServerOptions:
 
     max_waiting_requests: int = 256
     drain_timeout: float = 30.0
-
-
-def engine_config_for(spec, max_num_seqs: int) -> tuple[EngineConfig, ServerOptions]:
-    """The EngineConfig a pod of `spec` starts with, by the operator's and the server's own code."""
-    import argparse
-
-    from iterserve.engine.server import cli as server_cli
-    from iterserve.operator.resources import MAX_NUM_SEQS_ENV, engine_args
-
-    args = [a.replace(f"$({MAX_NUM_SEQS_ENV})", str(max_num_seqs)) for a in engine_args(spec)]
-    parser = argparse.ArgumentParser(prog="iterserve serve")
-    server_cli.configure(parser)
-    try:
-        parsed = parser.parse_args(args)
-    except SystemExit:
-        raise ValueError(f"the spec's engine flags do not parse: {shlex.join(args)}") from None
-    return server_cli.engine_config(parsed), ServerOptions(parsed.max_waiting_requests, parsed.drain_timeout)
 
 
 def kv_blocks(config: EngineConfig, profile: StepProfile) -> tuple[int, int]:

@@ -124,7 +124,7 @@ def load_profile(name_or_path: str | None) -> StepProfile:
     """A JSON file, or the name of a profile that ships with iterserve (see PROFILES)."""
     name = name_or_path or DEFAULT_PROFILE
     if name in PROFILES:
-        text = resources.files("iterserve.simulate").joinpath("profiles", f"{name}.json").read_text()
+        text = resources.files("iterserve.replica_model").joinpath("profiles", f"{name}.json").read_text()
     else:
         text = Path(name).read_text()
     return StepProfile.from_dict(json.loads(text))

@@ -22,8 +22,8 @@ import math
 import random
 from dataclasses import dataclass, replace
 
-from iterserve.simulate.profile import StepProfile
-from iterserve.simulate.replica import Replica, RequestRecord, ServerOptions
+from iterserve.replica_model.profile import StepProfile
+from iterserve.replica_model.replica import Replica, RequestRecord, ServerOptions
 
 WARMUP_FRACTION = 0.2
 MAX_REQUESTS = 240  # per prediction: enough for a p95 over the steady part, cheap enough per tick
