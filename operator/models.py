@@ -153,7 +153,7 @@ class EngineSpec(WireModel):
     block_size: Literal[1, 2, 4, 8, 16, 32, 64, 128, 256] = Field(16, description="KV cache block size in tokens.")
     chunked_prefill: bool = True
     preemption_mode: Literal["recompute", "swap"] = "recompute"
-    kv_cache_memory: str | None = Field(None, pattern=SIZE_PATTERN, description="KV cache pool size, e.g. 512MiB or 20GiB.")
+    kv_cache_memory: str | None = Field(None, pattern=SIZE_PATTERN, description="KV cache pool size, e.g. 512MiB or 20GiB; unset, the engine sizes it from the memory left after the weights load (--gpu-memory-utilization of the GPU, or a share of the pod's available memory on CPU).")
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="Tensor and pipeline parallelism: one process per rank in the pod; with GPUs, the pod asks for tensor x pipeline of them.")
     extra_args: list[str] = Field(default_factory=list, description="More `iterserve serve` flags (not the ones above, which the operator manages).")
     env: list[EnvVar] = Field(default_factory=list)
