@@ -155,11 +155,14 @@ def load_gguf(path: Path, show_progress: bool = True, keep_q4_1: bool = False,
         if not array.flags.writeable:  # F32/F16 tensors come back as views of the memory-mapped file
             array = array.copy()
         weights[name] = torch.from_numpy(np.ascontiguousarray(array))
+    before = dict(weights)
     if family.adapt_weights is not None:
         family.adapt_weights(weights, config)
     _check_complete(weights, config, path, family)
-    # a family that rewrites weights after loading (adapt_weights) computes on the rewritten dense ones
-    blocks_kept = file_blocks if keep_blocks and family.adapt_weights is None else None
+    # a family whose adapt_weights rewrites weights after loading (renames, splits) computes on the
+    # rewritten dense ones; one that left every tensor in place (Gemma's GGUF) keeps the file's blocks
+    unchanged = weights.keys() == before.keys() and all(weights[n] is t for n, t in before.items())
+    blocks_kept = file_blocks if keep_blocks and unchanged else None
     return LoadedModel(config, weights, path, "gguf", reader, q4_1 if keep_q4_1 else None, blocks_kept)
 
 

@@ -7,7 +7,7 @@ import json
 from functools import cached_property
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _RustTokenizer
 
 from iterserve.engine.model import generation_config
@@ -38,6 +38,89 @@ def _byte_level_pre_tokenizer(pre: str | None):
         pre_tokenizers.Split(Regex(split), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
+
+
+# tokenizer.ggml.model values from_gguf builds: byte-level BPE and SentencePiece-style BPE.
+SUPPORTED_GGUF_TOKENIZERS = ("gpt2", "llama")
+# Architectures whose SentencePiece vocabulary spaces with a plain " " -> "▁" normalizer (no
+# prefix "▁", no Metaspace) and whose GGUF spells multi-space tokens with real spaces.
+_GEMMA_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})
+
+
+def _byte_level_backend(tokens: list[str], token_types: list[int], merges: list[str], pre: str | None):
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab = {}
+    for index, token in enumerate(tokens):
+        if not set(token) <= alphabet:
+            token = "".join(spelling[b] for b in token.encode("utf-8"))
+        vocab[token] = index
+    backend = _RustTokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
+                                        ignore_merges=False))
+    backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
+    backend.decoder = decoders.ByteLevel()
+    _add_gguf_special_tokens(backend, tokens, token_types, alphabet)
+    return backend
+
+
+def _sentencepiece_backend(tokens: list[str], token_types: list[int], scores: list[float] | None,
+                           merges: list[str] | None, architecture: str | None):
+    """The BPE tokenizer transformers builds from a `llama` (SentencePiece) GGUF vocabulary: merges
+    from the file or recovered from the vocabulary (best score first; for Gemma, whose scores do not
+    follow its merge order, the file's order), byte fallback to the <0xNN> tokens, "▁" for spaces."""
+    gemma = architecture in _GEMMA_ARCHITECTURES
+    if gemma:  # a token of two or more spaces is stored as spaces; the normalizer spells them "▁"
+        tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {}
+    for index, token in enumerate(tokens):
+        vocab[token] = index  # a repeated spelling keeps its last id, as transformers does
+    if merges:
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+    elif gemma:
+        pairs = _merges_from_vocab(vocab, {t: -i for i, t in enumerate(tokens)})
+    else:
+        pairs = _merges_from_vocab(vocab, dict(zip(tokens, scores or [0.0] * len(tokens), strict=True)))
+    unk = "<unk>" if gemma else None
+    backend = _RustTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True,
+                                        unk_token=unk))
+    sequence = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if gemma:
+        backend.normalizer = normalizers.Replace(" ", "▁")
+        backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    elif architecture == "phi3":
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                                   normalizers.Replace(" ", "▁")])
+        sequence.append(decoders.Strip(content=" ", left=1))
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first",
+                                                         split=False)
+        sequence.append(decoders.Strip(content=" ", left=1))
+    backend.decoder = decoders.Sequence(sequence)
+    _add_gguf_special_tokens(backend, tokens, token_types, None)
+    return backend
+
+
+def _merges_from_vocab(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """Every split of a token into two tokens of the vocabulary, as merges, best score first (ties:
+    shorter left piece, then shorter right piece; within one token, by the pieces' ids)."""
+    found = []
+    for merge, score in scores.items():
+        local = [(merge[:i], merge[i:]) for i in range(1, len(merge)) if merge[:i] in vocab and merge[i:] in vocab]
+        local.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        found.extend((score, left, right) for left, right in local)
+    found.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
+    return [(left, right) for _, left, right in found]
+
+
+def _add_gguf_special_tokens(backend: _RustTokenizer, tokens: list[str], token_types: list[int],
+                             alphabet: set[str] | None) -> None:
+    """Control tokens as special tokens (in a byte-level vocabulary only those spelled in its
+    alphabet: another is a mislabel), user-defined ones as plain added tokens, so both stay whole."""
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, kind in zip(tokens, token_types, strict=True)
+                                if kind == _CONTROL and (alphabet is None or set(t) <= alphabet)])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, kind in zip(tokens, token_types, strict=True) if kind == _USER_DEFINED])
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -118,33 +201,26 @@ class Tokenizer:
             return default if value is None else value.contents()
 
         kind = field("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ModelLoadError(f"{path}: tokenizer type {kind!r} is not supported (only byte-level BPE, "
-                                 "tokenizer.ggml.model = gpt2); use an HF directory with tokenizer.json")
-        spelling = _bytes_to_unicode()
-        alphabet = set(spelling.values())
         tokens = field("tokenizer.ggml.tokens")
         token_types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
-        vocab = {}
-        for index, token in enumerate(tokens):
-            if not set(token) <= alphabet:
-                token = "".join(spelling[b] for b in token.encode("utf-8"))
-            vocab[token] = index
-        merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges", [])]
-        backend = _RustTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
-        backend.pre_tokenizer = _byte_level_pre_tokenizer(field("tokenizer.ggml.pre"))
-        backend.decoder = decoders.ByteLevel()
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                    for t, kind in zip(tokens, token_types, strict=True)
-                                    if kind == _CONTROL and set(t) <= alphabet])
-        backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                            for t, kind in zip(tokens, token_types, strict=True) if kind == _USER_DEFINED])
+        add_bos = field("tokenizer.ggml.add_bos_token")
+        if kind == "gpt2":
+            backend = _byte_level_backend(tokens, token_types, field("tokenizer.ggml.merges", []),
+                                          field("tokenizer.ggml.pre"))
+        elif kind == "llama":
+            backend = _sentencepiece_backend(tokens, token_types, field("tokenizer.ggml.scores"),
+                                             field("tokenizer.ggml.merges"), field("general.architecture"))
+            if add_bos is None:  # llama.cpp adds BOS to a SentencePiece vocabulary that does not say
+                add_bos = True
+        else:
+            raise ModelLoadError(f"{path}: tokenizer.ggml.model {kind!r} is not supported; supported: "
+                                 f"{', '.join(SUPPORTED_GGUF_TOKENIZERS)} (or an HF directory with tokenizer.json)")
         return cls(
             backend,
             bos_token_id=field("tokenizer.ggml.bos_token_id"),
             eos_token_id=field("tokenizer.ggml.eos_token_id"),
             chat_template=field("tokenizer.chat_template"),
-            add_bos_token=bool(field("tokenizer.ggml.add_bos_token", False)),
+            add_bos_token=bool(add_bos),
         )
 
     @classmethod
