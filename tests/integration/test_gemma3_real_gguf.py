@@ -106,11 +106,10 @@ STRIDE = 37  # logits compared at every STRIDE-th position and the last of each 
 
 def compared_rows(step) -> list[tuple[int, int]]:
     """(sequence, position) pairs whose logits a step compares."""
-    rows, done = [], {}
+    rows = []
     for i, n in step:
         start = sum(m for s in STEPS[:STEPS.index(step)] for j, m in s if j == i)
         rows += [(i, p) for p in range(start, start + n) if p % STRIDE == 0 or p == start + n - 1]
-        done[i] = start + n
     return rows
 
 
@@ -215,7 +214,7 @@ def test_default_quantization_runs_the_gguf_blocks_and_agrees(gguf, prompts, deq
     got = [_strip(list(o.outputs[0].token_ids), STOP) for o in outputs]
     agree = []
     for mine, exact in zip(got, dequantized_tokens, strict=True):
-        same = next((k for k, (a, b) in enumerate(zip(mine, exact)) if a != b), min(len(mine), len(exact)))
+        same = next((k for k, (a, b) in enumerate(zip(mine, exact, strict=False)) if a != b), min(len(mine), len(exact)))
         agree.append(same)
     print(f"quantization auto vs none: leading tokens equal {agree} of {[len(t) for t in dequantized_tokens]}")
     assert "France" in tokenizer.decode(got[0]) and "return" in tokenizer.decode(got[1])
