@@ -88,11 +88,12 @@ class EngineConfig:
         MODEL, "weights' and activations' type (auto: bf16 on CUDA; on a CPU fp32, or bf16 where it "
                "measures faster)",
         ("auto", "float32", "float16", "bfloat16")))
-    quantization: str = field(default="auto", metadata=flag(
-        MODEL, "quantized linears on CPU (engine/model/quant.py): auto (default): a GGUF model on CPU under "
+    quantization: str = field(default="none", metadata=flag(
+        MODEL, "quantized linears on CPU (engine/model/quant.py): none (default): the exact dequantized "
+               "fp32 (or bf16) model; auto: a GGUF model on CPU under "
                "--dtype auto computes on the file's own blocks (gguf: Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K, "
-               "activations in int8 blocks of 32, as llama.cpp), anything else as none; none: the exact "
-               "dequantized fp32 (or bf16) model; int8 (weight-only, bf16 activations), int4 (weight-only, "
+               "activations in int8 blocks of 32, as llama.cpp), anything else as none (not yet the default: "
+               "it loses the embedded model's answer to some chat prompts); int8 (weight-only, bf16 activations), int4 (weight-only, "
                "from the GGUF's Q4_1 blocks), w8a8 (int8 weights and int8 activations per row); see "
                "docs/performance.md for the accuracy and speed of each",
         ("auto", "none", "gguf", "int8", "int4", "w8a8")))

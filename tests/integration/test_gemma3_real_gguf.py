@@ -8,7 +8,7 @@ against transformers' own conversion of the same file (tests/hf_fixture.py cache
   transformers' full forward of each sequence (1e-4 of the logit scale, as the family tests);
 - greedy: 32 tokens of two raw and two chat-formatted prompts through the LLM class (chunked prefill in
   16-token steps) equal transformers' greedy generate;
-- the default quantization (auto: the GGUF's own Q4_K/Q6_K blocks) loads and generates text that
+- `--quantization auto` (the GGUF's own Q4_K/Q6_K blocks) loads and generates text that
   agrees with the dequantized model for a leading run of tokens.
 
 The GGUF is the pretrained model (not instruction-tuned) and carries no tokenizer.chat_template: the
@@ -205,9 +205,9 @@ def test_greedy_tokens_equal_transformers(prompts, dequantized_tokens, reference
 
 
 @pytest.mark.slow
-def test_default_quantization_runs_the_gguf_blocks_and_agrees(gguf, prompts, dequantized_tokens, tokenizer,
-                                                              one_thread):
-    llm = LLM(model=str(gguf), device="cpu", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=16,
+def test_quantization_auto_runs_the_gguf_blocks_and_agrees(gguf, prompts, dequantized_tokens, tokenizer,
+                                                           one_thread):
+    llm = LLM(model=str(gguf), quantization="auto", device="cpu", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=16,
               num_kv_blocks=64)
     assert llm.engine.executor.quantization == "gguf"
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
