@@ -117,9 +117,10 @@ def test_pathological_model_output_gets_a_bounded_answer_and_never_stalls_the_se
         else:  # no valid call: the text comes back whole, as content
             assert message["finish_reason"] == "stop" and not message.get("tool_calls")
             assert message["content"] == text
-    # The event loop answered throughout (the old parser held it 10-17 s per 20 KB answer), and
-    # parsing five answers cost little beside generating four of them (the old one: minutes).
-    assert worst_health_wait < 3.0, worst_health_wait
+    # The event loop answered throughout (the old parser held it 10-17 s per 20 KB answer; 0.08 s
+    # measured on an idle machine, 5.5 s while the other test lane loads both cores), and parsing
+    # five answers cost little beside generating four of them (the old one: minutes).
+    assert worst_health_wait < 8.0, worst_health_wait
     assert parsing < 2 * generating + 5.0, (parsing, generating)
 
 

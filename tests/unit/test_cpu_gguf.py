@@ -113,12 +113,12 @@ def test_a_width_that_is_not_whole_blocks_is_refused_with_the_format_named():
 
 
 @needs_kernel
-def test_the_default_serves_the_embedded_gguf_on_its_own_blocks_and_float32_stays_exact():
+def test_auto_serves_the_embedded_gguf_on_its_own_blocks_and_float32_stays_exact():
     from iterserve.engine.llm import LLM, SamplingParams
     from iterserve.engine.model.quant import GGUFLinear
 
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    default = LLM(device="cpu", max_model_len=256, num_kv_blocks=64)
+    default = LLM(quantization="auto", device="cpu", max_model_len=256, num_kv_blocks=64)
     runner = default.engine.executor
     assert runner.quantization == "gguf"
     assert isinstance(runner.model.lm_head, GGUFLinear) and runner.model.lm_head.parts[0][0] == 8  # Q8_0
