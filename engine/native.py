@@ -22,6 +22,61 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+# The kernels' worker pool: threads that spin briefly, then sleep on a futex, until the generation
+# counter moves, then run their share. Put after the kernel's own `share_t`, `run_share()`,
+# MAX_THREADS and SPIN_ROUNDS; it needs pthread.h, stdatomic.h, linux/futex.h, sched.h,
+# sys/syscall.h and immintrin.h.
+THREAD_POOL = r"""
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static atomic_int pool_generation, pool_pending, pool_sleepers;
+static int pool_workers;
+static share_t pool_shares[MAX_THREADS];
+static int pool_start_generation[MAX_THREADS]; /* the generation a worker was created in (under pool_lock) */
+
+static void* worker_main(void* arg) {
+    const int id = (int)(intptr_t)arg;
+    int seen = pool_start_generation[id];
+    for (;;) {
+        int rounds = 0, now;
+        while ((now = atomic_load(&pool_generation)) == seen) {
+            if (++rounds < SPIN_ROUNDS) {
+                for (int i = 0; i < 16; i++) _mm_pause();
+                if ((rounds & 15) == 0) sched_yield();
+            } else {
+                atomic_fetch_add(&pool_sleepers, 1);
+                syscall(SYS_futex, &pool_generation, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+                atomic_fetch_sub(&pool_sleepers, 1);
+            }
+        }
+        seen = now;
+        run_share(&pool_shares[id]);
+        atomic_fetch_sub(&pool_pending, 1);
+    }
+    return NULL;
+}
+
+/* A forked child has none of the parent's workers: start over (else a call would wait for them). */
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool_lock, NULL);
+    pool_workers = 0;
+    atomic_store(&pool_pending, 0);
+    atomic_store(&pool_sleepers, 0);
+}
+
+static int ensure_workers(int wanted) {
+    static int fork_handler;
+    if (!fork_handler) fork_handler = pthread_atfork(NULL, NULL, pool_after_fork) == 0;
+    while (pool_workers < wanted) {
+        pthread_t id;
+        pool_start_generation[pool_workers + 1] = atomic_load(&pool_generation);
+        if (pthread_create(&id, NULL, worker_main, (void*)(intptr_t)(pool_workers + 1)) != 0) break;
+        pthread_detach(id);
+        pool_workers++;
+    }
+    return pool_workers;
+}
+"""
+
 # C helpers for AVX2 kernels, put before a kernel's own source (they compile to nothing without AVX2).
 AVX2_HELPERS = r"""
 #if defined(__AVX2__) && defined(__FMA__)
