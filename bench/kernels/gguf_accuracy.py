@@ -1,5 +1,6 @@
 """Accuracy of each --quantization mode on the embedded SmolLM2-135M against the exact model (`none`:
-the GGUF's weights dequantized to fp32), in the two forms that matter:
+the GGUF's weights dequantized to fp32), side by side with llama.cpp on the same prompts, in the two
+forms that matter:
 
 - free-running greedy text, the form a user sees: every prompt continued greedily for --tokens
   tokens by each mode (all prompts in one batch, one token each per step, as the engine runs them);
@@ -9,9 +10,11 @@ the GGUF's weights dequantized to fp32), in the two forms that matter:
   in one prefill; the share of positions where the mode's argmax is the exact model's, and the
   largest |logit error|.
 
-llama.cpp's `llama-server` joins on the same prompts where a built binary is found (--llama-server
-or bench/peers/compare.py's cache): its greedy token ids (`return_tokens`) free-running, and its
-per-position argmax fed the exact prefix (n_predict 1 per prefix).
+llama.cpp's `llama-server` serves the same GGUF file on 127.0.0.1 (built from the llama-cpp-python
+sdist and cached as bench/peers/compare.py does, unless --llama-server or --no-build): its greedy
+token ids (`return_tokens`) free-running from the same prompt ids, and its argmax fed the exact
+prefix (n_predict 1 per prefix). Each system's answer to the chat "What is the capital of France?"
+is recorded as text.
 
     .venv/bin/python -m bench.kernels.gguf_accuracy --json docs/perf/gguf_accuracy.json
 """
@@ -19,10 +22,10 @@ per-position argmax fed the exact prefix (n_predict 1 per prefix).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import itertools
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -69,7 +72,8 @@ PROMPTS = [
     "Q: What is 12 times 12?\nA:",
     "The best way to save money is to",
 ]
-CHATS = ["What is the capital of Germany?", "Write a haiku about autumn leaves.",
+FRANCE = "What is the capital of France?"
+CHATS = [FRANCE, "What is the capital of Germany?", "Write a haiku about autumn leaves.",
          "Explain what a neural network is in one sentence.", "Give me three tips for better sleep."]
 
 
@@ -77,6 +81,7 @@ def build_models(modes: list[str]):
     from iterserve.engine.attention.backend import get_backend
     from iterserve.engine.model.architectures import model_class
     from iterserve.engine.model.loader import load_model
+    from iterserve.engine.model.quant import effective_mode
     from iterserve.engine.model.registry import resolve_model_path
     from iterserve.engine.model.tokenizer import Tokenizer
 
@@ -84,7 +89,8 @@ def build_models(modes: list[str]):
     loaded = load_model(path, show_progress=False, keep_blocks=True)
     models = {mode: model_class(loaded.config).from_weights(
         loaded.config, dict(loaded.weights), get_backend("torch"), torch.device("cpu"), torch.float32,
-        max_positions=1024, quantization=mode, gguf_blocks=dict(loaded.gguf_blocks))
+        max_positions=1024, quantization=effective_mode(mode, True, torch.device("cpu"), "auto"),
+        gguf_blocks=dict(loaded.gguf_blocks))
         for mode in modes}
     return models, Tokenizer.from_gguf(path), path
 
@@ -138,12 +144,14 @@ def free_running(exact: list[list[int]], got: list[list[int]]) -> dict:
 # -- llama.cpp ---------------------------------------------------------------------------------------
 
 
-def find_llama_server(explicit: str | None) -> Path | None:
-    cache = Path(os.environ.get("ITERSERVE_PEERS_CACHE", Path.home() / ".cache" / "iterserve-peers"))
-    for candidate in (explicit, cache / "bin" / "llama-server", shutil.which("llama-server")):
-        if candidate and Path(candidate).is_file():
-            return Path(candidate)
-    return None
+def find_llama_server(explicit: str | None, build: bool) -> Path | None:
+    """The llama-server binary: given, cached or on PATH, else built (bench/peers/compare.py's build and
+    cache), or None with --no-build."""
+    from bench.peers import compare
+
+    binary, how = compare.find_llama_server(explicit, build)
+    print(f"llama.cpp: {how}", file=sys.stderr, flush=True)
+    return binary
 
 
 def _post(port: int, body: dict) -> dict:
@@ -168,10 +176,14 @@ def llama_cpp(binary: Path, model: Path, prompts: list[list[int]], exact: list[l
                     break
                 except OSError:
                     if time.monotonic() > deadline or server.poll() is not None:
-                        raise SystemExit("llama-server did not start") from None
+                        log.seek(0)
+                        tail = log.read().decode(errors="replace")[-2000:]
+                        raise SystemExit(f"llama-server did not start:\n{tail}") from None
                     time.sleep(0.5)
             greedy_ids, agree, total = [], 0, 0
-            base = {"temperature": 0, "top_k": 1, "return_tokens": True, "cache_prompt": False, "samplers": ["top_k"]}
+            # greedy past the end-of-sequence token, as the engine's greedy() above runs
+            base = {"temperature": 0, "top_k": 1, "return_tokens": True, "cache_prompt": False, "samplers": ["top_k"],
+                    "ignore_eos": True}
             for prompt, reference in zip(prompts, exact, strict=True):
                 out = _post(port, {**base, "prompt": prompt, "n_predict": new_tokens})
                 greedy_ids.append(list(out["tokens"])[:new_tokens])
@@ -179,8 +191,9 @@ def llama_cpp(binary: Path, model: Path, prompts: list[list[int]], exact: list[l
                     got = _post(port, {**base, "prompt": prompt + reference[:i], "n_predict": 1})["tokens"]
                     agree += bool(got) and got[0] == token
                     total += 1
-            return {"free_running": free_running(exact, greedy_ids),
-                    "teacher_forced": {"agree": agree, "positions": total, "agreement": agree / total}}
+            return {"free_running": free_running(exact, greedy_ids), "greedy_ids": greedy_ids,
+                    "teacher_forced": {"agree": agree, "positions": total, "agreement": agree / total},
+                    "server": {"binary": str(binary), "threads": 2, "command": "llama-server -m <gguf> -t 2 -c 4096"}}
         finally:
             server.terminate()
             server.wait(timeout=30)
@@ -189,20 +202,27 @@ def llama_cpp(binary: Path, model: Path, prompts: list[list[int]], exact: list[l
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
-    parser.add_argument("--modes", default="gguf,w8a8", help="modes compared with none")
-    parser.add_argument("--llama-server", help="a llama-server binary (default: bench/peers' cache or PATH)")
+    parser.add_argument("--modes", default="auto,w8a8", help="modes compared with none (auto: the file's blocks)")
+    parser.add_argument("--llama-server", help="a llama-server binary (default: bench/peers' cache, PATH, or built)")
+    parser.add_argument("--no-build", action="store_true", help="skip llama.cpp when no binary is found")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     modes = args.modes.split(",")
     started = time.monotonic()
+    # llama.cpp is found, or built (tens of minutes once per machine), while the modes run
+    finding = concurrent.futures.ThreadPoolExecutor(1).submit(find_llama_server, args.llama_server, not args.no_build)
     models, tokenizer, path = build_models(["none", *modes])
     chats = [tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
     prompts = [tokenizer.encode(p) for p in PROMPTS + chats]
+    france = len(PROMPTS) + CHATS.index(FRANCE)
     with torch.inference_mode():
         exact = greedy(models["none"], prompts, args.tokens)
         wanted = [forced_logits(models["none"], p + r, len(r)) for p, r in zip(prompts, exact, strict=True)]
-        result = {"model": path.name, "prompts": len(prompts), "tokens": args.tokens, "modes": {}}
+        result = {"model": path.name, "prompts": len(prompts), "tokens": args.tokens,
+                  "france_prompt": FRANCE, "modes": {"none": {
+                      "note": "the exact model: the reference of every figure",
+                      "france_answer": tokenizer.decode(exact[france])}}}
         for mode in modes:
             got = greedy(models[mode], prompts, args.tokens)
             agree, total, worst = 0, 0, 0.0
@@ -213,20 +233,28 @@ def main() -> None:
                 worst = max(worst, float((want - have).abs().max()))
             result["modes"][mode] = {"free_running": free_running(exact, got),
                                      "teacher_forced": {"agree": agree, "positions": total, "agreement": agree / total,
-                                                        "max_logit_error": worst}}
-            print(f"{mode}: {result['modes'][mode]['free_running']['exact']}/{len(prompts)} exact, "
-                  f"{result['modes'][mode]['free_running']['mean_tokens_before_divergence']:.1f} tokens before "
-                  f"divergence; fed the exact prefix {agree}/{total}, max logit error {worst:.2f}", flush=True)
+                                                        "max_logit_error": worst},
+                                     "france_answer": tokenizer.decode(got[france])}
+            print(f"{mode}: {summary(result['modes'][mode])}", flush=True)
             common.write_json(args.json, result)  # each mode as it finishes
-    binary = find_llama_server(args.llama_server)
+    binary = finding.result()
     if binary is None:
-        result["llama_cpp"] = {"skipped": "no llama-server binary (bench/peers/compare.py builds one)"}
+        result["llama_cpp"] = {"skipped": "no llama-server binary and --no-build"}
         print("llama.cpp: skipped, no llama-server binary", file=sys.stderr)
     else:
         result["llama_cpp"] = llama_cpp(binary, path, prompts, exact, args.tokens)
-        print("llama.cpp:", json.dumps({k: v for k, v in result["llama_cpp"].items()}), flush=True)
+        result["llama_cpp"]["france_answer"] = tokenizer.decode(result["llama_cpp"].pop("greedy_ids")[france])
+        print(f"llama.cpp: {summary(result['llama_cpp'])}", flush=True)
     result["seconds"] = time.monotonic() - started
     common.write_json(args.json, result)
+
+
+def summary(entry: dict) -> str:
+    free, forced = entry["free_running"], entry["teacher_forced"]
+    error = f", max logit error {forced['max_logit_error']:.2f}" if "max_logit_error" in forced else ""
+    return (f"{free['exact']}/{free['prompts']} exact, {free['mean_tokens_before_divergence']:.1f} tokens before "
+            f"divergence; fed the exact prefix {forced['agree']}/{forced['positions']}{error}; "
+            f"France: {entry['france_answer']!r}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,11 @@ acc[l] = acc[l] + float(S[l]) * (dx * wmin); blocks in order, and y = ((a0 + a4)
 ((a1 + a5) + (a3 + a7)). A row's result never depends on the other rows of its call, the tiling or
 the thread count.
 
+Tiling: 4 activation rows x 2 weight rows per register tile (a weight block decoded once for 4 rows, an
+activation block loaded once for 2 weight rows), and the weight rows of ~160 KiB (an L2 share) passed by
+every activation row before the next ones: at 64+ rows the weights no longer stream from memory once per
+4 rows.
+
 Threads: the output rows (weight rows) are split between the caller and a pool of workers, the
 same spin-then-sleep pool as the w8a8 kernel's (cpu_w8a8.py). Where the kernel cannot be built (no
 C compiler, no AVX2) GGUFLinear (quant.py) multiplies by the dequantized weight and says so once.
@@ -177,53 +182,77 @@ static inline __attribute__((always_inline)) void decode(const int type, const u
 
 typedef struct {
     int type; const uint8_t* w; int64_t row_bytes; int64_t k;
-    const int8_t* xq; const float* xd; const int32_t* xs; int64_t m_rows;
+    const int8_t* xq; const float* xd; const float* xs; int64_t m_rows;
     float* y; int64_t ldy; int64_t n_begin, n_end;
 } share_t;
 
-/* MR activation rows x one weight row n, the whole K */
-static inline __attribute__((always_inline)) void tile(const int type, const int MR, const share_t* s, int64_t m,
-                                                       int64_t n) {
+/* Register tile: MR activation rows x NR weight rows (each weight block decoded once for MR rows, each
+   activation block loaded once for NR weight rows). Cache tile: the weight rows of about CHUNK_BYTES stay
+   in L2 while every activation row passes them, MR rows at a time (those stay in L1). */
+#define MR 4
+#define NR 2
+#define CHUNK_BYTES (160 * 1024)
+
+/* mr activation rows from m x nr weight rows from n, the whole K */
+static inline __attribute__((always_inline)) void tile(const int type, const int mr, const int nr, const share_t* s,
+                                                       int64_t m, int64_t n) {
     const int64_t nb = s->k / 32;
-    const uint8_t* row = s->w + n * s->row_bytes;
     const int offset = type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q6_K ? 32 : 0;
     const int has_min = type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K;
+    /* signed weights (Q8_0, and q - offset) as |w| x sign(x, w): u8 x s8 for maddubs / dpbusd, the same
+       integers as (q - offset) . x */
+    const int is_signed = type == Q8_0 || offset;
     const int64_t block_bytes = s->row_bytes / nb; /* average bytes per 32 weights, for the prefetch */
-    __m256 acc[4];
-    for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();
+    const uint8_t* rows[NR];
+    for (int j = 0; j < nr; j++) rows[j] = s->w + (n + j) * s->row_bytes;
+    __m256 acc[MR][NR];
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < nr; j++) acc[r][j] = _mm256_setzero_ps();
     for (int64_t g = 0; g < nb; g++) {
-        __m256i q; __m256 wd, wmin = _mm256_setzero_ps();
-        decode(type, row, g, &q, &wd, &wmin);
-        if ((g & 3) == 0) _mm_prefetch((const char*)row + g * block_bytes + 512, _MM_HINT_T0);
-        /* signed weights (Q8_0, and q - offset) as |w| x sign(x, w): u8 x s8 for maddubs / dpbusd, the same
-           integers as (q - offset) . x */
-        const int is_signed = type == Q8_0 || offset;
-        if (offset) q = _mm256_sub_epi8(q, _mm256_set1_epi8((char)offset));
-        const __m256i qabs = is_signed ? _mm256_abs_epi8(q) : q;
-        for (int r = 0; r < MR; r++) {
+        __m256i q[NR], qabs[NR];
+        __m256 wd[NR], wmin[NR];
+        for (int j = 0; j < nr; j++) {
+            wmin[j] = _mm256_setzero_ps();
+            decode(type, rows[j], g, &q[j], &wd[j], &wmin[j]);
+            if (offset) q[j] = _mm256_sub_epi8(q[j], _mm256_set1_epi8((char)offset));
+            qabs[j] = is_signed ? _mm256_abs_epi8(q[j]) : q[j];
+            if ((g & 3) == 0) _mm_prefetch((const char*)rows[j] + g * block_bytes + 512, _MM_HINT_T0);
+        }
+        for (int r = 0; r < mr; r++) {
             const int64_t mb = (m + r) * nb + g;
-            __m256i x = _mm256_loadu_si256((const __m256i*)(s->xq + mb * 32));
-            if (is_signed) x = _mm256_sign_epi8(x, q);
-            const __m256i p = dot_lanes(qabs, x);
+            const __m256i x = _mm256_loadu_si256((const __m256i*)(s->xq + mb * 32));
             const __m256 dx = _mm256_set1_ps(s->xd[mb]);
-            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dx, wd)));
-            if (has_min) {
-                const __m256i sums = _mm256_loadu_si256((const __m256i*)(s->xs + mb * 8));
-                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dx, wmin)));
+            const __m256 sums = has_min ? _mm256_loadu_ps(s->xs + mb * 8) : _mm256_setzero_ps();
+            for (int j = 0; j < nr; j++) {
+                const __m256i p = dot_lanes(qabs[j], is_signed ? _mm256_sign_epi8(x, q[j]) : x);
+                acc[r][j] = _mm256_add_ps(acc[r][j], _mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dx, wd[j])));
+                if (has_min) acc[r][j] = _mm256_add_ps(acc[r][j], _mm256_mul_ps(sums, _mm256_mul_ps(dx, wmin[j])));
             }
         }
     }
-    for (int r = 0; r < MR; r++) s->y[(m + r) * s->ldy + n] = hsum(acc[r]);
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < nr; j++) s->y[(m + r) * s->ldy + n + j] = hsum(acc[r][j]);
+}
+
+/* mr activation rows from m x the weight rows n0..n1 */
+static inline __attribute__((always_inline)) void cols(const int type, const int mr, const share_t* s, int64_t m,
+                                                       int64_t n0, int64_t n1) {
+    int64_t n = n0;
+    for (; n + NR <= n1; n += NR) tile(type, mr, NR, s, m, n);
+    for (; n < n1; n++) tile(type, mr, 1, s, m, n);
 }
 
 static inline __attribute__((always_inline)) void run_type(const int type, const share_t* s) {
-    for (int64_t n = s->n_begin; n < s->n_end; n++) {
+    int64_t chunk = CHUNK_BYTES / s->row_bytes / NR * NR;
+    if (chunk < NR) chunk = NR;
+    for (int64_t n0 = s->n_begin; n0 < s->n_end; n0 += chunk) {
+        const int64_t n1 = n0 + chunk < s->n_end ? n0 + chunk : s->n_end;
         int64_t m = 0;
-        for (; m + 4 <= s->m_rows; m += 4) tile(type, 4, s, m, n);
+        for (; m + MR <= s->m_rows; m += MR) cols(type, MR, s, m, n0, n1);
         switch (s->m_rows - m) {
-            case 3: tile(type, 3, s, m, n); break;
-            case 2: tile(type, 2, s, m, n); break;
-            case 1: tile(type, 1, s, m, n); break;
+            case 3: cols(type, 3, s, m, n0, n1); break;
+            case 2: cols(type, 2, s, m, n0, n1); break;
+            case 1: cols(type, 1, s, m, n0, n1); break;
         }
     }
 }
@@ -241,9 +270,9 @@ static void run_share(const share_t* s) {
     }
 }
 
-/* Blocks of 32: q = round(x / dx) with dx = amax / 127, and the 8 lane sums of q. */
+/* Blocks of 32: q = round(x / dx) with dx = amax / 127, and the 8 lane sums of q (as floats: exact). */
 static void quantize_rows(const float* x, int64_t ldx, int64_t m_rows, int64_t k, int8_t* q, float* d,
-                          int32_t* sums) {
+                          float* sums) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const int64_t nb = k / 32;
@@ -281,7 +310,7 @@ static void quantize_rows(const float* x, int64_t ldx, int64_t m_rows, int64_t k
             _mm256_storeu_si256((__m256i*)out, packed);
             const __m256i lane_sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), packed),
                                                         _mm256_set1_epi16(1));
-            _mm256_storeu_si256((__m256i*)(sums + mb * 8), lane_sums);
+            _mm256_storeu_ps(sums + mb * 8, _mm256_cvtepi32_ps(lane_sums));
         }
     }
 }
@@ -302,7 +331,7 @@ int gguf_linear(int type, const float* x, int64_t ldx, int64_t m_rows, int64_t k
     if (type != Q8_0 && type != Q4_0 && type != Q4_1 && type != Q5_0 && type != Q5_1 && !super) return 2;
     if (k % (super ? 256 : 32)) return 1;
     const int64_t blocks = m_rows * (k / 32);
-    int32_t* sums = (int32_t*)(((uintptr_t)scratch + 31) & ~(uintptr_t)31);
+    float* sums = (float*)(((uintptr_t)scratch + 31) & ~(uintptr_t)31);
     int8_t* q = (int8_t*)(sums + blocks * 8);
     float* d = (float*)(q + blocks * 32);
     quantize_rows(x, ldx, m_rows, k, q, d, sums);
@@ -564,3 +593,56 @@ def reference(x: torch.Tensor, blocks: torch.Tensor, type_id: int) -> torch.Tens
             acc = acc + sums[:, g, None, :].float() * (dx[:, g, None, None] * wmin[None, :, g, None])
     lanes = [acc[..., i] for i in range(8)]
     return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))
+
+
+# -- embedding tables in their file format ------------------------------------------------------------
+
+
+def rows(ids: torch.Tensor, blocks: torch.Tensor, type_id: int) -> torch.Tensor:
+    """Rows ids of the table whose rows are blocks uint8 [vocab, row bytes], dequantized: fp32 [*ids.shape,
+    width], the values of the dense table (gguf's own dequantization) bit for bit."""
+    flat = ids.reshape(-1).to(torch.int64)
+    vocab = blocks.shape[0]
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= vocab):
+        raise IndexError(f"token id out of range: the embedding has {vocab} rows (ids 0..{vocab - 1})")
+    out = dequantize(blocks.index_select(0, flat).numpy(), type_id)
+    return out.reshape(*ids.shape, out.shape[-1])
+
+
+class BlockRows:
+    """An embedding table kept in its file's block format (Q8_0, Q6_K, Q4_1, ... as FORMATS): a lookup
+    dequantizes the rows it takes, so the table costs its file bytes instead of 4 bytes a weight. Where the
+    LM head is tied to it, the two share the blocks."""
+
+    dtype = torch.float32
+    device = torch.device("cpu")
+
+    def __init__(self, type_id: int, blocks: torch.Tensor):
+        weights, nbytes = block_shape(type_id)
+        self.type_id, self.blocks = type_id, blocks.contiguous()
+        self.shape = (blocks.shape[0], blocks.shape[1] // nbytes * weights)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.iterserve.gguf_rows(ids, self.blocks, self.type_id)
+        return rows(ids, self.blocks, self.type_id)
+
+
+@torch.library.custom_op("iterserve::gguf_rows", mutates_args=())
+def _rows_op(ids: torch.Tensor, blocks: torch.Tensor, type_id: int) -> torch.Tensor:
+    return rows(ids, blocks, type_id)
+
+
+@_rows_op.register_fake
+def _(ids: torch.Tensor, blocks: torch.Tensor, type_id: int) -> torch.Tensor:
+    weights, nbytes = block_shape(type_id)
+    return blocks.new_empty((*ids.shape, blocks.shape[1] // nbytes * weights), dtype=torch.float32)
+
+
+def embedding(ids: torch.Tensor, table: torch.Tensor | BlockRows) -> torch.Tensor:
+    """F.embedding for a dense table or a BlockRows."""
+    return table.lookup(ids) if isinstance(table, BlockRows) else torch.nn.functional.embedding(ids, table)
