@@ -15,6 +15,13 @@ chain the Deployment controller builds, as read from the API server:
    args, env, envFrom, volumeMounts), init containers and volumes. A copy that runs our engine
    with our arguments on our volumes is our engine; one that differs in any of these is not.
 
+A multi-node group's pods (operator/groups.py) are a StatefulSet's: the StatefulSet is the
+InferenceService's (or its LeaderWorkerSet's, which is the InferenceService's), the pod's
+controller ownerReference is that StatefulSet's UID, its controller-revision-hash label names a
+ControllerRevision that StatefulSet controls, it was created no earlier than the StatefulSet, and
+it runs the template that revision records (a StatefulSet keeps each template it had there, as a
+Deployment keeps them in its ReplicaSets).
+
 Pure: objects in, verdicts out (with a machine-readable reason for each refused pod).
 """
 
@@ -32,6 +39,8 @@ NOT_OUR_REPLICA_SET = "owner_not_our_replica_set"
 HASH_MISMATCH = "template_hash_mismatch"
 PREDATES_REPLICA_SET = "created_before_replica_set"
 SPEC_MISMATCH = "spec_differs_from_template"
+NOT_OUR_STATEFUL_SET = "owner_not_our_stateful_set"
+REVISION_LABEL = "controller-revision-hash"
 
 
 @dataclass(frozen=True)
@@ -45,10 +54,26 @@ def controller(obj: dict) -> dict | None:
 
 
 def deployment_is_owned(deployment: dict | None, owner_name: str, owner_uid: str | None = None) -> bool:
-    """Whether the Deployment's controller is the InferenceService `owner_name` (and `owner_uid`)."""
+    """Whether the Deployment's (or any object's) controller is the InferenceService `owner_name`
+    (and `owner_uid`)."""
     ref = controller(deployment) if deployment else None
     return bool(ref and ref.get("kind") == "InferenceService" and ref.get("name") == owner_name
                 and (owner_uid is None or ref.get("uid") == owner_uid))
+
+
+def stateful_sets_owned(stateful_sets: Sequence[dict], owner_name: str, owner_uid: str | None = None,
+                        leader_worker_set: dict | None = None) -> list[dict]:
+    """The StatefulSets the InferenceService controls, directly or through `leader_worker_set`
+    (the live LeaderWorkerSet of its name, when there is one and it is the InferenceService's)."""
+    lws_uid = (leader_worker_set["metadata"]["uid"]
+               if leader_worker_set and deployment_is_owned(leader_worker_set, owner_name, owner_uid) else None)
+    out = []
+    for sts in stateful_sets:
+        ref = controller(sts) or {}
+        if deployment_is_owned(sts, owner_name, owner_uid) or (
+                lws_uid and ref.get("kind") == "LeaderWorkerSet" and ref.get("uid") == lws_uid):
+            out.append(sts)
+    return out
 
 
 def _created(obj: dict) -> datetime | None:
@@ -103,16 +128,41 @@ def check_pod(pod: dict, replica_sets_by_uid: dict[str, dict]) -> str | None:
     return None
 
 
-def verify(pods: Sequence[dict], deployments: Sequence[dict],
-           replica_sets: Sequence[dict]) -> tuple[list[dict], list[Refused]]:
-    """The pods whose chain reaches one of `deployments` (already checked to be the
-    InferenceService's), and a Refused for each other pod."""
+def check_stateful_pod(pod: dict, stateful_sets_by_uid: dict[str, dict], revisions: Sequence[dict]) -> str | None:
+    """None when the pod's chain holds up to `stateful_sets_by_uid` (the verified StatefulSets),
+    reading the templates from `revisions` (ControllerRevisions), else why not."""
+    ref = controller(pod)
+    sts = stateful_sets_by_uid.get(ref.get("uid")) if ref and ref.get("kind") == "StatefulSet" else None
+    if sts is None:
+        return NOT_OUR_STATEFUL_SET
+    named = ((pod.get("metadata") or {}).get("labels") or {}).get(REVISION_LABEL)
+    revision = next((r for r in revisions if r["metadata"].get("name") == named
+                     and (controller(r) or {}).get("uid") == sts["metadata"]["uid"]), None)
+    if revision is None:
+        return HASH_MISMATCH
+    pod_created, sts_created = _created(pod), _created(sts)
+    if pod_created is None or sts_created is None or pod_created < sts_created:
+        return PREDATES_REPLICA_SET
+    template = (((revision.get("data") or {}).get("spec") or {}).get("template")) or {}
+    if not runs_template(pod, {"spec": {"template": template}}):
+        return SPEC_MISMATCH
+    return None
+
+
+def verify(pods: Sequence[dict], deployments: Sequence[dict], replica_sets: Sequence[dict],
+           stateful_sets: Sequence[dict] = (), revisions: Sequence[dict] = ()) -> tuple[list[dict], list[Refused]]:
+    """The pods whose chain reaches one of `deployments` or `stateful_sets` (already checked to be
+    the InferenceService's), and a Refused for each other pod."""
     deployment_uids = {d["metadata"]["uid"] for d in deployments}
     ours = {rs["metadata"]["uid"]: rs for rs in replica_sets
             if (controller(rs) or {}).get("kind") == "Deployment" and (controller(rs) or {}).get("uid") in deployment_uids}
+    sets = {s["metadata"]["uid"]: s for s in stateful_sets}
     verified, refused = [], []
     for pod in pods:
-        reason = check_pod(pod, ours) if deployment_uids else NO_DEPLOYMENT
+        if (controller(pod) or {}).get("kind") == "StatefulSet":
+            reason = check_stateful_pod(pod, sets, revisions) if sets else NO_DEPLOYMENT
+        else:
+            reason = check_pod(pod, ours) if deployment_uids else NO_DEPLOYMENT
         if reason is None:
             verified.append(pod)
         else:

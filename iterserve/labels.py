@@ -20,3 +20,25 @@ def selector_labels(name: str) -> dict[str, str]:
 def selector_string(name: str) -> str:
     """`selector_labels` as a label selector (the scale subresource's status.selector, pod lists)."""
     return ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
+
+
+# Multi-node groups (operator/groups.py): the group a pod belongs to (its StatefulSet's name), and
+# the index each workload controller sets on its pods (0: the group's leader).
+GROUP_LABEL = "iterserve.dev/group"
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"  # the StatefulSet controller's
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"  # the LeaderWorkerSet controller's
+
+
+def is_leader(pod: dict) -> bool:
+    """Whether an engine pod takes requests: every pod outside a group, and a group's index 0. The
+    index is the one its controller set (StatefulSet: the pod-index label, else the ordinal its
+    name ends in; LeaderWorkerSet: the worker-index label). Workers serve only /health and /ready:
+    the router, the autoscaler's scrape and the admin retune skip them."""
+    meta = pod.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    if LWS_WORKER_INDEX_LABEL in labels:
+        return labels[LWS_WORKER_INDEX_LABEL] == "0"
+    owner = next((r for r in meta.get("ownerReferences") or [] if r.get("controller")), None)
+    if owner is None or owner.get("kind") != "StatefulSet":
+        return True
+    return (labels.get(POD_INDEX_LABEL) or str(meta.get("name", "")).rpartition("-")[2]) == "0"

@@ -1,7 +1,7 @@
 """kopf wiring: which events lead to a reconcile. All real work is in reconcile.py.
 
 - InferenceService created, updated, or found at operator start (resume) -> reconcile it.
-- An owned Deployment, Service or ConfigMap changed or deleted -> reconcile its owner (drift is
+- An owned Deployment, StatefulSet, Service or ConfigMap changed or deleted -> reconcile its owner (drift is
   repaired, a deleted object recreated, status follows the Deployment).
 - A resync per InferenceService (every `resync_seconds`) -> reconcile, then the tick hooks: the
   seam where the autoscaler plugs in its decision loop (it hands its decisions back to
@@ -32,7 +32,8 @@ from iterserve.operator.reconcile import Outcome, Reconciler
 from iterserve.operator.resources import MANAGED_BY
 
 FINALIZER = f"{GROUP}/finalizer"  # never added now; kopf removes it from objects of older versions
-OWNED = (("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "configmaps"))
+OWNED = (("apps", "v1", "deployments"), ("apps", "v1", "statefulsets"), ("", "v1", "services"),
+         ("", "v1", "configmaps"))
 RETRY_DELAY_SECONDS = 2.0
 
 

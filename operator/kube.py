@@ -112,31 +112,32 @@ class Kube:
         return _json(self.custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, namespace, PLURAL, name, body, _content_type=MERGE, _preload_content=False))
 
-    # apps deployments, core services, configmaps and serviceaccounts, rbac roles and rolebindings,
-    # inference.networking.k8s.io inferencepools, networking networkpolicies, policy
-    # poddisruptionbudgets: get, patch (server-side apply), delete (the routing objects a mode
-    # switch leaves behind); core secrets: get
+    # apps deployments and statefulsets, core services, configmaps and serviceaccounts, rbac roles
+    # and rolebindings, inference.networking.k8s.io inferencepools, leaderworkerset.x-k8s.io
+    # leaderworkersets, networking networkpolicies, policy poddisruptionbudgets: get, patch
+    # (server-side apply), delete (what a mode switch or a scale-down leaves behind); core secrets:
+    # get; core pods: delete (a multi-node group's restart)
     def _methods(self, kind: str):
         """(read, server-side apply, delete) of a kind, each called as f(name, namespace, ...)."""
-        if kind == "InferencePool":
+        if kind in ("InferencePool", "LeaderWorkerSet"):
+            from iterserve.operator.groups import LWS_GROUP, LWS_PLURAL, LWS_VERSION
             from iterserve.operator.routing import (
                 INFERENCE_POOL_GROUP,
                 INFERENCE_POOL_PLURAL,
                 INFERENCE_POOL_VERSION,
             )
 
-            where = (INFERENCE_POOL_GROUP, INFERENCE_POOL_VERSION)
+            where, plural = (((INFERENCE_POOL_GROUP, INFERENCE_POOL_VERSION), INFERENCE_POOL_PLURAL)
+                             if kind == "InferencePool" else ((LWS_GROUP, LWS_VERSION), LWS_PLURAL))
 
             def read(name, namespace, **kw):
-                return self.custom.get_namespaced_custom_object(*where, namespace, INFERENCE_POOL_PLURAL, name, **kw)
+                return self.custom.get_namespaced_custom_object(*where, namespace, plural, name, **kw)
 
             def patch(name, namespace, body, **kw):
-                return self.custom.patch_namespaced_custom_object(*where, namespace, INFERENCE_POOL_PLURAL, name,
-                                                                  body, **kw)
+                return self.custom.patch_namespaced_custom_object(*where, namespace, plural, name, body, **kw)
 
             def delete(name, namespace, **kw):
-                return self.custom.delete_namespaced_custom_object(*where, namespace, INFERENCE_POOL_PLURAL, name,
-                                                                   **kw)
+                return self.custom.delete_namespaced_custom_object(*where, namespace, plural, name, **kw)
 
             return read, patch, delete
         rbac = client.RbacAuthorizationV1Api(self.core.api_client)
@@ -150,6 +151,9 @@ class Kube:
                                     policy.delete_namespaced_pod_disruption_budget),
             "Deployment": (self.apps.read_namespaced_deployment, self.apps.patch_namespaced_deployment,
                            self.apps.delete_namespaced_deployment),
+            "StatefulSet": (self.apps.read_namespaced_stateful_set, self.apps.patch_namespaced_stateful_set,
+                            self.apps.delete_namespaced_stateful_set),
+            "Pod": (self.core.read_namespaced_pod, None, self.core.delete_namespaced_pod),
             "Service": (self.core.read_namespaced_service, self.core.patch_namespaced_service, None),
             "ConfigMap": (self.core.read_namespaced_config_map, self.core.patch_namespaced_config_map, None),
             "ServiceAccount": (self.core.read_namespaced_service_account, self.core.patch_namespaced_service_account,
@@ -197,6 +201,16 @@ class Kube:
     def list_replica_sets(self, namespace: str, label_selector: str) -> list[dict]:
         return _json(self.apps.list_namespaced_replica_set(namespace, label_selector=label_selector,
                                                            _preload_content=False))["items"]
+
+    # apps statefulsets: list (multi-node groups, operator/groups.py)
+    def list_stateful_sets(self, namespace: str, label_selector: str) -> list[dict]:
+        return _json(self.apps.list_namespaced_stateful_set(namespace, label_selector=label_selector,
+                                                            _preload_content=False))["items"]
+
+    # apps controllerrevisions: list (the templates a StatefulSet's pods run, for the chain check)
+    def list_controller_revisions(self, namespace: str, label_selector: str) -> list[dict]:
+        return _json(self.apps.list_namespaced_controller_revision(namespace, label_selector=label_selector,
+                                                                   _preload_content=False))["items"]
 
     # core secrets: get, create
     def create_secret(self, manifest: dict) -> dict:

@@ -124,11 +124,32 @@ class EnvVar(WireModel):
 
 
 class ParallelismSpec(WireModel):
-    """One model across several processes (docs/parallelism.md): tensor x pipeline ranks in one pod."""
+    """One model across several processes (docs/parallelism.md): tensor x pipeline ranks, in one pod,
+    or with nodes > 1 spread evenly over a group of pods (one per node) that is one replica."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel("(self.tensor * self.pipeline) % self.nodes == 0",
+            "spec.engine.parallelism.nodes must divide tensor x pipeline (every node runs the same number of ranks)",
+            ".nodes"),
+    ]})
 
     tensor: int = Field(1, ge=1, le=64, description="Tensor-parallel ranks (`--tensor-parallel-size`): each layer split across them.")
     pipeline: int = Field(1, ge=1, le=64, description="Pipeline stages (`--pipeline-parallel-size`): the layers split into them.")
-    nodes: Literal[1] = Field(1, description="Nodes per replica; only 1 for now (multi-node groups are not implemented).")
+    nodes: int = Field(1, ge=1, le=16, description=(
+        "Pods per replica (`--nnodes`), each on its own node with tensor x pipeline / nodes ranks. Above 1 each "
+        "replica is a group: a LeaderWorkerSet group when the cluster serves that API, else a StatefulSet per "
+        "group; the leader (index 0) serves HTTP, the others join its process group. spec.replicas counts groups."))
+
+    @model_validator(mode="after")
+    def _even_split(self):
+        if (self.tensor * self.pipeline) % self.nodes:
+            raise ValueError("spec.engine.parallelism.nodes must divide tensor x pipeline (every node runs the same "
+                             f"number of ranks; got {self.tensor} x {self.pipeline} over {self.nodes} nodes)")
+        return self
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor * self.pipeline // self.nodes
 
 
 class EngineSpec(WireModel):
@@ -154,7 +175,7 @@ class EngineSpec(WireModel):
     chunked_prefill: bool = True
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     kv_cache_memory: str | None = Field(None, pattern=SIZE_PATTERN, description="KV cache pool size, e.g. 512MiB or 20GiB; unset, the engine sizes it from the memory left after the weights load (--gpu-memory-utilization of the GPU, or a share of the pod's available memory on CPU).")
-    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="Tensor and pipeline parallelism: one process per rank in the pod; with GPUs, the pod asks for tensor x pipeline of them.")
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="Tensor and pipeline parallelism: one process per rank; with GPUs, each pod asks for tensor x pipeline / nodes of them.")
     extra_args: list[str] = Field(default_factory=list, description="More `iterserve serve` flags (not the ones above, which the operator manages).")
     env: list[EnvVar] = Field(default_factory=list)
     drain_seconds: int = Field(30, ge=0, le=3600, description="How long a terminating pod may take to finish in-flight requests (preStop drain).")

@@ -7,6 +7,9 @@ by it): who may reach which port of its engines. Pure builder; reconcile.py appl
   Gateway modes clients (or the gateway) reach the engines directly, so the port stays open.
 - The KV transfer port (disaggregation): only from pods of the same InferenceService (its
   prefill and decode pods; the selector labels both carry).
+- Multi-node groups (spec.engine.parallelism.nodes > 1): every port from pods of the same
+  InferenceService: the leader's rendezvous port, and the ports gloo and NCCL pick at random
+  between the members.
 - Every other port of the engine pods: closed (the policy selects them with policyTypes Ingress).
 
 Whether it is enforced is the cluster's network plugin's business (Calico, Cilium, ...; kindnet
@@ -78,6 +81,8 @@ def build_network_policy(owner: Owner, spec: InferenceServiceSpec, settings: Net
     if router_labels is not None:
         http["from"] = [{"podSelector": {"matchLabels": dict(router_labels)}}, *settings.peers]
     ingress = [http]
+    if spec.engine.parallelism.nodes > 1:
+        ingress.append({"from": [{"podSelector": {"matchLabels": selector_labels(owner.name)}}]})
     if spec.disaggregation.enabled:
         ingress.append({"from": [{"podSelector": {"matchLabels": selector_labels(owner.name)}}],
                         "ports": [{"protocol": "TCP", "port": spec.disaggregation.kv_transfer_port}]})

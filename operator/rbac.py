@@ -38,10 +38,10 @@ RULES: tuple[Rule, ...] = (
          "the engine admin token, created once, never listed or watched"),
     Rule("", "events", ("create",),
          "an Event on the InferenceService for every change"),
-    Rule("", "pods", ("get", "list", "watch"),
+    Rule("", "pods", ("get", "list", "watch", "delete"),
          "list: the autoscaler finds the engine pods, their readiness and addresses, to read their metrics; "
          "get, watch: only held so that the operator may grant them to the router's Role (RBAC lets no one "
-         "grant what it lacks)"),
+         "grant what it lacks); delete: a multi-node group's pods, to restart the group when a member failed"),
     Rule("", "serviceaccounts", ("get", "create", "patch", "delete"),
          "the router's ServiceAccount (Router mode): server-side apply; delete on a mode switch"),
     Rule("rbac.authorization.k8s.io", "roles", ("get", "create", "patch", "delete"),
@@ -56,6 +56,14 @@ RULES: tuple[Rule, ...] = (
          "the router's PodDisruptionBudget (Router mode): server-side apply; delete on a mode switch"),
     Rule("apps", "replicasets", ("list",),
          "the autoscaler trusts only pods of its Deployment's current ReplicaSet"),
+    Rule("apps", "statefulsets", ("get", "list", "watch", "create", "patch", "delete"),
+         "multi-node groups, one StatefulSet each: server-side apply; list: the groups past spec.replicas, to "
+         "delete; watch: drift and readiness"),
+    Rule("apps", "controllerrevisions", ("list",),
+         "the templates a group's pods run, for the chain check (and granted to the router's Role)"),
+    Rule("leaderworkerset.x-k8s.io", "leaderworkersets", ("get", "create", "patch", "delete"),
+         "multi-node groups as a LeaderWorkerSet where the cluster serves it: server-side apply; delete when "
+         "the engines take another shape"),
 )
 
 # Only with kopf peering on (`iterserve operator run --peering NAME`, several operator replicas).

@@ -24,6 +24,7 @@ from typing import Any
 
 from iterserve.operator import (
     disaggregation,
+    groups,
     kv_auth,
     metrics,
     network_policy,
@@ -52,6 +53,7 @@ from iterserve.operator.resources import (
     deployment_name,
     effective_max_num_seqs,
     secret_name,
+    selector_string,
     service_name,
 )
 from iterserve.operator.service_status import Observed, service_status
@@ -126,14 +128,17 @@ def _key(manifest: dict) -> tuple[str, str]:
 
 def wanted_objects(owner: Owner, spec: InferenceServiceSpec, max_num_seqs: int, router_serving: bool,
                    pool_served: bool,
-                   network: network_policy.NetworkPolicySettings = network_policy.DEFAULT_SETTINGS) -> list[dict]:
+                   network: network_policy.NetworkPolicySettings = network_policy.DEFAULT_SETTINGS,
+                   lws: bool = False) -> list[dict]:
     """Every object the InferenceService should have, in apply order: the engine ConfigMap, the
     engines' NetworkPolicy (before any engine pod), the routing mode's objects (a router exists
-    before the Service is pointed at it), the Service, the engine Deployment, then the prefill
-    pool. Pure: the reconcile applies what differs."""
+    before the Service is pointed at it), the Service, the engine Deployment (or with several
+    nodes per replica the groups: operator/groups.py; `lws`: as a LeaderWorkerSet), then the
+    prefill pool. Pure: the reconcile applies what differs."""
+    engines = groups.build_groups(owner, spec, lws) if groups.is_group(spec) else [build_deployment(owner, spec)]
     return [build_configmap(owner, spec, max_num_seqs), *network_policy.build_for(owner, spec, network),
-            *routing.build_routing(owner, spec, pool_served),
-            build_service(owner, spec, router_serving), build_deployment(owner, spec),
+            *routing.build_routing(owner, spec, pool_served, lws),
+            build_service(owner, spec, router_serving, lws), *engines,
             *disaggregation.build_disaggregation(owner, spec)]
 
 
@@ -191,7 +196,9 @@ class Reconciler:
         mode = spec.routing.mode
         pool_served = mode != routing.GATEWAY or self.kube.api_resource_served(
             routing.INFERENCE_POOL_GROUP, routing.INFERENCE_POOL_VERSION, routing.INFERENCE_POOL_PLURAL)
-        manifests, live, leftovers = self._read_live(owner, spec, max_num_seqs, pool_served)
+        lws = groups.is_group(spec) and self.kube.api_resource_served(
+            groups.LWS_GROUP, groups.LWS_VERSION, groups.LWS_PLURAL)
+        manifests, live, leftovers = self._read_live(owner, spec, max_num_seqs, pool_served, lws)
         secret = self.kube.get("Secret", namespace, secret_name(name))
         kv_secret = self.kube.get("Secret", namespace, kv_auth.secret_name(name)) if spec.disaggregation.enabled else None
         salt_secret = self.kube.get("Secret", namespace, router_salt.secret_name(name)) if router_salt.wanted(spec) else None
@@ -220,14 +227,20 @@ class Reconciler:
             live[_key(manifest)] = applied
             if change:
                 changes.append(change)
+        engines = live.get(("Deployment", deployment_name(name)))
+        if groups.is_group(spec) or leftovers.get(("Service", groups.headless_service_name(name))) is not None:
+            summary, group_changes = self._sync_groups(body, owner, spec, lws, live)
+            engines = summary if groups.is_group(spec) else engines
+            changes += group_changes
         # Written after the Service stopped selecting them: a mode switch drops no request on the floor.
         for obj in leftovers.values():
             if obj is not None and controlled_by(obj, owner) and routing.may_delete_leftover(obj, name, service_before):
                 why = ("spec.disaggregation.enabled is false" if obj["metadata"]["name"] == disaggregation.prefill_name(name)
                        else "the operator runs with --no-network-policy" if obj["kind"] == network_policy.KIND
+                       else groups.leftover_reason(spec, lws) if _key(obj) in groups.leftover_keys(name)
                        else f"spec.routing.mode is {mode}")
                 changes.append(self._delete(body, obj, why))
-        deployment = live[("Deployment", deployment_name(name))]
+        deployment = engines
         router = live.get(("Deployment", routing.router_name(name)))
         routing_state = routing.routing_condition(name, spec, pool_served, router)
 
@@ -241,7 +254,8 @@ class Reconciler:
                     self._event(written, event.type, event.reason, event.message)
         return Outcome("applied" if changes else "unchanged", changes, written, spec)
 
-    def _read_live(self, owner: Owner, spec: InferenceServiceSpec, max_num_seqs: int, pool_served: bool):
+    def _read_live(self, owner: Owner, spec: InferenceServiceSpec, max_num_seqs: int, pool_served: bool,
+                   lws: bool = False):
         """(the wanted objects in apply order, the live object of each by (kind, name), the live
         objects another routing mode or disaggregation left behind: to delete if ours)."""
         namespace, name = owner.namespace, owner.name
@@ -249,18 +263,45 @@ class Reconciler:
         # another mode left behind (and is ours) is deleted.
         leftovers = {key: self.kube.get(key[0], namespace, key[1])
                      for key in (*routing.routing_object_keys(name), *disaggregation.disaggregation_object_keys(name),
-                                 (network_policy.KIND, network_policy.policy_name(name)))}
+                                 (network_policy.KIND, network_policy.policy_name(name)),
+                                 *groups.leftover_keys(name))}
         router = leftovers.get(("Deployment", routing.router_name(name)))
         service = self.kube.get("Service", namespace, service_name(name))
         router_serving = routing.router_ready(router) or (
             service is not None and (service.get("spec") or {}).get("selector") == routing.router_labels(name))
-        manifests = wanted_objects(owner, spec, max_num_seqs, router_serving, pool_served, self.network_policy)
+        manifests = wanted_objects(owner, spec, max_num_seqs, router_serving, pool_served, self.network_policy, lws)
         live = {}
         for m in manifests:
             key = _key(m)
             live[key] = service if key == ("Service", service_name(name)) else (
                 leftovers.pop(key) if key in leftovers else self.kube.get(m["kind"], namespace, key[1]))
         return manifests, live, leftovers
+
+    def _sync_groups(self, body: dict, owner: Owner, spec: InferenceServiceSpec, lws: bool,
+                     live: dict) -> tuple[dict, list[str]]:
+        """StatefulSet groups (operator/groups.py): deletes the groups past spec.replicas (or all,
+        when the engines are no longer StatefulSet groups), restarts the groups that need it by
+        deleting their pods, and returns the groups counted as a Deployment status counts pods."""
+        namespace, name = owner.namespace, owner.name
+        selector = selector_string(name)
+        listed = [s for s in self.kube.list_stateful_sets(namespace, selector) if controlled_by(s, owner)]
+        changes = []
+        for sts in groups.surplus_statefulsets(name, spec, lws, listed):
+            changes.append(self._delete(body, sts, groups.surplus_reason(spec, lws)))
+        kept = [s for s in listed if s not in groups.surplus_statefulsets(name, spec, lws, listed)]
+        kept = [live.get(("StatefulSet", s["metadata"]["name"])) or s for s in kept]
+        if lws:
+            return groups.groups_summary(spec, [], [], live.get((groups.LEADER_WORKER_SET, name)) or {}), changes
+        pods = self.kube.list_pods(namespace, selector) if kept else []
+        for sts, why in groups.groups_to_restart(kept, pods):
+            for pod in groups.members(sts, pods):
+                if not pod["metadata"].get("deletionTimestamp"):
+                    self.kube.delete(pod)
+            metrics.OBJECT_WRITES.labels(kind="Pod", action="deleted").inc()
+            message = f"Restarted group {sts['metadata']['name']}: {why}"
+            self._event(body, "Normal", "GroupRestarted", message)
+            changes.append(message)
+        return groups.groups_summary(spec, kept, pods), changes
 
     def _delete(self, owner_body: dict, obj: dict, why: str) -> str:
         kind, obj_name = obj["kind"], obj["metadata"]["name"]

@@ -46,7 +46,8 @@ MANAGED_FLAGS = flags_of(
     "kv_advertise_host", "kv_auth_key_file", "tensor_parallel_size", "pipeline_parallel_size",
 )
 POD_IP_ENV = "POD_IP"
-RESERVED_ENV = (MAX_NUM_SEQS_ENV, ADMIN_TOKEN_ENV, POD_IP_ENV)
+NODE_RANK_ENV = "ITERSERVE_NODE_RANK"  # a multi-node group member's index (operator/groups.py)
+RESERVED_ENV = (MAX_NUM_SEQS_ENV, ADMIN_TOKEN_ENV, POD_IP_ENV, NODE_RANK_ENV)
 # What the restricted Pod Security profile asks of every container; containers a podTemplatePatch
 # adds get what they leave out (operator/podsecurity.py refuses patches that loosen it).
 def restricted_container() -> dict[str, Any]:
@@ -160,10 +161,11 @@ def engine_args(spec: InferenceServiceSpec, role: str | None = None) -> list[str
 
 
 def gpu_count(spec: InferenceServiceSpec) -> int:
-    """GPUs per engine pod: as the resources ask; a pod that asks for GPUs under parallelism gets one per rank."""
+    """GPUs per engine pod: as the resources ask; a pod that asks for GPUs under parallelism gets one
+    per rank it runs (tensor x pipeline / nodes)."""
     res = spec.engine.resources
     asked = int(str(res.limits.get(GPU_RESOURCE, res.requests.get(GPU_RESOURCE, 0))))
-    ranks = spec.engine.parallelism.tensor * spec.engine.parallelism.pipeline
+    ranks = spec.engine.parallelism.ranks_per_node
     return ranks if asked and ranks > 1 else asked
 
 
@@ -329,7 +331,8 @@ def build_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]
     }
 
 
-def build_service(owner: Owner, spec: InferenceServiceSpec, router_serving: bool = False) -> dict[str, Any]:
+def build_service(owner: Owner, spec: InferenceServiceSpec, router_serving: bool = False,
+                  lws: bool = False) -> dict[str, Any]:
     """The InferenceService's Service: the engines, or in Router mode once `router_serving` the
     router pods (operator/routing.py decides)."""
     from iterserve.operator.routing import service_selector  # routing builds on this module
@@ -340,7 +343,7 @@ def build_service(owner: Owner, spec: InferenceServiceSpec, router_serving: bool
         "metadata": _metadata(owner, service_name(owner.name)),
         "spec": {
             "type": "ClusterIP",
-            "selector": service_selector(owner.name, spec, router_serving),
+            "selector": service_selector(owner.name, spec, router_serving, lws),
             "ports": [
                 {"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"},
                 # The engine serves /metrics on its HTTP port; a named port lets monitors select it.

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from iterserve.operator import kv_auth, router_salt
+from iterserve.operator import groups, kv_auth, router_salt
 from iterserve.operator.models import ROUTING_UNAVAILABLE, InferenceServiceSpec
 from iterserve.operator.resources import (
     ENGINE_PORT,
@@ -74,11 +74,15 @@ def _metadata(owner: Owner, name: str, labels: dict[str, str]) -> dict[str, Any]
             "ownerReferences": [owner_reference(owner)]}
 
 
-def service_selector(name: str, spec: InferenceServiceSpec, router_serving: bool = True) -> dict[str, str]:
+def service_selector(name: str, spec: InferenceServiceSpec, router_serving: bool = True,
+                     lws: bool = False) -> dict[str, str]:
     """What the InferenceService's Service selects: the router pods in Router mode once the router
     serves (`router_serving`: a ready router pod, or the Service selects the router already), else
-    the engines; so switching to Router never leaves the Service without endpoints."""
-    return router_labels(name) if spec.routing.mode == ROUTER and router_serving else selector_labels(name)
+    the engines (of multi-node groups the leaders only; `lws`: the groups are a LeaderWorkerSet's);
+    so switching to Router never leaves the Service without endpoints."""
+    if spec.routing.mode == ROUTER and router_serving:
+        return router_labels(name)
+    return {**selector_labels(name), **groups.leader_selector(spec, lws)}
 
 
 def engine_pod_labels(spec: InferenceServiceSpec) -> dict[str, str]:
@@ -108,7 +112,8 @@ def router_args(owner: Owner, spec: InferenceServiceSpec | None = None) -> list[
 
 def build_router_rbac(owner: Owner) -> list[dict[str, Any]]:
     """A ServiceAccount, and a Role + RoleBinding granting it get/list/watch on pods here only, and
-    the reads of its engines' controller chain (ReplicaSets, its two engine Deployments)."""
+    the reads of its engines' controller chain (ReplicaSets, its two engine Deployments; for
+    multi-node groups StatefulSets, their ControllerRevisions and its LeaderWorkerSet)."""
     name, labels = router_name(owner.name), router_labels(owner.name)
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(owner, name, labels),
@@ -118,7 +123,10 @@ def build_router_rbac(owner: Owner) -> list[dict[str, Any]]:
                    # the controller chain the router checks before routing to a pod (discovery.py)
                    {"apiGroups": ["apps"], "resources": ["replicasets"], "verbs": ["list"]},
                    {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get"],
-                    "resourceNames": [owner.name, f"{owner.name}-prefill"]}]},
+                    "resourceNames": [owner.name, f"{owner.name}-prefill"]},
+                   {"apiGroups": ["apps"], "resources": ["statefulsets", "controllerrevisions"], "verbs": ["list"]},
+                   {"apiGroups": ["leaderworkerset.x-k8s.io"], "resources": ["leaderworkersets"], "verbs": ["get"],
+                    "resourceNames": [owner.name]}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _metadata(owner, name, labels),
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
          "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}]},
@@ -195,13 +203,13 @@ def _router_scheduling(spec: InferenceServiceSpec) -> dict[str, Any]:
     return pod_scheduling(spec, with_affinity=False)
 
 
-def build_inference_pool(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+def build_inference_pool(owner: Owner, spec: InferenceServiceSpec, lws: bool = False) -> dict[str, Any]:
     return {
         "apiVersion": f"{INFERENCE_POOL_GROUP}/{INFERENCE_POOL_VERSION}",
         "kind": "InferencePool",
         "metadata": _metadata(owner, owner.name, selector_labels(owner.name)),
         "spec": {
-            "selector": {"matchLabels": selector_labels(owner.name)},
+            "selector": {"matchLabels": {**selector_labels(owner.name), **groups.leader_selector(spec, lws)}},
             "targetPorts": [{"number": ENGINE_PORT}],
             "endpointPickerRef": {
                 "group": "", "kind": "Service", "name": endpoint_picker_name(owner.name, spec),
@@ -211,14 +219,15 @@ def build_inference_pool(owner: Owner, spec: InferenceServiceSpec) -> dict[str, 
     }
 
 
-def build_routing(owner: Owner, spec: InferenceServiceSpec, pool_served: bool = True) -> list[dict[str, Any]]:
+def build_routing(owner: Owner, spec: InferenceServiceSpec, pool_served: bool = True,
+                  lws: bool = False) -> list[dict[str, Any]]:
     """The objects the routing mode adds to the engine Deployment, Service and ConfigMap, in write
     order (`pool_served`: whether the API server serves InferencePools; none is built otherwise)."""
     mode = spec.routing.mode
     if mode == ROUTER:
         return [*build_router_rbac(owner), build_router_deployment(owner, spec), build_router_disruption_budget(owner)]
     if mode == GATEWAY and pool_served:
-        return [build_inference_pool(owner, spec)]
+        return [build_inference_pool(owner, spec, lws)]
     return []
 
 

@@ -62,6 +62,9 @@ def check_semantics(spec: InferenceServiceSpec) -> None:
             raise SpecError(f"spec.engine.env[{i}].name", f"{var.name} is reserved for the operator")
         if var.value is not None and var.value_from is not None:
             raise SpecError(f"spec.engine.env[{i}]", "set value or valueFrom, not both")
+    if spec.engine.parallelism.nodes > 1 and spec.disaggregation.enabled:
+        raise SpecError("spec.engine.parallelism.nodes", "multi-node groups do not run prefill/decode disaggregation "
+                                                         "yet: set nodes to 1 or spec.disaggregation.enabled to false")
     patch = spec.pod_template_patch or {}
     unknown = sorted(set(patch) - {"metadata", "spec"})
     if unknown:

@@ -28,6 +28,7 @@ from iterserve.engine.attention.backend import (
 from iterserve.engine.model import cpu_fused
 from iterserve.engine.model.layers import Weight, gated_activation, head_rms_norm, linear
 from iterserve.engine.model.loader import ModelConfig, ModelLoadError
+from iterserve.engine.model.parallel import RowParallel
 from iterserve.engine.model.quant import Int4Linear, gguf_linear, quantize_dense, quantize_lm_head
 from iterserve.engine.model.rope import rotary_cos_sin
 
@@ -215,9 +216,16 @@ class DecoderModel:
     def adapted_linear(self, layer: DecoderLayer, target: str, x: torch.Tensor, weight: Weight,
                        bias: torch.Tensor | None) -> torch.Tensor:
         """linear(), plus this step's LoRA deltas on the rows of requests that chose an adapter
-        (target: qkv, o, gate_up or down; engine/lora)."""
-        out = linear(x, weight, bias)
-        return out if self.lora_step is None else self.lora_step.add(layer, target, x, out)
+        (target: qkv, o, gate_up or down; engine/lora). Every family's projections go through it.
+        A row-parallel linear (tensor parallelism) adds the rank's partial delta to its partial
+        product before the all-reduce, which then sums the delta too."""
+        step = self.lora_step
+        if step is None:
+            return linear(x, weight, bias)
+        if isinstance(weight, RowParallel):
+            out = weight.group.all_reduce(step.add(layer, target, x, linear(x, weight.weight)))
+            return out if bias is None else out + bias
+        return step.add(layer, target, x, linear(x, weight, bias))
 
     def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.backend.rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)[0]

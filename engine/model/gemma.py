@@ -45,7 +45,7 @@ from iterserve.engine.model.architectures import (
     register,
 )
 from iterserve.engine.model.decoder import DecoderLayer, DecoderModel
-from iterserve.engine.model.layers import gated_activation, linear
+from iterserve.engine.model.layers import gated_activation
 from iterserve.engine.model.loader import ModelConfig, ModelLoadError
 from iterserve.engine.model.rope import rotary_cos_sin
 
@@ -109,7 +109,8 @@ class GemmaModel(DecoderModel):
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         residual = hidden if residual is None else hidden + residual
         x = _norm(residual, layer.input_norm, cfg.rms_norm_eps)
-        q, k, v = linear(x, layer.qkv_proj, layer.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.adapted_linear(layer, "qkv", x, layer.qkv_proj, layer.qkv_bias).split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.reshape(num_tokens, heads, head_dim), k.reshape(num_tokens, kv_heads, head_dim)
         if layer.q_norm is not None:
             q, k = _norm(q, layer.q_norm, cfg.rms_norm_eps), _norm(k, layer.k_norm, cfg.rms_norm_eps)
@@ -119,11 +120,12 @@ class GemmaModel(DecoderModel):
 
     def mlp(self, attn: torch.Tensor, residual: torch.Tensor, layer: DecoderLayer):
         eps = self.config.rms_norm_eps
-        out = linear(attn.reshape(attn.shape[0], self.q_size), layer.o_proj, layer.o_bias)
+        out = self.adapted_linear(layer, "o", attn.reshape(attn.shape[0], self.q_size), layer.o_proj, layer.o_bias)
         residual = residual + _norm(out, layer.post_attention_norm, eps)
         x = _norm(residual, layer.extra["pre_feedforward_layernorm.weight"], eps)
-        gate_up = linear(x, layer.gate_up_proj, layer.gate_up_bias)
-        out = linear(gated_activation(self.backend, self.config.hidden_act, gate_up), layer.down_proj, layer.down_bias)
+        gate_up = self.adapted_linear(layer, "gate_up", x, layer.gate_up_proj, layer.gate_up_bias)
+        out = self.adapted_linear(layer, "down", gated_activation(self.backend, self.config.hidden_act, gate_up),
+                                  layer.down_proj, layer.down_bias)
         return _norm(out, layer.extra["post_feedforward_layernorm.weight"], eps), residual
 
     def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

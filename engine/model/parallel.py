@@ -72,10 +72,9 @@ def vocab_range(vocab: int, shard: Shard) -> tuple[int, int]:
     return min(vocab, shard.rank * part), min(vocab, (shard.rank + 1) * part)
 
 
-def shard_weights(weights: dict[str, torch.Tensor], config: ModelConfig, shard: Shard) -> None:
-    """In place: every tensor becomes this rank's slice (HF names, [out, in] layouts)."""
-    if shard.size == 1:
-        return
+def shard_rows(config: ModelConfig, shard: Shard) -> tuple[slice, slice, slice]:
+    """Rank r's output rows of q, of k and v (the same rows), and of gate and up (each): the
+    column-parallel slices, also o's and down's input columns (engine/lora shards adapters by them)."""
     n, r, d = shard.size, shard.rank, config.head_dim
     heads, kv = config.num_heads, config.num_kv_heads
     q_rows = slice(r * heads // n * d, (r + 1) * heads // n * d)
@@ -83,7 +82,14 @@ def shard_weights(weights: dict[str, torch.Tensor], config: ModelConfig, shard: 
     kv_rows = slice(kv_head * d, (kv_head + 1) * d) if kv_head is not None else slice(r * kv // n * d,
                                                                                    (r + 1) * kv // n * d)
     width = config.intermediate_size // n
-    mlp_rows = slice(r * width, (r + 1) * width)
+    return q_rows, kv_rows, slice(r * width, (r + 1) * width)
+
+
+def shard_weights(weights: dict[str, torch.Tensor], config: ModelConfig, shard: Shard) -> None:
+    """In place: every tensor becomes this rank's slice (HF names, [out, in] layouts)."""
+    if shard.size == 1:
+        return
+    q_rows, kv_rows, mlp_rows = shard_rows(config, shard)
     start, end = vocab_range(config.vocab_size, shard)
     for name in list(weights):
         w = weights[name]

@@ -29,7 +29,6 @@ from iterserve.engine.model.architectures import (
     register,
 )
 from iterserve.engine.model.decoder import DecoderLayer, DecoderModel
-from iterserve.engine.model.layers import linear
 from iterserve.engine.model.loader import ModelConfig, ModelLoadError
 from iterserve.engine.model.rope import rotary_cos_sin
 from iterserve.engine.model.rope_longrope import LongRope, LongRopeConfigError
@@ -73,7 +72,8 @@ class Phi3Model(DecoderModel):
         backend, num_tokens, cfg = self.backend, hidden.shape[0], self.config
         heads, kv_heads, head_dim, r = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.rotary_dim
         x, residual = backend.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps, residual)
-        q, k, v = linear(x, layer.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.adapted_linear(layer, "qkv", x, layer.qkv_proj, None).split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.reshape(num_tokens, heads, head_dim), k.reshape(num_tokens, kv_heads, head_dim)
         if r == head_dim:
             q, k = backend.rotary(q, k, positions, self.cos_sin)

@@ -95,7 +95,7 @@ class Qwen3MoeModel(DecoderModel):
         experts = self.experts.get(id(layer))
         if experts is None:
             return super().mlp(attn, residual, layer)
-        hidden = linear(attn.reshape(attn.shape[0], self.q_size), layer.o_proj, layer.o_bias)
+        hidden = self.adapted_linear(layer, "o", attn.reshape(attn.shape[0], self.q_size), layer.o_proj, layer.o_bias)
         x, residual = self.backend.rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps, residual)
         return moe_forward(x, experts, self.backend.silu_and_mul, self._fused_experts, linear), residual
 

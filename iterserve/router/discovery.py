@@ -12,8 +12,12 @@ unlabelled pods take requests.
 Labels prove nothing (anyone who may create pods in the namespace can copy them), so with
 `infsvc` set the watch routes only to pods whose controller chain holds (ChainReader, over
 iterserve/controller_chain.py): the InferenceService's Deployment -> its ReplicaSet -> the pod,
-running that ReplicaSet's template. A look-alike pod gets no request, and so sees no user's
+running that ReplicaSet's template (for a multi-node group: its StatefulSet -> the pod, running
+the template of its ControllerRevision). A look-alike pod gets no request, and so sees no user's
 prompt and no signed KV parameters. The router's Role lets it read exactly these objects.
+
+A multi-node group is one replica: only its leader (index 0, iterserve/labels.py `is_leader`)
+takes requests; its workers serve nothing but /health and /ready.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 from iterserve import controller_chain
 from iterserve.labels import PREFILL as PREFILL_ROLE
 from iterserve.labels import ROLE_LABEL as ROLE_LABEL
-from iterserve.labels import selector_string
+from iterserve.labels import is_leader, selector_string
 
 logger = logging.getLogger("iterserve.router")
 
@@ -71,7 +75,7 @@ def _ready(pods: list[dict], port_name: str) -> list[tuple[dict, str]]:
     for pod in pods:
         status = pod.get("status") or {}
         ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or [])
-        if not ready or pod["metadata"].get("deletionTimestamp") or not status.get("podIP"):
+        if not ready or pod["metadata"].get("deletionTimestamp") or not status.get("podIP") or not is_leader(pod):
             continue
         ports = [p for c in pod["spec"]["containers"] for p in c.get("ports") or [] if p.get("name") == port_name]
         if ports:
@@ -105,16 +109,21 @@ class ChainReader:
         self._read_at: float | None = None
         self._deployments: list[dict] = []
         self._replica_sets: list[dict] = []
+        self._stateful_sets: list[dict] = []
+        self._revisions: list[dict] = []
 
     def verified(self, pods: list[dict]) -> list[dict]:
         wanted = {(controller_chain.controller(p) or {}).get("uid") for p in pods}
-        known = {rs["metadata"]["uid"] for rs in self._replica_sets}
+        known = {o["metadata"]["uid"] for o in (*self._replica_sets, *self._stateful_sets)}
         now = self.clock()
         stale = self._read_at is None or now - self._read_at > self.max_age_s or not wanted <= known
         if stale and (self._read_at is None or now - self._read_at >= self.min_interval_s):
             self._read_at = now
             self._deployments, self._replica_sets = self._read()
-        verified, refused = controller_chain.verify(pods, self._deployments, self._replica_sets)
+            if any((controller_chain.controller(p) or {}).get("kind") == "StatefulSet" for p in pods):
+                self._stateful_sets, self._revisions = self._read_groups()
+        verified, refused = controller_chain.verify(pods, self._deployments, self._replica_sets,
+                                                    self._stateful_sets, self._revisions)
         if refused:
             logger.warning("pod watch: not routing to pods whose controller chain does not hold: %s",
                            ", ".join(f"{r.pod} ({r.reason})" for r in refused))
@@ -138,6 +147,30 @@ class ChainReader:
         listing = json.loads(apps.list_namespaced_replica_set(
             self.namespace, label_selector=self.selector, _preload_content=False).data)
         return deployments, listing["items"]
+
+    def _read_groups(self) -> tuple[list[dict], list[dict]]:
+        """The InferenceService's group StatefulSets (directly, or through its LeaderWorkerSet) and
+        their ControllerRevisions (read only when a pod names a StatefulSet as its controller)."""
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        apps = client.AppsV1Api(self.api)
+        listing = json.loads(apps.list_namespaced_stateful_set(
+            self.namespace, label_selector=self.selector, _preload_content=False).data)["items"]
+        if not listing:
+            return [], []
+        lws = None
+        if any((controller_chain.controller(s) or {}).get("kind") == "LeaderWorkerSet" for s in listing):
+            try:
+                lws = client.CustomObjectsApi(self.api).get_namespaced_custom_object(
+                    "leaderworkerset.x-k8s.io", "v1", self.namespace, "leaderworkersets", self.infsvc)
+            except ApiException as error:
+                if error.status not in (403, 404):
+                    raise
+        owned = controller_chain.stateful_sets_owned(listing, self.infsvc, leader_worker_set=lws)
+        revisions = json.loads(apps.list_namespaced_controller_revision(
+            self.namespace, label_selector=self.selector, _preload_content=False).data)["items"] if owned else []
+        return owned, revisions
 
 
 class PodWatch:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from iterserve.labels import DECODE, PREFILL, ROLE_LABEL, selector_string
+from iterserve import controller_chain
+from iterserve.labels import DECODE, PREFILL, ROLE_LABEL, is_leader, selector_string
+from iterserve.operator import groups
 from iterserve.operator.autoscaling.loop import (
     Autoscaler,
     PoolPods,
@@ -73,6 +75,8 @@ class AutoscalerHook:
         Deployment is the decode pool, NAME-prefill the prefill pool; each pool's pods are trusted
         only through their own Deployment."""
         selector = selector_string(name)
+        if groups.is_group(spec):
+            return {DECODE: PoolPods(spec.replicas, self._group_leaders(kube, namespace, name, owner, selector))}
         listed, replica_sets = kube.list_pods(namespace, selector), kube.list_replica_sets(namespace, selector)
         disaggregated = spec.disaggregation.enabled
         pods, strangers = self._trusted(kube, namespace, deployment_name(name), owner,
@@ -85,6 +89,18 @@ class AutoscalerHook:
             strangers += more
         self._report_strangers(namespace, name, strangers)
         return pools
+
+    def _group_leaders(self, kube, namespace: str, name: str, owner: Owner, selector: str) -> list[dict]:
+        """Multi-node groups: the leaders (index 0) of the InferenceService's StatefulSets, each
+        verified through its StatefulSet and ControllerRevision; a group is one replica, and its
+        metrics and max_num_seqs are its leader's."""
+        lws = kube.get(groups.LEADER_WORKER_SET, namespace, name)
+        sets = controller_chain.stateful_sets_owned(kube.list_stateful_sets(namespace, selector), name, owner.uid, lws)
+        pods = kube.list_pods(namespace, selector)
+        verified, refused = controller_chain.verify(pods, [], [], sets, kube.list_controller_revisions(namespace, selector)
+                                                    if sets else [])
+        self._report_strangers(namespace, name, [r.pod for r in refused])
+        return [p for p in verified if is_leader(p)]
 
     def _router_urls(self, kube, namespace: str, name: str, spec, owner: Owner) -> list[str]:
         """The trusted router pods' URLs, when the pool may be at zero (minReplicas 0 in Router mode):

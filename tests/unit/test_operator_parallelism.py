@@ -1,5 +1,5 @@
-"""spec.engine.parallelism: the engine pod's flags, its GPUs (one per rank) and /dev/shm; several
-nodes per replica and parallelism flags in extraArgs are refused."""
+"""spec.engine.parallelism: the engine pod's flags, its GPUs (one per rank) and /dev/shm;
+nodes that do not divide the ranks and parallelism flags in extraArgs are refused."""
 
 import pytest
 
@@ -35,8 +35,8 @@ def test_defaults_render_no_parallelism_flags_and_keep_the_gpus_asked():
     assert "nvidia.com/gpu" not in str(r.container_resources(cpu))
 
 
-def test_several_nodes_and_parallelism_in_extra_args_are_refused():
-    with pytest.raises(ValueError, match="nodes"):
-        parse_spec({"model": {"uri": "m"}, "engine": {"parallelism": {"tensor": 2, "nodes": 2}}})
+def test_nodes_that_do_not_divide_the_ranks_and_parallelism_in_extra_args_are_refused():
+    with pytest.raises(ValueError, match="spec.engine.parallelism.nodes: must divide tensor x pipeline"):
+        parse_spec({"model": {"uri": "m"}, "engine": {"parallelism": {"tensor": 3, "nodes": 2}}})
     with pytest.raises(ValueError, match="--tensor-parallel-size"):
         parse_spec({"model": {"uri": "m"}, "engine": {"extraArgs": ["--tensor-parallel-size", "2"]}})

@@ -92,6 +92,7 @@ class Launch:
     host: str
     port: int | None
     container: dict = field(repr=False)
+    hosts_file: str | None = None  # seen as /etc/hosts by the process (hosts.py: the pod's DNS names)
 
 
 # name -> the object's data (already decoded), or None when it does not exist

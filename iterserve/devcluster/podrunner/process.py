@@ -9,6 +9,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from iterserve.devcluster.podrunner.hosts import isolate_hosts
 from iterserve.devcluster.podrunner.launch import Launch
 
 
@@ -39,12 +40,19 @@ class ContainerProcess:
     def start(self) -> ContainerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.cwd.mkdir(parents=True, exist_ok=True)
+        hosts_file = self.launch.hosts_file
+
+        def before_exec() -> None:
+            _die_with_parent()
+            if hosts_file:
+                isolate_hosts(hosts_file)
+
         with open(self.log_path, "ab") as log:
             log.write(f"--- {now_iso()} start: {' '.join(self.launch.argv)}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(self.launch.argv, env=self.launch.env, cwd=self.cwd,
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=before_exec)
         self.started_at, self.started_monotonic = now_iso(), time.monotonic()
         return self
 

@@ -22,6 +22,7 @@ from iterserve.devcluster.podrunner.container import (
     new_runner_id,
     reap,
 )
+from iterserve.devcluster.podrunner.hosts import HostsFiles
 from iterserve.devcluster.podrunner.worker import PodWorker, WorkerOptions
 
 logger = logging.getLogger("iterserve.podrunner")
@@ -155,6 +156,8 @@ class PodRunner:
         self.label = label
         self.options = WorkerOptions(Path(log_dir), Path(work_dir or tempfile.mkdtemp(prefix="podrunner-")),
                                      threads=threads, backoff_initial=backoff_initial, container=container)
+        if container is None:
+            self.options.hosts = HostsFiles(self.options.work_dir / "hosts")
         self.options.log_dir.mkdir(parents=True, exist_ok=True)
         self.workers: dict[str, PodWorker] = {}  # by pod uid
         self._nodes: dict[str, tuple[bool, float]] = {}
@@ -209,6 +212,8 @@ class PodRunner:
         return local
 
     def _route(self, kind: str, pod: dict) -> None:
+        if self.options.hosts is not None:
+            self.options.hosts.seen(kind, pod)
         uid = pod["metadata"]["uid"]
         with self._lock:
             worker = self.workers.get(uid)

@@ -22,6 +22,7 @@ from iterserve.devcluster.podrunner.container import (
     ServiceAccountToken,
     build_container_launch,
 )
+from iterserve.devcluster.podrunner.hosts import HostsFiles, wants_names
 from iterserve.devcluster.podrunner.launch import Launch, LaunchError, build_launch, secret_data
 from iterserve.devcluster.podrunner.probes import ProbeState, check
 from iterserve.devcluster.podrunner.process import ContainerProcess
@@ -52,6 +53,7 @@ class WorkerOptions:
     backoff_max: float = 30.0
     backoff_reset_after: float = 60.0  # running this long clears the back-off
     container: ContainerOptions | None = None  # container mode (podman); None: local processes
+    hosts: HostsFiles | None = None  # the pods' DNS names (hosts.py), process mode
 
 
 def _restarts(policy: str, exit_code: int) -> bool:
@@ -163,8 +165,11 @@ class PodWorker:
         lookup = lambda name, kind: self._lookup(kind, name)  # noqa: E731
         workdir = self.options.work_dir / f"{self.namespace}_{self.name}"
         if self.options.container is None:
-            return build_launch(pod, lookup, lookup, workdir, self.options.threads,
-                                self.api.service_account_kubeconfig)
+            launch = build_launch(pod, lookup, lookup, workdir, self.options.threads,
+                                  self.api.service_account_kubeconfig)
+            if self.options.hosts is not None and wants_names(pod):
+                launch.hosts_file = str(self.options.hosts.file_for(pod))
+            return launch
         return build_container_launch(pod, lookup, lookup, workdir, self.options.container,
                                       self.api.service_account_token, self._log_line)
 
