@@ -501,8 +501,8 @@ class ScalingRecord(WireModel):
     to_max_num_seqs: int | None = None
     pool: Literal["decode", "prefill"] | None = Field(
         None, description="Disaggregation: the pool whose replicas changed (decode: the engine Deployment).")
-    signal: Literal["WaitingRequests", "QueuedPromptTokens", "TTFT"] | None = Field(
-        None, description="Scale: the signal the pool scales on.")
+    signal: Literal["WaitingRequests", "QueuedPromptTokens", "TTFT", "SLO"] | None = Field(
+        None, description="Scale: the signal the pool scales on (SLO: spec.autoscaling.slo's plan).")
     signal_value: float | None = Field(
         None, description="Scale: what it read (waiting requests or queued prompt tokens per read replica, or the "
                           "windowed p95 TTFT in seconds).")
