@@ -97,7 +97,7 @@ _MEMO: dict[tuple, Prediction] = {}  # a pure function's answers (the configs' r
 
 
 def _predict(engine, server, profile, workload: Workload, replicas: int, max_num_seqs: int,
-             seed: int) -> Prediction:
+             seed: int, fast: bool = True) -> Prediction:
     if workload.arrival_rate <= 0:
         return Prediction(replicas, max_num_seqs, 0.0, 0.0, 0)
     config = replace(engine, max_num_seqs=max_num_seqs,
@@ -115,6 +115,13 @@ def _predict(engine, server, profile, workload: Workload, replicas: int, max_num
             next_index += 1
         if replica.busy:
             before = replica.clock.now
+            resume = replica.fast_forward(before) if fast else None
+            if resume is not None:  # decode-only steps until the next arrival joins (replica.py)
+                if next_index < len(records) and records[next_index].arrival < resume:
+                    replica.end_run(records[next_index].arrival, inclusive=False)
+                else:
+                    replica.finish_run()
+                continue
             replica.step(replica.clock.now)
             if replica.clock.now <= before and replica.busy and next_index < len(records):
                 replica.clock.now = records[next_index].arrival  # nothing schedulable until the next arrival

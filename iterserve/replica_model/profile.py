@@ -110,6 +110,27 @@ class StepProfile:
     def __call__(self, out: SchedulerOutput) -> float:
         return self.step_seconds(StepFeatures.of(out))
 
+    def decode_steps_seconds(self, num_seqs: int, context_tokens: int, max_context_tokens: int,
+                             steps: int) -> np.ndarray:
+        """step_seconds of `steps` consecutive decode-only steps of the same `num_seqs` sequences,
+        the first with these context figures (each later step: every sequence one token longer),
+        as float64: the same operations in the same order as step_seconds, so the same bits (a
+        term constant over the steps stays a Python float; numpy broadcasts it unchanged)."""
+        j = np.arange(steps, dtype=np.int64)
+        features = StepFeatures(0, num_seqs, 0, num_seqs, 0)
+        compute, context = 0.0, 0.0
+        for term, c in self.coefficients.items():
+            if term == "context_tokens":
+                context = c * (context_tokens + num_seqs * j).astype(np.float64)
+            elif term == "padded_context":
+                compute = compute + c * (num_seqs * (max_context_tokens + j)).astype(np.float64)
+            else:
+                compute = compute + c * features.value(term)
+        if isinstance(compute, float):
+            floor = compute if compute > self.memory_floor_s else self.memory_floor_s
+            return floor + context if isinstance(context, np.ndarray) else np.full(steps, floor + context)
+        return np.where(compute > self.memory_floor_s, compute, self.memory_floor_s) + context
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
 

@@ -10,6 +10,14 @@ with the engine's own set_max_num_seqs, the call the admin API makes.
 
 Everything happens in one event queue ordered by (time, kind, sequence number), so a run is a
 pure function of trace, spec, profile and seed.
+
+A busy replica whose next steps are decode-only steps with a known outcome gets one event for the
+whole run of them (Replica.fast_forward): its STEP event is due when the first step after the
+run starts. Whatever reads a replica first brings it to where stepping would have left it
+(`catch_up`: the scrape, the timeline); whatever changes it (a request routed to it, a
+max_num_seqs change, the drain deadline) also ends the run there, and the next step runs for
+real. `SimOptions.plain_loop` steps every step and scans every pod on each arrival: the
+reference a test holds the fast loop to, byte for byte.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import heapq
 import itertools
 import math
 import random
+from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -88,8 +97,8 @@ class SimOptions:
     # Give up this long after the last arrival (requests still open are reported "unfinished"):
     # a fleet at zero replicas that never scales up would otherwise tick forever.
     give_up_after_s: float = 3600.0
-    # True: each arrival scans every pod ever created for the ready ones (the reference the
-    # index of accepting pods is tested against; same results, slower on a large fleet).
+    # True: every engine step is an event, and each arrival scans every pod ever created for the
+    # ready ones (the reference the fast loop is tested against; same results, slower).
     plain_loop: bool = False
 
 
@@ -103,6 +112,7 @@ class Pod:
     deleted_at: float | None = None
     gone_at: float | None = None
     stepping: bool = False  # a STEP event is queued
+    step_event: int = 0  # which queued STEP event is current (an ended decode run leaves one behind)
     last_picked: int = 0  # the pick number when the router last chose this pod (0: never): ties rotate
     samples: deque = field(default_factory=lambda: deque(maxlen=64))
 
@@ -120,7 +130,7 @@ class Result:
     retunes: list[dict]
     decisions: dict[str, int]
     end: float
-    gaps: list[float]
+    gaps: array  # every inter-token gap (float64), pod by pod, in step order
     preemptions: int
     steps: int
 
@@ -208,6 +218,8 @@ class ClusterSim:
         self.decisions: dict[str, int] = {}
         self.open_requests = 0
         self.now = 0.0
+        self.kind = TIMELINE  # of the event being handled
+        self._running: dict[str, Pod] = {}  # pods with planned decode-only steps (fast_forward)
         # Fail early on a spec whose engine could not start.
         self._configs = {spec.engine.max_num_seqs: engine_config_for(spec, spec.engine.max_num_seqs)}
 
@@ -238,13 +250,21 @@ class ClusterSim:
             self.now = when
             if self.progress is not None:
                 self.progress(when)
+            self.kind = kind
             self._handle(kind, payload)
+        for pod in self._running.values():  # the steps a plain loop would have run before stopping
+            run = pod.replica.run
+            pod.replica.catch_up(end if end is not None else give_up)
+            if run.applied:
+                self.now = max(self.now, run.starts[run.applied - 1])
         end = self.now if end is None else end
         for pod in self.pods:
             if pod.gone_at is None:
                 pod.gone_at = end
         replicas = [p.replica for p in self.pods]
-        gaps = [g for r in replicas for g in r.gaps]
+        gaps = array("d")
+        for replica in replicas:
+            gaps.extend(replica.gaps)
         return Result(self.records, self.pods, self.timeline, self.scale_events, self.retunes, self.decisions,
                       end, gaps, sum(r.engine.scheduler.num_preemptions for r in replicas),
                       sum(r.steps for r in replicas))
@@ -253,7 +273,9 @@ class ClusterSim:
         if kind == ARRIVAL:
             self._route(payload)
         elif kind == STEP:
-            self._step(payload)
+            pod, event = payload
+            if event == pod.step_event:
+                self._step(pod)
         elif kind == POD_CREATE:
             if self.replicas > self._live_count():
                 self._create_pod(self.now, ready=False)
@@ -337,6 +359,7 @@ class ClusterSim:
     def _drain_deadline(self, pod: Pod) -> None:
         if pod.gone_at is not None:
             return
+        self._end_run(pod)
         aborted = pod.replica.abort_all("drain timeout")
         self.open_requests -= len(aborted)
         pod.gone_at = self.now
@@ -357,12 +380,13 @@ class ClusterSim:
             return False
         if held:
             self.saturated.remove(record)
+        self._end_run(pod)
         if not pod.replica.submit(record, self.now):
             self.open_requests -= 1
             return True
         if not pod.stepping:
             pod.stepping = True
-            self._at(self.now, STEP, pod)
+            self._at(self.now, STEP, (pod, pod.step_event))
         return True
 
     def _retry_saturated(self) -> None:
@@ -371,6 +395,15 @@ class ClusterSim:
 
     def _step(self, pod: Pod) -> None:
         replica = pod.replica
+        if replica.run is not None:  # the run's steps are all due: the replica stands after them
+            replica.finish_run()
+            del self._running[pod.name]
+        if not self.options.plain_loop:
+            resume = replica.fast_forward(self.now)
+            if resume is not None:
+                self._running[pod.name] = pod
+                self._at(resume, STEP, (pod, pod.step_event))
+                return
         before = len(replica.in_flight)
         end = replica.step(self.now)
         finished = before - len(replica.in_flight)
@@ -378,7 +411,7 @@ class ClusterSim:
         if finished and self.saturated:
             self._retry_saturated()
         if replica.busy and end > self.now:
-            self._at(end, STEP, pod)
+            self._at(end, STEP, (pod, pod.step_event))
             return
         pod.stepping = False  # idle, or nothing schedulable until something changes
         if pod.deleted_at is not None and not replica.busy and pod.gone_at is None:
@@ -387,10 +420,27 @@ class ClusterSim:
     def _kick(self, pod: Pod) -> None:
         if not pod.stepping and pod.replica.busy and pod.gone_at is None:
             pod.stepping = True
-            self._at(self.now, STEP, pod)
+            self._at(self.now, STEP, (pod, pod.step_event))
+
+    def _end_run(self, pod: Pod) -> None:
+        """The pod's engine is about to change now: its planned steps that a plain loop would have
+        run by now apply (those due at this instant too when this event comes after STEP events),
+        the rest are dropped, and its next step is an event of its own."""
+        if pod.replica.run is None:
+            return
+        resume = pod.replica.end_run(self.now, inclusive=self.kind > STEP)
+        del self._running[pod.name]
+        pod.step_event += 1
+        self._at(resume, STEP, (pod, pod.step_event))
+
+    def _catch_up_all(self) -> None:
+        """Before reading every pod (after this instant's STEP events): apply what is due."""
+        for pod in self._running.values():
+            pod.replica.catch_up(self.now, inclusive=self.kind > STEP)
 
     # -- metrics and the autoscaler -----------------------------------------------------------
     def _scrape(self) -> None:
+        self._catch_up_all()
         for pod in self.pods:
             if not pod.accepting:
                 continue
@@ -438,6 +488,7 @@ class ClusterSim:
             pod = by_name.get(change.pod)
             if pod is None or not pod.accepting:
                 continue
+            self._end_run(pod)
             pod.replica.engine.set_max_num_seqs(change.to_max_num_seqs)  # what PATCH /admin/config calls
             applied.append(change)
             self.retunes.append({"t": round(now, 6), "pod": change.pod, "from": change.from_max_num_seqs,
@@ -448,6 +499,7 @@ class ClusterSim:
             self.configmap_seqs = config_max_num_seqs(decision, applied, settings.spec_max_num_seqs)
 
     def _timeline_row(self, every: float) -> None:
+        self._catch_up_all()
         pods = {}
         for pod in self.pods:
             if pod.gone_at is not None or pod.ready_at is None:
