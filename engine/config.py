@@ -157,9 +157,10 @@ class EngineConfig:
         LORA, "adapters kept read in host memory, least recently used dropped (default: 4 x --max-loras)"))
 
     def lora_module_paths(self) -> dict[str, str]:
-        """--lora-modules as {name: path}."""
+        """--lora-modules as {name: path}. One argument may hold several items separated by
+        whitespace before a NAME= (how the operator passes a list through one env var)."""
         modules = {}
-        for item in self.lora_modules:
+        for item in (part for arg in self.lora_modules for part in _LORA_ITEM_BREAK.split(arg.strip())):
             name, sep, path = item.partition("=")
             if not sep or not name or not path:
                 raise ConfigError(f"--lora-modules takes NAME=PATH items, got {item!r}")
@@ -302,6 +303,10 @@ def kv_pool_blocks(config: EngineConfig, kv_bytes_per_token: int, auto_bytes: in
         if num_cpu_blocks is None:
             num_cpu_blocks = parse_size(config.swap_space, "--swap-space") // bytes_per_block
     return num_blocks, num_cpu_blocks
+
+
+# Whitespace that starts another --lora-modules NAME=PATH item inside one argument.
+_LORA_ITEM_BREAK = re.compile(r"\s+(?=[A-Za-z0-9][A-Za-z0-9._:/-]*=)")
 
 
 def _positive(option: str, value: int) -> None:

@@ -97,6 +97,7 @@ def _run_operator(args: argparse.Namespace) -> int:
     import kopf
     from prometheus_client import start_http_server
 
+    from iterserve.operator.adapters import AdapterHook
     from iterserve.operator.autoscaling.hook import AutoscalerHook
     from iterserve.operator.handlers import configure_settings, register
     from iterserve.operator.kube import Kube
@@ -128,7 +129,8 @@ def _run_operator(args: argparse.Namespace) -> int:
         network=NetworkPolicySettings(args.network_policy, peers))
     registry = kopf.OperatorRegistry()
     autoscaler = AutoscalerHook(prometheus_url=args.prometheus_url, metrics=OperatorMetrics())
-    register(registry, reconciler, resync_seconds=args.resync_seconds, tick_hooks=[autoscaler])
+    # spec.adapters on running pods (operator/adapters.py), after the autoscaler's tick
+    register(registry, reconciler, resync_seconds=args.resync_seconds, tick_hooks=[autoscaler, AdapterHook()])
     settings = kopf.OperatorSettings()
     configure_settings(settings)
     if args.metrics_port:

@@ -10,14 +10,17 @@ import shlex
 
 from iterserve.engine.config import EngineConfig
 from iterserve.engine.server import cli as server_cli
-from iterserve.operator.resources import MAX_NUM_SEQS_ENV, engine_args
+from iterserve.operator.resources import CONFIGMAP_ENV, configmap_data, engine_args
 from iterserve.replica_model import profile as profiles
 from iterserve.replica_model.replica import ServerOptions, fake_model_profile
 
 
 def engine_config_for(spec, max_num_seqs: int) -> tuple[EngineConfig, ServerOptions]:
     """The EngineConfig (and server options) a pod of `spec` starts with at `max_num_seqs`."""
-    args = [a.replace(f"$({MAX_NUM_SEQS_ENV})", str(max_num_seqs)) for a in engine_args(spec)]
+    data = configmap_data(spec, max_num_seqs)
+    args = engine_args(spec)
+    for var, key in CONFIGMAP_ENV.items():  # as the kubelet expands them from the ConfigMap
+        args = [a.replace(f"$({var})", data.get(key, "")) for a in args]
     parser = argparse.ArgumentParser(prog="iterserve serve")
     server_cli.configure(parser)
     try:

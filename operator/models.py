@@ -16,6 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validat
 from pydantic.alias_generators import to_camel
 
 from iterserve.engine.config import EngineConfig  # its defaults are the engine's own
+from iterserve.engine.server.protocol import (  # the engine's adapter names
+    LORA_NAME_MAX_LENGTH,
+    LORA_NAME_PATTERN,
+)
 from iterserve.replica_model.profile import DEFAULT_PROFILE, PROFILES  # the shipped step profiles
 from iterserve.router.disagg import PdPolicy  # the router's P/D defaults are its own
 
@@ -421,6 +425,44 @@ class DisaggregationSpec(WireModel):
     decode: DecodePool = Field(default_factory=DecodePool)
 
 
+MAX_ADAPTERS = 64  # spec.adapters entries (each is loaded on every replica)
+ADAPTER_SOURCE_MAX_LENGTH = 1024
+
+
+class AdapterSpec(WireModel):
+    """One LoRA adapter every replica serves beside the base model (docs/lora.md): a request
+    names it as its `model`. Loaded at pod start and, when the list changes, on running pods."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel("!self.source.contains('://')",
+            "spec.adapters[].source must be a path in the engine image or on the model's volume, not a URL "
+            "(nothing is downloaded)", ".source"),
+        cel("!self.source.matches('(^|/)\\\\.\\\\.(/|$)')",
+            "spec.adapters[].source must not contain a '..' segment", ".source"),
+    ]})
+
+    name: str = Field(min_length=1, max_length=LORA_NAME_MAX_LENGTH, pattern=LORA_NAME_PATTERN, description=(
+        "What requests send as `model` to use the adapter: letters, digits and . _ : / - (vLLM's), "
+        "starting with a letter or digit; not the base model's name."))
+    source: str = Field(min_length=1, max_length=ADAPTER_SOURCE_MAX_LENGTH, pattern=r"^\S+$", description=(
+        "The adapter's directory in PEFT's format (adapter_config.json, adapter_model.safetensors): an "
+        "absolute path in the engine image, or a path relative to spec.model.mountPath on the model's "
+        "volume (PVC or volume). No URLs, no '..', no whitespace."))
+
+    @model_validator(mode="after")
+    def _local_source(self):
+        if "://" in self.source:
+            raise ValueError(f"spec.adapters[{self.name}].source must be a path in the engine image or on the "
+                             "model's volume, not a URL (nothing is downloaded)")
+        if ".." in self.source.split("/"):
+            raise ValueError(f"spec.adapters[{self.name}].source must not contain a '..' segment")
+        return self
+
+    def engine_path(self, model: ModelSpec) -> str:
+        """The path the engine reads: relative sources are resolved inside the model's volume."""
+        return self.source if self.source.startswith("/") else f"{model.mount_path.rstrip('/')}/{self.source}"
+
+
 class InferenceServiceSpec(WireModel):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         cel("!has(self.autoscaling) || !has(self.autoscaling.kvRetune) || !has(self.engine) "
@@ -430,6 +472,10 @@ class InferenceServiceSpec(WireModel):
             "|| !has(self.routing) || !has(self.routing.mode) || self.routing.mode == 'Router'",
             "spec.disaggregation.enabled needs spec.routing.mode Router (the router sends prompts to the prefill "
             "pool)", ".disaggregation.enabled"),
+        cel("!has(self.adapters) || self.adapters.all(a, a.source.startsWith('/')) "
+            "|| has(self.model.persistentVolumeClaim) || has(self.model.volume)",
+            "spec.adapters: a relative source needs spec.model.persistentVolumeClaim or spec.model.volume (it is "
+            "resolved under spec.model.mountPath); give an absolute path in the engine image otherwise", ".adapters"),
     ]})
 
     model: ModelSpec
@@ -439,6 +485,13 @@ class InferenceServiceSpec(WireModel):
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
     disaggregation: DisaggregationSpec = Field(default_factory=DisaggregationSpec)
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list, max_length=MAX_ADAPTERS,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+        description=("LoRA adapters of the model served by every replica (docs/lora.md): loaded when a pod starts "
+                     "and, when this list changes, loaded and unloaded on the running pods through their admin "
+                     "API (no restart); status.adapters says what each pod serves. Adding the first adapter or "
+                     "removing the last restarts the pods (LoRA is switched on or off at start)."))
     pod_template_patch: FreeForm | None = Field(
         None, description=("Merged into the generated pod template last (maps by key, lists of named items by "
                            "name). Nothing that weakens the restricted Pod Security profile (privileged, host "
@@ -447,6 +500,14 @@ class InferenceServiceSpec(WireModel):
 
     @model_validator(mode="after")
     def _floor(self):
+        if any(not a.source.startswith("/") for a in self.adapters) and not self.model.has_volume:
+            raise ValueError("spec.adapters: a relative source needs spec.model.persistentVolumeClaim or "
+                             "spec.model.volume (it is resolved under spec.model.mountPath); give an absolute path "
+                             "in the engine image otherwise")
+        names = [a.name for a in self.adapters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"spec.adapters: names must be unique ({sorted({n for n in names if names.count(n) > 1})} "
+                             "repeat)")
         if self.autoscaling is not None and self.autoscaling.kv_retune.floor > self.engine.max_num_seqs:
             raise ValueError("spec.autoscaling.kvRetune.floor must be <= spec.engine.maxNumSeqs")
         if self.disaggregation.enabled and self.routing.mode != "Router":
@@ -560,6 +621,16 @@ class SloStatus(WireModel):
     message: str | None = None
 
 
+class ReplicaAdapters(WireModel):
+    """The LoRA adapters one engine pod serves, as the operator last read them (its GET /v1/models)."""
+
+    pod: str
+    loaded: list[str] = Field(default_factory=list, max_length=2 * MAX_ADAPTERS,
+                              description="Adapter names the pod serves now (after this pass's loads and unloads).")
+    error: str | None = Field(None, max_length=1024, description=(
+        "The last load, unload or read that failed on this pod (retried every resync); absent when all went well."))
+
+
 class InferenceServiceStatus(WireModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -584,6 +655,8 @@ class InferenceServiceStatus(WireModel):
     slo: SloStatus | None = Field(None, description="SLO mode: the last tick's predicted and measured p95s.")
     held_requests: int | None = Field(None, description="Requests the router holds while no replica is ready.")
     pods: list[PodSummary] = Field(default_factory=list)
+    adapters: list[ReplicaAdapters] = Field(default_factory=list, description=(
+        "spec.adapters: what each ready engine pod serves, and its last adapter error."))
 
 
 class InferenceService(WireModel):

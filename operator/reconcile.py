@@ -31,6 +31,7 @@ from iterserve.operator import (
     router_salt,
     routing,
 )
+from iterserve.operator.adapters import AdapterReport
 from iterserve.operator.autoscaling.report import AutoscalerTick, events_for, tuned_max_num_seqs
 from iterserve.operator.autoscaling.settings import settings_from_spec
 from iterserve.operator.kube import Kube, conflict, invalid, not_found, server_message
@@ -163,12 +164,14 @@ class Reconciler:
         with self._locks_guard:
             self._locks.pop((namespace, name), None)
 
-    def reconcile(self, namespace: str, name: str, tick: AutoscalerTick | None = None) -> Outcome:
-        """`tick`: what the autoscaler just decided and did, to record."""
+    def reconcile(self, namespace: str, name: str, tick: AutoscalerTick | None = None,
+                  adapters: AdapterReport | None = None) -> Outcome:
+        """`tick`: what the autoscaler just decided and did, to record; `adapters`: what the adapter
+        pass (operator/adapters.py) found and did on the pods, to record."""
         started = time.monotonic()
         try:
             with self.lock(namespace, name):
-                outcome = self._reconcile(namespace, name, tick)
+                outcome = self._reconcile(namespace, name, tick, adapters)
         except Exception:
             metrics.RECONCILES.labels(result="error").inc()
             raise
@@ -179,7 +182,8 @@ class Reconciler:
             self.forget(namespace, name)
         return outcome
 
-    def _reconcile(self, namespace: str, name: str, tick: AutoscalerTick | None) -> Outcome:
+    def _reconcile(self, namespace: str, name: str, tick: AutoscalerTick | None,
+                   adapters: AdapterReport | None = None) -> Outcome:
         body = self.kube.get_inference_service(namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return Outcome("gone")
@@ -246,12 +250,15 @@ class Reconciler:
 
         seen = Observed(spec, name, generation, deployment, max_num_seqs, self.clock(), routing_state, router,
                         live.get(("Deployment", disaggregation.prefill_name(name))), tick)
-        written, _ = self.write_status(body, lambda prev: service_status(prev, seen))
+        written, _ = self.write_status(body, lambda prev: {**service_status(prev, seen), **(
+            {"adapters": adapters.status()} if adapters is not None else {})})
         if written is not None:
             self._announce_transitions(written, previous)
             for pool in tick.pools if tick is not None else ():
                 for event in events_for(pool.decision, pool.record, name_pool=bool(tick.extra_pools)):
                     self._event(written, event.type, event.reason, event.message)
+            for type_, reason, message in adapters.events(previous.get("adapters") or []) if adapters is not None else ():
+                self._event(written, type_, reason, message)
         return Outcome("applied" if changes else "unchanged", changes, written, spec)
 
     def _read_live(self, owner: Owner, spec: InferenceServiceSpec, max_num_seqs: int, pool_served: bool,

@@ -3,7 +3,9 @@ Secret the operator owns. No API calls here; reconcile.py applies what these ret
 
 The engine reads its tunable max_num_seqs from the ConfigMap (through an env var expanded in its
 args, read once at start), so the KV retune changes the ConfigMap, not the pod template, and pods
-are not rolled. A change of spec.engine.maxNumSeqs itself must reach running engines, so it rolls
+are not rolled. spec.adapters reach new pods the same way (`--lora-modules` and `--max-loras`
+from the ConfigMap), so a changed adapter list rolls nothing: running pods get it through their
+admin API (operator/adapters.py). A change of spec.engine.maxNumSeqs itself must reach running engines, so it rolls
 them: the template carries the spec value in an annotation (nothing reads it; changing it is
 what makes the Deployment roll).
 """
@@ -28,6 +30,15 @@ GPU_RESOURCE = "nvidia.com/gpu"
 MANAGED_BY = "iterserve-operator"
 MAX_NUM_SEQS_KEY = "max_num_seqs"
 MAX_NUM_SEQS_ENV = "ITERSERVE_MAX_NUM_SEQS"
+LORA_MODULES_KEY = "lora_modules"  # spec.adapters as `--lora-modules` items, space-separated
+LORA_MODULES_ENV = "ITERSERVE_LORA_MODULES"
+MAX_LORAS_KEY = "max_loras"
+MAX_LORAS_ENV = "ITERSERVE_MAX_LORAS"
+# --max-loras (device slots, each as large as the widest adapter) sized to spec.adapters, up to this:
+# more adapters than slots still run (slots are reused); extraArgs' --max-loras sets it instead.
+MAX_LORAS_CAP = 8
+# ConfigMap keys new pods start with, by the env var their args expand.
+CONFIGMAP_ENV = {MAX_NUM_SEQS_ENV: MAX_NUM_SEQS_KEY, LORA_MODULES_ENV: LORA_MODULES_KEY, MAX_LORAS_ENV: MAX_LORAS_KEY}
 ADMIN_TOKEN_ENV = "ITERSERVE_ADMIN_TOKEN"
 ADMIN_TOKEN_KEY = "token"
 SPEC_MAX_NUM_SEQS_ANNOTATION = "iterserve.dev/spec-max-num-seqs"  # the roll trigger (docstring)
@@ -43,11 +54,12 @@ SHUTDOWN_MARGIN_SECONDS = 10
 MANAGED_FLAGS = flags_of(
     "host", "port", "model", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
     "chunked_prefill", "preemption_mode", "kv_cache_memory", "drain_timeout", "role", "kv_transfer_port",
-    "kv_advertise_host", "kv_auth_key_file", "tensor_parallel_size", "pipeline_parallel_size",
+    "kv_advertise_host", "kv_auth_key_file", "tensor_parallel_size", "pipeline_parallel_size", "lora_modules",
 )
 POD_IP_ENV = "POD_IP"
 NODE_RANK_ENV = "ITERSERVE_NODE_RANK"  # a multi-node group member's index (operator/groups.py)
 RESERVED_ENV = (MAX_NUM_SEQS_ENV, ADMIN_TOKEN_ENV, POD_IP_ENV, NODE_RANK_ENV)
+RESERVED_ENV += (LORA_MODULES_ENV, MAX_LORAS_ENV)
 # What the restricted Pod Security profile asks of every container; containers a podTemplatePatch
 # adds get what they leave out (operator/podsecurity.py refuses patches that loosen it).
 def restricted_container() -> dict[str, Any]:
@@ -139,6 +151,28 @@ def role_args(spec: InferenceServiceSpec, role: str | None) -> list[str]:
             "--kv-advertise-host", f"$({POD_IP_ENV})", *kv_auth.args(), *pool.extra_args]
 
 
+def _sets_max_loras(spec: InferenceServiceSpec) -> bool:
+    given = [*spec.engine.extra_args, *spec.disaggregation.prefill.extra_args, *spec.disaggregation.decode.extra_args]
+    return any(arg.split("=", 1)[0] in flags_of("max_loras") for arg in given)
+
+
+def lora_args(spec: InferenceServiceSpec) -> list[str]:
+    """--enable-lora with spec.adapters (from the ConfigMap: the list may change without a roll)."""
+    if not spec.adapters:
+        return []
+    args = ["--enable-lora", "--lora-modules", f"$({LORA_MODULES_ENV})"]
+    return args if _sets_max_loras(spec) else [*args, "--max-loras", f"$({MAX_LORAS_ENV})"]
+
+
+def configmap_data(spec: InferenceServiceSpec, max_num_seqs: int) -> dict[str, str]:
+    """What new engine pods start with: max_num_seqs (the spec's or the KV retune's) and spec.adapters."""
+    data = {MAX_NUM_SEQS_KEY: str(max_num_seqs)}
+    if spec.adapters:
+        data[LORA_MODULES_KEY] = " ".join(f"{a.name}={a.engine_path(spec.model)}" for a in spec.adapters)
+        data[MAX_LORAS_KEY] = str(min(len(spec.adapters), MAX_LORAS_CAP))
+    return data
+
+
 def engine_args(spec: InferenceServiceSpec, role: str | None = None) -> list[str]:
     engine = spec.engine
     args = ["--host", "0.0.0.0", "--port", str(ENGINE_PORT), "--model", spec.model.engine_path,
@@ -157,7 +191,7 @@ def engine_args(spec: InferenceServiceSpec, role: str | None = None) -> list[str
         args += ["--tensor-parallel-size", str(parallel.tensor)]
     if parallel.pipeline > 1:
         args += ["--pipeline-parallel-size", str(parallel.pipeline)]
-    return args + list(engine.extra_args) + role_args(spec, role_of(spec, role))
+    return args + lora_args(spec) + list(engine.extra_args) + role_args(spec, role_of(spec, role))
 
 
 def gpu_count(spec: InferenceServiceSpec) -> int:
@@ -191,6 +225,8 @@ def _env(spec: InferenceServiceSpec, name: str) -> list[dict[str, Any]]:
          "valueFrom": {"secretKeyRef": {"name": secret_name(name), "key": ADMIN_TOKEN_KEY}}},
         {"name": "HOME", "value": "/tmp"},
     ]
+    env += [{"name": var, "valueFrom": {"configMapKeyRef": {"name": configmap_name(name), "key": CONFIGMAP_ENV[var]}}}
+            for var in (LORA_MODULES_ENV, MAX_LORAS_ENV) if f"$({var})" in lora_args(spec)]
     return env + [var.to_wire() for var in spec.engine.env]
 
 
@@ -354,12 +390,12 @@ def build_service(owner: Owner, spec: InferenceServiceSpec, router_serving: bool
 
 
 def build_configmap(owner: Owner, spec: InferenceServiceSpec, max_num_seqs: int) -> dict[str, Any]:
-    """What new engine pods start with: `max_num_seqs`, the spec's or the KV retune's."""
+    """What new engine pods start with (configmap_data)."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(owner, configmap_name(owner.name)),
-        "data": {MAX_NUM_SEQS_KEY: str(max_num_seqs)},
+        "data": configmap_data(spec, max_num_seqs),
     }
 
 

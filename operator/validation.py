@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from iterserve.engine.server.cli import serve_flags
+from iterserve.engine.server.cli import serve_flags, served_model_name
 from iterserve.operator.models import InferenceServiceSpec
 from iterserve.operator.podsecurity import violations
 from iterserve.operator.resources import MANAGED_FLAGS, RESERVED_ENV
@@ -62,6 +62,7 @@ def check_semantics(spec: InferenceServiceSpec) -> None:
             raise SpecError(f"spec.engine.env[{i}].name", f"{var.name} is reserved for the operator")
         if var.value is not None and var.value_from is not None:
             raise SpecError(f"spec.engine.env[{i}]", "set value or valueFrom, not both")
+    _check_adapter_names(spec)
     if spec.engine.parallelism.nodes > 1 and spec.disaggregation.enabled:
         raise SpecError("spec.engine.parallelism.nodes", "multi-node groups do not run prefill/decode disaggregation "
                                                          "yet: set nodes to 1 or spec.disaggregation.enabled to false")
@@ -69,6 +70,18 @@ def check_semantics(spec: InferenceServiceSpec) -> None:
     unknown = sorted(set(patch) - {"metadata", "spec"})
     if unknown:
         raise SpecError("spec.podTemplatePatch", f"only metadata and spec may be patched, not {', '.join(unknown)}")
+
+
+def _check_adapter_names(spec: InferenceServiceSpec) -> None:
+    """An adapter may not take the base model's name: requests naming it get the base model."""
+    args = spec.engine.extra_args
+    given = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--served-model-name"]
+    given += [a.split("=", 1)[1] for a in args if a.startswith("--served-model-name=")]
+    base = given[-1] if given else served_model_name(spec.model.engine_path)
+    for i, adapter in enumerate(spec.adapters):
+        if adapter.name == base:
+            raise SpecError(f"spec.adapters[{i}].name", f"{adapter.name!r} is the base model's served name (requests "
+                                                        "naming it get the base model); choose another name")
 
 
 def _check_extra_args(args: list[str], field: str) -> None:

@@ -323,9 +323,14 @@ class AdminConfig(BaseModel):
     draining: bool
 
 
+# A LoRA adapter's name (the characters vLLM accepts); the operator's spec.adapters checks the same.
+LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$"
+LORA_NAME_MAX_LENGTH = 256
+
+
 class LoadLoraAdapterRequest(_Request):
     """vLLM's POST /v1/load_lora_adapter body."""
-    lora_name: Text = Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$",
+    lora_name: Text = Field(min_length=1, max_length=LORA_NAME_MAX_LENGTH, pattern=LORA_NAME_PATTERN,
                             description="The name requests send as `model`.")
     lora_path: Text = Field(min_length=1, max_length=4096, description="The adapter's directory (PEFT format) on "
                             "this server's filesystem.")

@@ -18,6 +18,14 @@ tie-break splits a Poisson stream into Poisson streams, which queue more than ro
 regular ones, and with identical replicas loads tie often. With `affinity` (the endpoint that recently served this prompt prefix) that endpoint wins
 while its load is within `policy.affinity_tolerance` of the least. An endpoint whose load reached
 its capacity (max_num_seqs + policy.max_queue) is saturated and never picked.
+
+With `model` (the request's `model`: the base model or a LoRA adapter), endpoints whose model list
+(`models`, from their GET /v1/models) does not name it are left out while any routable one does
+name it or has no known list: they would answer 404. Among the rest, endpoints running or queueing
+the adapter now (`active_adapters`, vLLM's lora_requests_info: it sits in a device slot) are
+preferred while their load is within `policy.affinity_tolerance` of the least; a pick that either
+rule narrowed counts as `adapter_affinity`. `unknown_model` says when the router itself may answer
+404: every endpoint's list is known and none names the model.
 """
 
 from __future__ import annotations
@@ -32,10 +40,11 @@ from iterserve.engine.config import DEFAULT_MAX_WAITING_REQUESTS, EngineConfig
 LEAST_LOAD = "least_load"  # one endpoint had the least load
 TIE_BREAK = "tie_break"  # several had the least load; chosen at random
 PREFIX_AFFINITY = "prefix_affinity"  # the endpoint that saw the prompt's prefix, loads within tolerance
+ADAPTER_AFFINITY = "adapter_affinity"  # the request's model (a LoRA adapter) narrowed the endpoints
 SATURATED = "saturated"  # no pick: every routable endpoint is at capacity
 NONE_READY = "none_ready"  # no pick: no routable endpoint
 ROUND_ROBIN = "round_robin"  # the comparison baseline (`iterserve router --policy round-robin`)
-PICK_REASONS = (LEAST_LOAD, TIE_BREAK, PREFIX_AFFINITY, ROUND_ROBIN, SATURATED, NONE_READY)
+PICK_REASONS = (LEAST_LOAD, TIE_BREAK, PREFIX_AFFINITY, ADAPTER_AFFINITY, ROUND_ROBIN, SATURATED, NONE_READY)
 
 DEFAULT_MAX_NUM_SEQS = EngineConfig.max_num_seqs  # the engine's default, assumed until a scrape says otherwise
 
@@ -52,6 +61,11 @@ class EndpointLoad:
     routable: bool = True  # False while ejected after a connection error
     since_scrape: int = 0  # in_flight now minus in_flight when the scrape was taken
     last_picked: int = 0  # the router's pick sequence number when this endpoint was last chosen (0: never)
+    models: frozenset[str] | None = None  # the base model and adapters it serves; None: not known
+    active_adapters: frozenset[str] = frozenset()  # adapters with requests running or waiting there now
+
+    def may_serve(self, model: str) -> bool:
+        return self.models is None or model in self.models
 
     @property
     def load(self) -> int:
@@ -80,23 +94,40 @@ class Pick:
 
 
 def pick(endpoints: Sequence[EndpointLoad], rng: random.Random, policy: PickPolicy = PickPolicy(),
-         affinity: str | None = None) -> Pick:
+         affinity: str | None = None, model: str | None = None) -> Pick:
     routable = [e for e in endpoints if e.routable]
     if not routable:
         return Pick(None, NONE_READY)
+    narrowed = False
+    if model is not None:
+        serving = [e for e in routable if e.may_serve(model)]
+        if serving and len(serving) < len(routable):
+            routable, narrowed = serving, True
     open_ = [e for e in routable if e.load < e.capacity(policy.max_queue)]
     if not open_:
         return Pick(None, SATURATED)
     least = min(e.load for e in open_)
+    if model is not None:
+        warm = [e for e in open_ if model in e.active_adapters and e.load <= least + policy.affinity_tolerance]
+        if warm and len(warm) < len(open_):
+            open_, narrowed = warm, True
     if affinity is not None:
         for e in open_:
             if e.url == affinity and e.load <= least + policy.affinity_tolerance:
-                return Pick(e.url, PREFIX_AFFINITY, e.load)
-    best = [e for e in open_ if e.load == least]
+                return Pick(e.url, ADAPTER_AFFINITY if narrowed else PREFIX_AFFINITY, e.load)
+    least_here = min(e.load for e in open_)
+    best = [e for e in open_ if e.load == least_here]
     if len(best) == 1:
-        return Pick(best[0].url, LEAST_LOAD, least)
+        return Pick(best[0].url, ADAPTER_AFFINITY if narrowed else LEAST_LOAD, least_here)
     longest_ago = min(e.last_picked for e in best)
-    return Pick(rng.choice([e for e in best if e.last_picked == longest_ago]).url, TIE_BREAK, least)
+    return Pick(rng.choice([e for e in best if e.last_picked == longest_ago]).url,
+                ADAPTER_AFFINITY if narrowed else TIE_BREAK, least_here)
+
+
+def unknown_model(endpoints: Sequence[EndpointLoad], model: str) -> bool:
+    """Whether no endpoint serves `model`, as far as the router can know: every endpoint's model
+    list is known and none names it (then the router answers 404 itself)."""
+    return bool(endpoints) and all(e.models is not None and model not in e.models for e in endpoints)
 
 
 def pick_round_robin(endpoints: Sequence[EndpointLoad], turn: int, policy: PickPolicy = PickPolicy()) -> Pick:

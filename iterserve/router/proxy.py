@@ -2,7 +2,9 @@
 (/v1/...) to the replica `picking.pick` names, and serves its own /metrics, /health and /ready.
 
 Per request: read the body (capped, timed), rewrite it (body.py: no client kv_transfer_params;
-a tenant's cache_salt), pick (waiting up to queue_timeout_s while every replica is saturated,
+a tenant's cache_salt), answer 404 for a completions or chat `model` that no replica serves (when
+every replica's model list is known: picking.unknown_model), pick (a LoRA adapter's requests go
+to replicas that serve it, preferring those running it: picking.py) (waiting up to queue_timeout_s while every replica is saturated,
 then 429 with Retry-After; 503 at once when none is routable), send on a pooled upstream
 connection (upstream.py: one that ever held bytes nobody asked for is never reused), relay the
 answer as it arrives. A request whose replica fails before any byte reached the client
@@ -38,10 +40,16 @@ from iterserve.engine import metrics as names
 from iterserve.router import disagg, upstream
 from iterserve.router.activator import Activator, ActivatorOptions
 from iterserve.router.body import BadBody, rewrite, tenant_salt
-from iterserve.router.endpoints import CONNECTION_ERRORS, Endpoint, ScrapeFailed, scrape_once
+from iterserve.router.endpoints import (
+    CONNECTION_ERRORS,
+    Endpoint,
+    ScrapeFailed,
+    scrape_models,
+    scrape_once,
+)
 from iterserve.router.http import HOP_BY_HOP, BodyRefused, FrontDoor, error_response, read_body
 from iterserve.router.metrics import RouterMetrics
-from iterserve.router.picking import NONE_READY, PickPolicy, pick, pick_round_robin
+from iterserve.router.picking import NONE_READY, PickPolicy, pick, pick_round_robin, unknown_model
 from iterserve.router.prefix import CHARS_PER_TOKEN, PrefixTable, block_hashes, prompt_keys
 
 logger = logging.getLogger("iterserve.router")
@@ -174,6 +182,13 @@ class Router:
                     await scrape_once(endpoint, self.scrape_session, o.scrape_timeout_s)
                 except aiohttp.ServerDisconnectedError:  # a pooled connection the engine had just closed
                     await scrape_once(endpoint, self.scrape_session, o.scrape_timeout_s)
+                if endpoint.models_due(self.clock()):
+                    # A failed read leaves the list to go stale (no 404s, no narrowing from it); the
+                    # /metrics scrape alone decides whether the replica is reachable.
+                    try:
+                        await scrape_models(endpoint, self.scrape_session, o.scrape_timeout_s)
+                    except (ScrapeFailed, *CONNECTION_ERRORS) as error:
+                        logger.debug("model list of %s: %s", endpoint.url, error)
                 if failing:
                     logger.info("scrapes of %s work again", endpoint.url)
                 failing = None
@@ -311,8 +326,9 @@ class Router:
         o = self.options
         try:
             body = await read_body(request, o.max_body_bytes, o.body_timeout_s)
+            fields: dict = {}
             if request.method == "POST" and body:
-                body = rewrite(path, body, self._salt(request))[0]
+                body, fields = rewrite(path, body, self._salt(request))
         except BodyRefused as refused:
             return self._reply(error_response(refused.status, str(refused), "invalid_request_error",
                                               refused.code, close=True))
@@ -321,12 +337,18 @@ class Router:
         connection = {t.strip().lower() for t in request.headers.get("connection", "").split(",")}
         headers = [(k, v) for k, v in request.headers.items()
                    if k.lower() not in HOP_BY_HOP and k.lower() not in connection]
+        model = fields.get("model") if path.encode() in disagg.GENERATION_PATHS else None
+        model = model if isinstance(model, str) else None
+        if model is not None and unknown_model([e.load(self.clock(), o.stale_after_s) for e in self.endpoints.values()],
+                                               model):
+            return self._reply(error_response(404, self._unknown_model(model), "invalid_request_error",
+                                              "model_not_found"))
         keys = prompt_keys(body, o.block_size, o.prefix_tokens) if o.prefix_affinity and body else []
         affinity = self.prefixes.lookup(keys) if keys else None
         pd = bool(self.prefills) and request.method == "POST" and path.encode() in disagg.GENERATION_PATHS
         send, decode_keys, tried = body, [], set()
         for attempt in range(2):
-            endpoint = await self._choose(tried, affinity)
+            endpoint = await self._choose(tried, affinity, model)
             if isinstance(endpoint, web.Response):
                 return endpoint
             endpoint.in_flight += 1
@@ -361,7 +383,13 @@ class Router:
                           f"--tenant-salt-header {name}: every request must carry one)")
         return tenant_salt(self.options.tenant_salt_key, tenant)
 
-    async def _choose(self, tried: set[str], affinity: str | None) -> Endpoint | web.Response:
+    def _unknown_model(self, model: str) -> str:
+        served = sorted({m for e in self.endpoints.values() for m in e.models or ()})
+        shown = ", ".join(repr(m) for m in served[:20]) + (f" and {len(served) - 20} more" if len(served) > 20 else "")
+        return (f"model {model!r} does not exist: no replica serves it (they serve {shown}; GET /v1/models); "
+                "a LoRA adapter must be loaded first (spec.adapters, or POST /v1/load_lora_adapter)")
+
+    async def _choose(self, tried: set[str], affinity: str | None, model: str | None = None) -> Endpoint | web.Response:
         """The endpoint to send to, or the 429/503 answer when there is none."""
         o = self.options
         deadline = self.clock() + o.queue_timeout_s
@@ -372,7 +400,7 @@ class Router:
                 choice = pick_round_robin(loads, self._turn, o.policy)
                 self._turn += choice.url is not None
             else:
-                choice = pick(loads, self.rng, o.policy, affinity)
+                choice = pick(loads, self.rng, o.policy, affinity, model)
             if choice.url is not None:
                 self.metrics.picks[choice.reason].inc()
                 self._picks += 1
