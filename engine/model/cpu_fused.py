@@ -24,7 +24,6 @@ import logging
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from iterserve.engine import native
 
@@ -180,7 +179,7 @@ def forward(model: LlamaModel, input_ids: torch.Tensor, positions: torch.Tensor,
     positions = positions.to(torch.int64).contiguous()
     slots = meta.slot_mapping.contiguous()
     backend, scale = model.backend, model.scale
-    hidden, residual = F.embedding(input_ids, model.embed_tokens), None
+    hidden, residual = model.embed(input_ids), None
     for layer, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True):
         x, residual = rms_norm(hidden, residual, layer.input_norm, eps)
         query = rotary_write_kv(linear(x, layer.qkv_proj), positions, model.cos_sin, heads, kv_heads, head_dim,

@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from iterserve.engine.attention.backend import (
     FULL_ATTENTION,
@@ -25,11 +24,17 @@ from iterserve.engine.attention.backend import (
     AttentionMetadata,
     AttentionOptions,
 )
-from iterserve.engine.model import cpu_fused
+from iterserve.engine.model import cpu_fused, cpu_gguf
 from iterserve.engine.model.layers import Weight, gated_activation, head_rms_norm, linear
 from iterserve.engine.model.loader import ModelConfig, ModelLoadError
 from iterserve.engine.model.parallel import RowParallel
-from iterserve.engine.model.quant import Int4Linear, gguf_linear, quantize_dense, quantize_lm_head
+from iterserve.engine.model.quant import (
+    Int4Linear,
+    gguf_embedding,
+    gguf_linear,
+    quantize_dense,
+    quantize_lm_head,
+)
 from iterserve.engine.model.rope import rotary_cos_sin
 
 
@@ -146,6 +151,7 @@ class DecoderModel:
         if quantization == "gguf":
             lm_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
             lm_head = gguf_linear(gguf_blocks, (lm_name,)) or lm_head
+            embed = gguf_embedding(gguf_blocks, lm_head if config.tie_word_embeddings else None) or embed
         elif quantization != "none":
             lm_head = quantize_lm_head(quantization, lm_head)
         return cls(config, backend, layers, embed, take("model.norm.weight"), lm_head, max_positions, quantization)
@@ -188,7 +194,7 @@ class DecoderModel:
         return self.final_norm(hidden, residual)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embed_tokens)
+        return cpu_gguf.embedding(input_ids, self.embed_tokens)
 
     def attention_input(self, hidden: torch.Tensor, residual: torch.Tensor | None, layer: DecoderLayer,
                         positions: torch.Tensor):

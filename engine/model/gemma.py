@@ -33,8 +33,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from iterserve.engine.model import cpu_gguf
 from iterserve.engine.model.architectures import (
     GGUF_LAYER_NAMES,
     Family,
@@ -101,7 +101,7 @@ class GemmaModel(DecoderModel):
             take(f"model.layers.{layer}.{name}")  # replaced by the float32 copy in from_weights
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embed_tokens) * self.embed_scale
+        return cpu_gguf.embedding(input_ids, self.embed_tokens) * self.embed_scale
 
     def attention_input(self, hidden: torch.Tensor, residual: torch.Tensor | None, layer: DecoderLayer,
                         positions: torch.Tensor):

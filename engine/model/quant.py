@@ -233,6 +233,18 @@ def gguf_linear(blocks: dict[str, tuple[int, torch.Tensor]] | None, names: tuple
     return GGUFLinear([blocks.pop(n) if pop else blocks[n] for n in names])
 
 
+def gguf_embedding(blocks: dict[str, tuple[int, torch.Tensor]] | None,
+                   tied_head: GGUFLinear | None) -> cpu_gguf.BlockRows | None:
+    """The token embedding in its file's block format (rows dequantized on lookup): the tied LM head's
+    blocks where the head is a GGUFLinear of one part, else the file's own embedding blocks; None where
+    the file keeps it in another format (it then stays dense)."""
+    if isinstance(tied_head, GGUFLinear) and len(tied_head.parts) == 1:
+        return cpu_gguf.BlockRows(*tied_head.parts[0])
+    if tied_head is None and blocks and "model.embed_tokens.weight" in blocks:
+        return cpu_gguf.BlockRows(*blocks.pop("model.embed_tokens.weight"))
+    return None
+
+
 def quantize_dense(mode: str, weight: torch.Tensor) -> QuantLinear:
     """A decoder linear for --quantization mode, from its float weight (int4: blocks made from it)."""
     if mode == "int8":

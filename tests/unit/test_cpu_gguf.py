@@ -84,6 +84,32 @@ def test_the_kernel_matches_its_torch_reference_bit_for_bit(name):
 
 
 @needs_kernel
+def test_weight_rows_past_one_cache_tile_match_the_reference():
+    """Rows of 2,448 bytes (Q8_0, K = 2304): one thread's 67 weight rows span two cache tiles of the
+    kernel (66 rows, then a one-row register tail)."""
+    type_id = cpu_gguf.BY_NAME["Q8_0"]
+    blocks = blocks_for("Q8_0", 67, 2304, seed=5)
+    for rows in (1, 6):
+        x = activations(rows, 2304, seed=rows)
+        reference = cpu_gguf.reference(x, blocks, type_id)
+        for threads in (1, 2):
+            assert torch.equal(cpu_gguf.linear(x, blocks, type_id, threads), reference), (rows, threads)
+
+
+@pytest.mark.parametrize("name", SMALL + K_QUANTS)
+def test_an_embedding_in_block_format_gives_the_dense_table_s_rows(name):
+    type_id = cpu_gguf.BY_NAME[name]
+    blocks = blocks_for(name, 50, 512)
+    table = cpu_gguf.BlockRows(type_id, blocks)
+    ids = torch.tensor([[3, 0, 49], [7, 7, 1]])
+    dense = cpu_gguf.dequantize(blocks, type_id)
+    assert table.shape == (50, 512) and table.nbytes == blocks.numel()
+    assert torch.equal(cpu_gguf.embedding(ids, table), torch.nn.functional.embedding(ids, dense))
+    with pytest.raises(IndexError, match="50 rows"):
+        cpu_gguf.embedding(torch.tensor([50]), table)
+
+
+@needs_kernel
 @pytest.mark.skipif(cpu_gguf.isa_path() == "avx2", reason="the AVX2 path is the one the other tests run")
 def test_the_plain_avx2_path_gives_the_same_bits_as_vnni():
     plain = cpu_gguf.build("avx2")
@@ -123,7 +149,12 @@ def test_auto_serves_the_embedded_gguf_on_its_own_blocks_and_float32_stays_exact
     assert runner.quantization == "gguf"
     assert isinstance(runner.model.lm_head, GGUFLinear) and runner.model.lm_head.parts[0][0] == 8  # Q8_0
     assert runner.model.layers[0].qkv_proj.parts[0][0] == 3  # the file's Q4_1
+    # the tied embedding is the LM head's Q8_0 blocks, its rows dequantized on lookup
+    assert isinstance(runner.model.embed_tokens, cpu_gguf.BlockRows)
+    assert runner.model.embed_tokens.blocks is runner.model.lm_head.parts[0][1]
     text = default.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0].text
     assert "Paris" in text
     exact = LLM(device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=64).engine.executor
     assert exact.quantization == "none" and isinstance(exact.model.lm_head, torch.Tensor)
+    ids = torch.tensor([0, 1, 9, 49151])
+    assert torch.equal(runner.model.embed(ids), exact.model.embed(ids))
