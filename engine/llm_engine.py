@@ -135,7 +135,9 @@ class LLMEngine:
                                   'runs beside it); with this executor use "method": "ngram"')
             proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.scheduler.spec_stats = SpecDecodeStats()
-        self.scheduler.spec_policy = SpecPolicy(spec.disable_by_batch_size, spec.min_acceptance_rate)
+        # The off-switch's default depends on where the model runs (the fake model has no device: cpu).
+        device = getattr(getattr(self.executor, "device", None), "type", "cpu")
+        self.scheduler.spec_policy = SpecPolicy(spec.batch_limit(device), spec.min_acceptance_rate)
         return proposer
 
     def set_wake(self, wake: Callable[[], None]) -> None:

@@ -25,6 +25,7 @@ from iterserve.engine.model.tokenizer import Tokenizer
 from iterserve.engine.sampler import Sampler
 from iterserve.engine.scheduler import SchedulerOutput
 from iterserve.engine.spec_decode.config import SpeculativeConfig
+from iterserve.engine.spec_decode.proposer import HiddenStates
 from iterserve.engine.structured import Grammars
 
 logger = logging.getLogger(__name__)
@@ -175,12 +176,16 @@ class ModelRunner(KVTransferCapable):
         total = sum(chunk.num_tokens for chunk in chunks)
         groups = None
         speculative = any(chunk.num_spec for chunk in chunks)
-        if self.split is not None and not speculative and not any(chunk.seq.lora_name for chunk in chunks):
+        observe = self.proposer is not None and self.proposer.needs_hidden_states  # the EAGLE seam
+        if (self.split is not None and not speculative and not observe
+                and not any(chunk.seq.lora_name for chunk in chunks)):
             groups = self.split.plan([chunk_cost(c.start, c.num_tokens, c.sample) for c in chunks], total)
         if groups is None:
             apply_step_threads(total)  # --threads auto: more threads for a bigger step (CPU server only)
             hidden, logits = self._forward(chunks)
             self._record_prompt_logprobs(chunks, hidden)
+            if observe and logits is not None:
+                self.proposer.observe_hidden(sampled_hidden_states(chunks, hidden))
         else:
             logits = self.forward_split(chunks, groups)
         if logits is None:
@@ -308,6 +313,17 @@ class ModelRunner(KVTransferCapable):
         self.sampler.release(request_ids)
         if self.proposer is not None:
             self.proposer.release(request_ids)
+
+
+def sampled_hidden_states(chunks, hidden: torch.Tensor) -> list[HiddenStates]:
+    """Per sampled chunk, the hidden rows whose logits were sampled (engine/spec_decode/proposer.py)."""
+    states, end = [], 0
+    for chunk in chunks:
+        end += chunk.num_tokens
+        if chunk.sample:
+            first = chunk.start + chunk.num_tokens - 1 - chunk.num_spec
+            states.append(HiddenStates(chunk.seq, first, hidden[end - 1 - chunk.num_spec : end]))
+    return states
 
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:

@@ -6,8 +6,9 @@
 Keys: method (ngram | draft_model), num_speculative_tokens (k, 1..16), prompt_lookup_min/max (the
 n-gram sizes matched, largest first; ngram only), model (the draft: a path or a registry name with
 the target's tokenizer; draft_model only), disable_by_batch_size (speculate only while at most
-this many sequences run), min_acceptance_rate (a sequence whose measured acceptance falls below
-it stops speculating, probing again now and then). Unknown keys are refused.
+this many sequences run; unset: DISABLE_BY_BATCH_SIZE for the device type the model runs on),
+min_acceptance_rate (a sequence whose measured acceptance falls below it stops speculating,
+probing again now and then). Unknown keys are refused.
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 MAX_JSON_BYTES = 4096
 FLAG = "--speculative-config"
+# The off-switch's default per device type: no speculation in a step with more running sequences.
+# CPU: measured where speculation stops paying (bench.engine.spec_decode --mode crossover, docs/spec_decode.md):
+# a CPU step of a small model is compute-bound from a few rows on, so 1 + k verified rows per
+# sequence cost nearly as much as real ones. Accelerators: a decode step stays bandwidth-bound far
+# longer (vLLM's speculative_disable_by_batch_size is in this range); not measured here.
+DISABLE_BY_BATCH_SIZE = {"cpu": 2, "cuda": 8}
 
 
 class SpeculativeConfigError(ValueError):
@@ -32,7 +39,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     model: str | None = None
-    disable_by_batch_size: int = 8
+    disable_by_batch_size: int | None = None
     min_acceptance_rate: float = 0.2
 
     @classmethod
@@ -62,7 +69,8 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise SpeculativeConfigError(f"{FLAG}: method must be one of {', '.join(METHODS)}; got {self.method!r}")
         _int_in("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
-        _int_in("disable_by_batch_size", self.disable_by_batch_size, 1, 1 << 20)
+        if self.disable_by_batch_size is not None:
+            _int_in("disable_by_batch_size", self.disable_by_batch_size, 1, 1 << 20)
         if not isinstance(self.min_acceptance_rate, int | float) or not 0 <= self.min_acceptance_rate <= 1:
             raise SpeculativeConfigError(f"{FLAG}: min_acceptance_rate must be in [0, 1], got "
                                          f"{self.min_acceptance_rate!r}")
@@ -79,6 +87,12 @@ class SpeculativeConfig:
         elif not isinstance(self.model, str) or not self.model:
             raise SpeculativeConfigError(f"{FLAG}: method draft_model needs \"model\": the draft model's path or name "
                                          "(same tokenizer as the target)")
+
+    def batch_limit(self, device_type: str) -> int:
+        """disable_by_batch_size, or the default for this device type ("cpu", "cuda"; others as cuda)."""
+        if self.disable_by_batch_size is not None:
+            return self.disable_by_batch_size
+        return DISABLE_BY_BATCH_SIZE.get(device_type, DISABLE_BY_BATCH_SIZE["cuda"])
 
 
 def _int_in(name: str, value, low: int, high: int) -> None:

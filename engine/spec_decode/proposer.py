@@ -10,12 +10,19 @@ A proposal's `probs` is the distribution each token was drawn from ([len(tokens)
 None when the proposer is deterministic (a point mass on each token: n-gram, a greedy draft). The
 verifier uses it for rejection sampling (engine/spec_decode/rejection.py).
 
-Seam for EAGLE-style heads: such a head proposes from the target's own last hidden states rather
-than from tokens. It implements the same interface; the model runner would keep each decoding
-sequence's last hidden state (ModelRunner._forward's `hidden` rows of the sampled positions) and
-hand it over through `Proposer.observe_hidden(seqs, hidden)`, a no-op here, called after every
-step that sampled. Nothing else changes: verification, rollback and policy are the proposer's
-callers'.
+The seam for EAGLE-style heads is HiddenStateProposer: a proposer that drafts from the target's
+own hidden states rather than from tokens alone. It lives beside the model (the model runner's
+`proposer`, as the draft model does) and sets `needs_hidden_states`; the model runner then calls
+`observe_hidden(states)` after every step that sampled, before the scheduler appends the tokens,
+with one HiddenStates per sampled sequence: the target's last-layer hidden states (after the final
+norm, the LM head's input) at the rows whose logits were sampled, and the position of the first.
+A plain decode or a prompt's last chunk gives one row; a verified chunk 1 + k rows, the states
+after its last token and after each proposal. Which of those rows stay true is known at the next
+`propose`: a sequence that had n tokens before the step accepted len(seq tokens) - n - 1
+proposals, so rows 0..accepted are states of kept tokens and the rest are to be dropped. Nothing
+else changes for such a head: verification, rollback, the policy and the metrics are its callers'.
+(No EAGLE head is built; tests/unit/test_spec_decode_seams.py checks the seam's rows against the
+logits the target sampled.)
 """
 
 from __future__ import annotations
@@ -33,19 +40,39 @@ class Proposal:
     probs: Any = None  # torch.Tensor [len(tokens), vocab] for sampled draft tokens, else None
 
 
+@dataclass(slots=True)
+class HiddenStates:
+    """What a HiddenStateProposer sees of one sampled sequence after a step."""
+
+    seq: Sequence
+    first_position: int  # the position of rows[0]: the token whose state it is (it predicts first_position + 1)
+    rows: Any  # torch.Tensor [n, hidden_size], on the model's device: n = 1, or 1 + k for a verified chunk
+
+
 class Proposer:
     """Base class; see the module docstring for the contract."""
 
     name = "none"
+    needs_hidden_states = False  # True: the model runner calls observe_hidden after every sampled step
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
         raise NotImplementedError
 
-    def observe_hidden(self, seqs: list[Sequence], hidden) -> None:  # the EAGLE seam
-        pass
+    def observe_hidden(self, states: list[HiddenStates]) -> None:
+        """The target's hidden states of this step's sampled rows (only with needs_hidden_states)."""
 
     def release(self, request_ids: list[str]) -> None:
         pass
+
+
+class HiddenStateProposer(Proposer):
+    """The seam for EAGLE-style heads (see the module docstring): propose() as every proposer, fed
+    by the states observe_hidden received. Subclasses implement both."""
+
+    needs_hidden_states = True
+
+    def observe_hidden(self, states: list[HiddenStates]) -> None:
+        raise NotImplementedError
 
 
 class NgramProposer(Proposer):

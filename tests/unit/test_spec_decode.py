@@ -20,14 +20,16 @@ from iterserve.engine.spec_decode.proposer import Proposal, Proposer
 from tests.unit.engine_helpers import fake_engine, run_to_completion
 from tests.unit.test_scheduler_properties import SHARED_PREFIX, KvShadow, check_block_invariants
 
-NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+# disable_by_batch_size 8 (the accelerator default; the fake model counts as a CPU engine, whose default is lower).
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                    "disable_by_batch_size": 8})
 PROMPTS = ["abc abc abc abc hello world " * 3, "the cat sat on the mat, the cat sat on the", "x", "aaaa" * 20,
            "one two three four one two three four"]
 
 
 def spec(**options) -> str:
     return json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-                       "prompt_lookup_max": 3, **options})
+                       "prompt_lookup_max": 3, "disable_by_batch_size": 8, **options})
 
 
 # -- configuration ----------------------------------------------------------------------------------
