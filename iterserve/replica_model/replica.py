@@ -18,6 +18,7 @@ own flag parser (operator/engine_config.py), so a replica runs with exactly the 
 
 from __future__ import annotations
 
+import functools
 from array import array
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field, replace
@@ -28,15 +29,25 @@ from iterserve.engine.config import EngineConfig, kv_pool_blocks
 from iterserve.engine.fake_executor import FAKE_KV_BYTES_PER_TOKEN, FAKE_MODEL, FakeExecutor
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.sampling_params import InvalidRequestError, SamplingParams
-from iterserve.replica_model.profile import StepProfile
+from iterserve.replica_model.profile import StepFeatures, StepProfile
 
 PROMPT_TOKEN = 100  # every simulated prompt token; the fake executor's tokens depend on it only
+# Trace prompts share no KV block (prompt_tokens), so a prefix-cache lookup can never hit: the
+# requests skip it (hashing every prompt block was a quarter of a large fleet's run). Which
+# physical blocks a sequence gets changes; nothing the simulator reports does. Tests set False.
+SKIP_PREFIX_CACHE = True
 
 
 def prompt_tokens(index: int, count: int) -> list[int]:
     """A prompt of `count` tokens that shares no KV block with another request's (a trace says
     nothing of content, so no prefix-cache hits are assumed)."""
     return [PROMPT_TOKEN + index] + [PROMPT_TOKEN] * (count - 1)
+
+
+@functools.lru_cache(maxsize=4096)
+def _params(max_tokens: int, skip_prefix_cache: bool) -> SamplingParams:
+    """A request's sampling parameters, built (and validated) once per length: the engine only reads them."""
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0, skip_prefix_cache=skip_prefix_cache)
 
 
 class SimClock:
@@ -147,6 +158,7 @@ class DecodeRun:
 
 
 MIN_RUN_STEPS = 2  # a shorter run is cheaper as real steps
+SHORT_RUN = 12  # up to this many steps, plain Python beats numpy's cost per call
 
 
 @dataclass
@@ -189,7 +201,7 @@ class Replica:
         try:
             self.engine.add_request(
                 prompt_token_ids=prompt_tokens(record.index, record.prompt_tokens),
-                params=SamplingParams(max_tokens=record.output_tokens, ignore_eos=True, temperature=0),
+                params=_params(record.output_tokens, SKIP_PREFIX_CACHE),
                 request_id=str(record.index), arrival_time=now)
         except InvalidRequestError as error:
             record.status, record.error = "invalid", f"400: {error}"
@@ -283,15 +295,21 @@ class Replica:
                     break
         if steps < MIN_RUN_STEPS:
             return None
-        durations = self.profile.decode_steps_seconds(len(seqs), sum(computed) + len(seqs), max(computed) + 1, steps)
-        if not (durations > 0).all():  # a step taking no time leaves the replica idle: stepping stops there
-            steps = int(np.argmin(durations > 0))
+        n, context, longest = len(seqs), sum(computed) + len(seqs), max(computed) + 1
+        if steps <= SHORT_RUN:  # numpy's fixed cost is more than a few steps' worth
+            durations = [self.profile.step_seconds(StepFeatures(0, n, context + n * j, n, longest + j))
+                         for j in range(steps)]
+        else:
+            durations = self.profile.decode_steps_seconds(n, context, longest, steps).tolist()
+        if min(durations) <= 0:  # a step taking no time leaves the replica idle: stepping stops there
+            steps = next(j for j, d in enumerate(durations) if d <= 0)
             events = [e for e in events if e[0] < steps]
-            durations = durations[:steps]
             if steps < MIN_RUN_STEPS:
                 return None
-        # clock.advance adds each step's time in turn: a running sum gives the same bits
-        starts = np.cumsum(np.concatenate(([max(self.clock.now, now)], durations))).tolist()
+        # clock.advance adds each step's time in turn
+        starts = [max(self.clock.now, now)]
+        for d in durations[:steps]:
+            starts.append(starts[-1] + d)
         self.run = DecodeRun(seqs, records, computed, starts, events)
         return starts[-1]
 
@@ -350,7 +368,16 @@ class Replica:
             gaps.append(gap)
             itl.observe(gap)
             record.max_gap = gap if gap > record.max_gap else record.max_gap
-        if count > 1:  # later steps: every request's gap is the previous step's length
+        if 1 < count <= SHORT_RUN:  # later steps: every request's gap is the previous step's length
+            n = len(run.records)
+            later = [starts[j + 1] - starts[j] for j in range(first + 1, target)]
+            for gap in later:
+                itl.observe(gap, n)
+                gaps.extend((gap,) * n)
+            top = max(later)
+            for record in run.records:
+                record.max_gap = top if top > record.max_gap else record.max_gap
+        elif count > SHORT_RUN:
             n = len(run.records)
             times = np.asarray(starts[first + 1 : target + 1])
             later = times[1:] - times[:-1]

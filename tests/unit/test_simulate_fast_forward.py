@@ -11,6 +11,7 @@ import pytest
 
 from iterserve.operator.models import InferenceServiceSpec
 from iterserve.replica_model import profile as profiles
+from iterserve.replica_model import replica as replica_module
 from iterserve.replica_model.replica import fake_model_profile
 from iterserve.simulate import traces
 from iterserve.simulate.cluster import ClusterSim, Delay, SimOptions
@@ -94,7 +95,7 @@ def test_fast_forward_gives_the_same_run_as_stepping_every_step(router):
     assert sum(p.replica.fast_steps for p in plain.pods) == 0
 
 
-def test_fast_forward_with_prefix_caching_and_the_accelerator_profile_matches_stepping():
+def test_fast_forward_with_prefix_caching_and_the_accelerator_profile_matches_stepping(monkeypatch):
     # A real model's engine options (prefix caching on: full blocks are named as they fill), a
     # roofline profile, SLO mode reading the TTFT/ITL histograms, and requests reaching max_model_len.
     spec = {"model": {"uri": "smollm2-135m"}, "replicas": 2,
@@ -103,9 +104,10 @@ def test_fast_forward_with_prefix_caching_and_the_accelerator_profile_matches_st
                             "warmupSeconds": 2, "slo": {"ttftP95Ms": 400, "itlP95Ms": 40}}}
     trace = traces.poisson(12.0, 12, traces.Lengths.parse("uniform:16:200"), traces.Lengths.parse("zipf:300"), seed=4)
     profile = profiles.load_profile("modelled-accelerator")
+    monkeypatch.setattr(replica_module, "SKIP_PREFIX_CACHE", False)  # name every full block as it fills
     runs = [_sim(spec, trace, plain, profile=profile, startup=Delay.parse(3), tail_s=10) for plain in (True, False)]
     assert _state(runs[0]) == _state(runs[1])
-    assert runs[0].pods[0].replica.engine.block_manager.prefix_cache is not None
+    assert runs[0].pods[0].replica.engine.block_manager.prefix_cache.queries > 0
     assert sum(p.replica.fast_steps for p in runs[1].pods) > runs[1].steps / 2
 
 
