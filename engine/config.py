@@ -210,9 +210,10 @@ class EngineConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ConfigError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras ({self.max_loras})")
         self.lora_module_paths()
-        if self.enable_lora and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-            raise ConfigError("--enable-lora / --lora-modules with --tensor-parallel-size or --pipeline-parallel-size "
-                              "above 1: sharded LoRA is not implemented; use sizes of 1")
+        if self.enable_lora and self.pipeline_parallel_size > 1:
+            raise ConfigError("--enable-lora / --lora-modules with --pipeline-parallel-size above 1: LoRA over "
+                              "pipeline stages is not implemented; use --pipeline-parallel-size 1 "
+                              "(--tensor-parallel-size works with adapters)")
         _positive("--tensor-parallel-size", self.tensor_parallel_size)
         _positive("--pipeline-parallel-size", self.pipeline_parallel_size)
         if self.tensor_parallel_size * self.pipeline_parallel_size > 1 and self.role != "both":

@@ -80,7 +80,7 @@ class ModelRunner(KVTransferCapable):
             model_config, loaded.weights, backend, self.device, self.dtype, max_positions=config.max_model_len,
             quantization=quantization, q4_1=loaded.q4_1, gguf_blocks=loaded.gguf_blocks)
         self.parallelize(loaded.config)
-        self.lora = self._lora_manager(config, model_config) if config.enable_lora else None
+        self.lora = self._lora_manager(config, loaded.config) if config.enable_lora else None
         del loaded
         if config.compile and self.device.type != "cpu":
             raise ConfigError("--compile compiles the CPU path (inductor's C++ code); on CUDA the Triton "
@@ -141,14 +141,15 @@ class ModelRunner(KVTransferCapable):
             compile_model(self.model)  # compiles (or loads from the cache) now, not during the first requests
 
     def _lora_manager(self, config: EngineConfig, model_config: ModelConfig):
-        """engine/lora's adapters for this model, with --lora-modules registered."""
+        """engine/lora's adapters for this model (model_config: the whole model's), with --lora-modules
+        registered; under tensor parallelism each rank's slots hold its part (lora_shard)."""
         from iterserve.engine.lora.adapter import LoraError
         from iterserve.engine.lora.manager import LoraManager, check_lora_model
 
         try:
             check_lora_model(self.model, self.quantization)
             manager = LoraManager(model_config, self.model.layers, config.max_loras, config.max_lora_rank,
-                                  config.max_cpu_loras, self.device, self.dtype)
+                                  config.max_cpu_loras, self.device, self.dtype, shard=self.lora_shard())
             for name, path in config.lora_module_paths().items():
                 manager.register(name, path)
         except LoraError as exc:
@@ -158,6 +159,10 @@ class ModelRunner(KVTransferCapable):
     def shard(self, loaded, config: EngineConfig) -> ModelConfig:
         """The config the model is built with (engine/distributed overrides it to slice the weights)."""
         return loaded.config
+
+    def lora_shard(self):
+        """This rank's engine/model/parallel.Shard of LoRA adapters (engine/distributed), None: all of them."""
+        return None
 
     def parallelize(self, full_config: ModelConfig) -> None:
         """After the model is built: engine/distributed's hook to make its layers talk to the other ranks."""

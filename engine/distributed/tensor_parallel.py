@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Client, Listener
 
 import torch
@@ -55,6 +55,10 @@ class StepPlan:
     seq_lens: list[int]
     block_tables: list[list[int]]
     logit_rows: list[list[int]]  # each: one compute_logits call over these hidden rows, in order
+    # engine/lora: each row's adapter (empty when no row has one), and each named adapter's
+    # (directory, load number) for the workers to read it (LoraManager.sources / ensure)
+    lora_rows: list[str | None] = field(default_factory=list)
+    lora_sources: dict[str, tuple[str, int]] = field(default_factory=dict)
 
 
 def step_plan(out: SchedulerOutput) -> StepPlan:
@@ -66,6 +70,7 @@ def step_plan(out: SchedulerOutput) -> StepPlan:
         seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
         offset = len(plan.input_ids)
         plan.input_ids += seq.token_slice(start, end)
+        plan.lora_rows += [seq.lora_name] * chunk.num_tokens
         plan.positions += range(start, end)
         plan.query_lens.append(chunk.num_tokens)
         plan.seq_lens.append(end)
@@ -75,6 +80,8 @@ def step_plan(out: SchedulerOutput) -> StepPlan:
         if seq.params.prompt_logprobs is not None and chunk.start < seq.num_prompt_tokens - 1:
             prompt_rows.append(list(range(offset, offset + chunk.num_tokens)))
     plan.logit_rows = ([sample_rows] if sample_rows else []) + prompt_rows
+    if not any(plan.lora_rows):
+        plan.lora_rows = []
     return plan
 
 
@@ -120,6 +127,9 @@ class ShardRunner(ModelRunner):
             parallel.parallelize(self.model, full_config, self.tp_group)
         self.hidden_size = full_config.hidden_size
 
+    def lora_shard(self):
+        return parallel.Shard(self.tp_rank, self.tp) if self.tp > 1 else None
+
     @torch.inference_mode()
     def replay(self, plan: StepPlan) -> None:
         """A worker's step: rank 0's plan through the same forward and logits calls."""
@@ -133,6 +143,9 @@ class ShardRunner(ModelRunner):
         meta = AttentionMetadata.build(plan.query_lens, plan.seq_lens, plan.block_tables, self.block_size, device)
         ids = torch.tensor(plan.input_ids, dtype=torch.long, device=device)
         positions = torch.tensor(plan.positions, dtype=torch.long, device=device)
+        for name, source in plan.lora_sources.items():  # adapters rank 0 loaded since this rank last read them
+            self.lora.ensure(name, source)
+        self.model.lora_step = self.lora.step(plan.lora_rows) if plan.lora_rows else None
         if self.stages == 1:
             hidden = self.model(ids, positions, self.kv_caches, meta)
         else:
@@ -279,6 +292,8 @@ class TensorParallelRunner(ShardRunner):
         if out.kv_loads:
             raise ConfigError("KV loads into a tensor-parallel engine are not implemented")
         plan = step_plan(out)
+        if plan.lora_rows:
+            plan.lora_sources = self.lora.sources({name for name in plan.lora_rows if name is not None})
         try:
             for pipe in self._pipes:
                 pipe.send(plan)
