@@ -6,7 +6,12 @@ Rules, in order:
   - Workload: the arrival rate is the finished-request rate plus the growth of requests in the
     pods (waiting + running), over each warm pod's samples in the window (samples from pods still
     warming are left out, as everywhere in the policy); mean prompt and output lengths from the
-    token counters. No counter: no estimate (fallback to the waiting-requests signal).
+    token counters. A pod counts once its warm readings cover MIN_SPAN_FRACTION of the window (a
+    pod just past its warm-up has seconds of readings, and a rate or a mean length over two or
+    three seconds is noise: in the whole loop, 2 requests over 3 s read as 1.3 req/s at twice the
+    real lengths and scaled a lightly loaded pool up); the others are assumed to take the same
+    share of the load as the counted ones (the router spreads it). No pod counted, or no
+    counter: no estimate (fallback to the waiting-requests signal).
   - Prediction check: with at least MIN_OBSERVED requests measured in the window, the prediction
     for the current replicas and max_num_seqs is compared with the measured p95s; an error above
     slo.maxPredictionError (|predicted - measured| / measured) falls back to the waiting-requests
@@ -36,6 +41,7 @@ from iterserve.operator.autoscaling.settings import Settings, SloSettings
 from iterserve.replica_model.plan import Plan, Prediction, Workload, plan, predict
 
 MIN_OBSERVED = 20  # requests in the window before a measured p95 can overrule the prediction
+MIN_SPAN_FRACTION = 0.5  # of the window: a pod's warm readings must cover this much to count
 SLO_SIGNAL = "SLO"
 
 
@@ -71,13 +77,17 @@ class SloOutcome:
 def measure_workload(slo: SloSettings, measured: Sequence[str], pods: Mapping[str, PodState],
                      history: Mapping[str, Sequence[PodSample]], settings: Settings,
                      now: float) -> Workload | None:
-    """The pool's workload over the window from its measured (warm) pods; None without counters."""
+    """The pool's workload over the window from its measured (warm) pods whose readings cover
+    enough of it; None when no pod does, or one lacks the counters."""
     rate = prompt = output = finished = 0.0
+    counted = 0
     for name in measured:
         samples = usable_samples(history.get(name, ()), pods[name], settings)
         requests = counter_increase(samples, "requests_total", now, slo.window_seconds)
-        if requests is None:
-            return None
+        if requests is None and len([s for s in samples if s.ok]) >= 2:
+            return None  # readings, but no request counter
+        if requests is None or requests[1] < MIN_SPAN_FRACTION * slo.window_seconds:
+            continue  # too short a history yet
         count, seconds = requests
         prompts = counter_increase(samples, "prompt_tokens_total", now, slo.window_seconds)
         outputs = counter_increase(samples, "generation_tokens_total", now, slo.window_seconds)
@@ -93,6 +103,10 @@ def measure_workload(slo: SloSettings, measured: Sequence[str], pods: Mapping[st
         prompt += prompts[0]
         output += outputs[0]
         finished += count
+        counted += 1
+    if not counted:
+        return None
+    rate *= len(measured) / counted
     if finished <= 0:
         return Workload(rate, 1.0, 1.0)
     return Workload(rate, prompt / finished, output / finished)
@@ -108,8 +122,9 @@ def slo_reading(settings: Settings, current: int, seqs_now: int, measured: Seque
     workload = measure_workload(slo, measured, pods, history, settings, now)
     if workload is None:
         return SloOutcome(None, ttft, itl, observed, None, None, None, None, True, None, None, "slo_fallback_queue",
-                          "SLO mode: no request or token counters on the warm pods (llm_requests_total, "
-                          "llm_prompt_tokens_total, llm_generation_tokens_total): waiting-requests signal")
+                          "SLO mode: no warm pod has request and token counters (llm_requests_total, "
+                          "llm_prompt_tokens_total, llm_generation_tokens_total) over "
+                          f"{MIN_SPAN_FRACTION * slo.window_seconds:g} s of the window yet: waiting-requests signal")
     targets = _targets(slo)
     if workload.arrival_rate <= 0:
         return SloOutcome(workload, ttft, itl, observed, None, None, None, None, False, settings.min_replicas,
