@@ -106,9 +106,12 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
         raise LoraError(f"adapter {name!r}: rank r={rank} exceeds --max-lora-rank {max_rank}; raise --max-lora-rank")
     if not isinstance(alpha, int | float):
         raise LoraError(f"adapter {name!r}: adapter_config.json lora_alpha must be a number, got {alpha!r}")
+    if raw.get("target_parameters"):  # peft's LoRA on parameters: a mixture-of-experts model's fused experts
+        raise LoraError(f"adapter {name!r}: adapter_config.json target_parameters={raw['target_parameters']!r}: LoRA on "
+                        f"parameters (the experts of a mixture-of-experts model) is not supported; adaptable on "
+                        f"{config.architecture}: {_supported(config)} (target_modules)")
     for option, allowed in (("rank_pattern", ({}, None)), ("alpha_pattern", ({}, None)), ("use_dora", (False, None)),
-                            ("bias", ("none", None)), ("modules_to_save", (None, [])), ("fan_in_fan_out", (False, None)),
-                            ("target_parameters", (None, []))):
+                            ("bias", ("none", None)), ("modules_to_save", (None, [])), ("fan_in_fan_out", (False, None))):
         if raw.get(option) not in allowed:
             raise LoraError(f"adapter {name!r}: adapter_config.json {option}={raw.get(option)!r} is not supported "
                             f"(supported: {allowed[0]!r})")

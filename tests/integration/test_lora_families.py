@@ -34,8 +34,8 @@ TARGETS = {
     # original length past every sequence: transformers' generate recomputes at the switch (docs/models.md)
     "phi3": ({"original_max_position_embeddings": 200}, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
              ("qkv_proj", "down_proj")),
-    # attention only: peft (0.21, transformers 5) rewrites MLP targets of a MoE model to the experts'
-    # fused gate_up_proj (a rank_pattern, no tensors); a dense layer's MLP adapter is read in
+    # attention: peft (0.21, transformers 5) turns a MoE model's MLP targets into the experts' fused
+    # parameters (target_parameters, refused below); a dense layer's MLP adapter is read in
     # tests/unit/test_lora_adapter.py and runs the Llama path
     "qwen3_moe": ({"mlp_only_layers": [1]}, ("q_proj", "k_proj", "v_proj", "o_proj"), ("q_proj", "v_proj", "o_proj")),
     "qwen2": ({}, ALL, ("q_proj", "v_proj", "down_proj")),
@@ -188,12 +188,22 @@ def test_adapters_equal_transformers_with_peft_and_mix_in_one_step(family, promp
 
 
 def test_an_adapter_of_moe_experts_is_refused_at_start_naming_the_module(tmp_path, one_thread):
-    """The experts' old per-expert linears (mlp.experts.E.gate_proj), as vLLM reads them."""
+    """peft's adapter of the experts' fused parameters, and the older per-expert linears
+    (mlp.experts.E.gate_proj), as vLLM reads them."""
     import json
 
+    from peft import LoraConfig, get_peft_model
     from safetensors.torch import save_file
 
-    folder = tiny.save_hf(tiny.hf_model("qwen3_moe"), tmp_path / "moe")
+    model = tiny.hf_model("qwen3_moe")
+    folder = tiny.save_hf(model, tmp_path / "moe")
+    peft_model = get_peft_model(model, LoraConfig(r=2, lora_alpha=2, target_modules=["q_proj", "gate_proj", "up_proj",
+                                                                                    "down_proj"]))
+    peft_model.save_pretrained(str(tmp_path / "peft"))
+    with pytest.raises(ConfigError, match=r"target_parameters=.*gate_up_proj.*the experts of a mixture-of-experts "
+                                          r"model\) is not supported; adaptable on qwen3_moe: q_proj"):
+        LLM(model=str(folder), device="cpu", dtype="float32", num_kv_blocks=8, max_model_len=64,
+            lora_modules=(f"experts={tmp_path / 'peft'}",))
     adapter = tmp_path / "experts"
     adapter.mkdir()
     prefix = "base_model.model.model.layers.0.mlp.experts.3.gate_proj"
