@@ -158,9 +158,9 @@ class EngineConfig:
 
     def lora_module_paths(self) -> dict[str, str]:
         """--lora-modules as {name: path}. One argument may hold several items separated by
-        whitespace before a NAME= (how the operator passes a list through one env var)."""
+        whitespace before a NAME= (how the operator passes a list through one env var), or none."""
         modules = {}
-        for item in (part for arg in self.lora_modules for part in _LORA_ITEM_BREAK.split(arg.strip())):
+        for item in (part for arg in self.lora_modules for part in _LORA_ITEM_BREAK.split(arg.strip()) if part):
             name, sep, path = item.partition("=")
             if not sep or not name or not path:
                 raise ConfigError(f"--lora-modules takes NAME=PATH items, got {item!r}")

@@ -5,6 +5,11 @@ ones it has that the spec no longer lists (vLLM's POST /v1/load_lora_adapter and
 records it (status.adapters, Events). New pods start with the list from the ConfigMap
 (resources.py, `--lora-modules`), so this only closes the gap for pods already running.
 
+- `start_adapters` is the rule for that list, pure: spec.adapters less the ones whose load failed
+  on some pod in the last pass and that no pod serves. The engine refuses a bad `--lora-modules`
+  item at start, so a bad source in the list would stop every new pod (a scale-up, a restart);
+  held back, the new pods start without it and the next pass retries it like any missing one.
+
 - `plan` is the rule, pure: what one pod must load and unload to serve exactly the spec's list
   (an adapter whose directory changed is unloaded and loaded again). With spec.adapters empty
   nothing is managed, so adapters loaded by hand on a server that only has --enable-lora stay.
@@ -35,7 +40,7 @@ from iterserve.operator.autoscaling.bounded_http import (
 )
 from iterserve.operator.autoscaling.loop import admin_token_from_secret, engine_pods, trusted_pods
 from iterserve.operator.disaggregation import prefill_name
-from iterserve.operator.models import MAX_ADAPTERS, InferenceServiceSpec
+from iterserve.operator.models import MAX_ADAPTERS, AdapterSpec, InferenceServiceSpec
 from iterserve.operator.resources import (
     ADMIN_TOKEN_KEY,
     ENGINE_PORT,
@@ -80,18 +85,31 @@ def wanted_adapters(spec: InferenceServiceSpec) -> dict[str, str]:
     return {a.name: a.engine_path(spec.model) for a in spec.adapters}
 
 
+def start_adapters(spec: InferenceServiceSpec, recorded: Sequence[dict] | None) -> list[AdapterSpec]:
+    """The adapters new pods start with, from the last pass's status.adapters entries: every
+    listed one but those that failed to load somewhere and are loaded nowhere."""
+    entries = [e for e in recorded or () if isinstance(e, dict)]
+    loaded = {n for e in entries for n in e.get("loaded") or ()}
+    failed = {n for e in entries for n in e.get("failed") or ()} - loaded
+    return [a for a in spec.adapters if a.name not in failed]
+
+
 @dataclass(frozen=True)
 class PodAdapters:
-    """One pod after a pass: what it serves now, what this pass changed, the last error."""
+    """One pod after a pass: what it serves now, what this pass changed, what failed to load, the
+    last error."""
 
     pod: str
     loaded: tuple[str, ...]
     error: str | None = None
     did_load: tuple[str, ...] = ()
     did_unload: tuple[str, ...] = ()
+    failed: tuple[str, ...] = ()
 
     def status(self) -> dict:
         entry = {"pod": self.pod, "loaded": list(self.loaded[:2 * MAX_ADAPTERS])}
+        if self.failed:
+            entry["failed"] = list(self.failed[:MAX_ADAPTERS])
         if self.error:
             entry["error"] = self.error
         return entry
@@ -187,7 +205,7 @@ async def sync_pod(admin: AdapterAdmin, pod: str, base: str, wanted: Mapping[str
             return PodAdapters(pod, (), str(error)[:MAX_ERROR_CHARS])
         steps = plan(wanted, served)
         now = dict(served)
-        errors, loaded, unloaded = [], [], []
+        errors, loaded, unloaded, failed = [], [], [], []
         for name in steps.unload:
             try:
                 await admin.unload(client, base, name, deadline)
@@ -203,11 +221,12 @@ async def sync_pod(admin: AdapterAdmin, pod: str, base: str, wanted: Mapping[str
                 await admin.load(client, base, name, path, deadline)
             except AdapterCallError as error:
                 errors.append(str(error))
+                failed.append(name)
                 continue
             now[name] = path
             loaded.append(name)
     error = "; ".join(errors)[:MAX_ERROR_CHARS] or None
-    return PodAdapters(pod, tuple(sorted(now)), error, tuple(loaded), tuple(unloaded))
+    return PodAdapters(pod, tuple(sorted(now)), error, tuple(loaded), tuple(unloaded), tuple(failed))
 
 
 async def sync_pods(admin: AdapterAdmin, urls: Mapping[str, str], wanted: Mapping[str, str],

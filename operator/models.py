@@ -627,6 +627,9 @@ class ReplicaAdapters(WireModel):
     pod: str
     loaded: list[str] = Field(default_factory=list, max_length=2 * MAX_ADAPTERS,
                               description="Adapter names the pod serves now (after this pass's loads and unloads).")
+    failed: list[str] = Field(default_factory=list, max_length=MAX_ADAPTERS, description=(
+        "Adapters whose load failed on this pod in the last pass. New pods start without an adapter that "
+        "failed and is loaded on no pod (a bad source would stop them at start); each pass retries it."))
     error: str | None = Field(None, max_length=1024, description=(
         "The last load, unload or read that failed on this pod (retried every resync); absent when all went well."))
 

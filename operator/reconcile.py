@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -31,7 +31,7 @@ from iterserve.operator import (
     router_salt,
     routing,
 )
-from iterserve.operator.adapters import AdapterReport
+from iterserve.operator.adapters import AdapterReport, start_adapters
 from iterserve.operator.autoscaling.report import AutoscalerTick, events_for, tuned_max_num_seqs
 from iterserve.operator.autoscaling.settings import settings_from_spec
 from iterserve.operator.kube import Kube, conflict, invalid, not_found, server_message
@@ -42,6 +42,7 @@ from iterserve.operator.models import (
     INVALID_SPEC,
     READY,
     ROUTING_UNAVAILABLE,
+    AdapterSpec,
     InferenceServiceSpec,
 )
 from iterserve.operator.resources import (
@@ -130,14 +131,15 @@ def _key(manifest: dict) -> tuple[str, str]:
 def wanted_objects(owner: Owner, spec: InferenceServiceSpec, max_num_seqs: int, router_serving: bool,
                    pool_served: bool,
                    network: network_policy.NetworkPolicySettings = network_policy.DEFAULT_SETTINGS,
-                   lws: bool = False) -> list[dict]:
-    """Every object the InferenceService should have, in apply order: the engine ConfigMap, the
+                   lws: bool = False, start: Sequence[AdapterSpec] | None = None) -> list[dict]:
+    """Every object the InferenceService should have, in apply order: the engine ConfigMap (new
+    pods' max_num_seqs and adapters: `start`, by default spec.adapters), the
     engines' NetworkPolicy (before any engine pod), the routing mode's objects (a router exists
     before the Service is pointed at it), the Service, the engine Deployment (or with several
     nodes per replica the groups: operator/groups.py; `lws`: as a LeaderWorkerSet), then the
     prefill pool. Pure: the reconcile applies what differs."""
     engines = groups.build_groups(owner, spec, lws) if groups.is_group(spec) else [build_deployment(owner, spec)]
-    return [build_configmap(owner, spec, max_num_seqs), *network_policy.build_for(owner, spec, network),
+    return [build_configmap(owner, spec, max_num_seqs, start), *network_policy.build_for(owner, spec, network),
             *routing.build_routing(owner, spec, pool_served, lws),
             build_service(owner, spec, router_serving, lws), *engines,
             *disaggregation.build_disaggregation(owner, spec)]
@@ -202,7 +204,8 @@ class Reconciler:
             routing.INFERENCE_POOL_GROUP, routing.INFERENCE_POOL_VERSION, routing.INFERENCE_POOL_PLURAL)
         lws = groups.is_group(spec) and self.kube.api_resource_served(
             groups.LWS_GROUP, groups.LWS_VERSION, groups.LWS_PLURAL)
-        manifests, live, leftovers = self._read_live(owner, spec, max_num_seqs, pool_served, lws)
+        start = start_adapters(spec, adapters.status() if adapters is not None else previous.get("adapters"))
+        manifests, live, leftovers = self._read_live(owner, spec, max_num_seqs, pool_served, lws, start)
         secret = self.kube.get("Secret", namespace, secret_name(name))
         kv_secret = self.kube.get("Secret", namespace, kv_auth.secret_name(name)) if spec.disaggregation.enabled else None
         salt_secret = self.kube.get("Secret", namespace, router_salt.secret_name(name)) if router_salt.wanted(spec) else None
@@ -262,7 +265,7 @@ class Reconciler:
         return Outcome("applied" if changes else "unchanged", changes, written, spec)
 
     def _read_live(self, owner: Owner, spec: InferenceServiceSpec, max_num_seqs: int, pool_served: bool,
-                   lws: bool = False):
+                   lws: bool = False, start: Sequence[AdapterSpec] | None = None):
         """(the wanted objects in apply order, the live object of each by (kind, name), the live
         objects another routing mode or disaggregation left behind: to delete if ours)."""
         namespace, name = owner.namespace, owner.name
@@ -276,7 +279,8 @@ class Reconciler:
         service = self.kube.get("Service", namespace, service_name(name))
         router_serving = routing.router_ready(router) or (
             service is not None and (service.get("spec") or {}).get("selector") == routing.router_labels(name))
-        manifests = wanted_objects(owner, spec, max_num_seqs, router_serving, pool_served, self.network_policy, lws)
+        manifests = wanted_objects(owner, spec, max_num_seqs, router_serving, pool_served, self.network_policy, lws,
+                                   start)
         live = {}
         for m in manifests:
             key = _key(m)

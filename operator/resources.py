@@ -13,6 +13,7 @@ what makes the Deployment roll).
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ from iterserve.engine.server.cli import flags_of
 from iterserve.labels import DECODE, PREFILL, ROLE_LABEL, selector_labels
 from iterserve.labels import selector_string as selector_string  # the pods' selector, re-exported
 from iterserve.operator import kv_auth
-from iterserve.operator.models import API_VERSION, KIND, InferenceServiceSpec
+from iterserve.operator.models import API_VERSION, KIND, AdapterSpec, InferenceServiceSpec
 
 ENGINE_PORT = 8000
 METRICS_SERVICE_PORT = 9090
@@ -164,11 +165,15 @@ def lora_args(spec: InferenceServiceSpec) -> list[str]:
     return args if _sets_max_loras(spec) else [*args, "--max-loras", f"$({MAX_LORAS_ENV})"]
 
 
-def configmap_data(spec: InferenceServiceSpec, max_num_seqs: int) -> dict[str, str]:
-    """What new engine pods start with: max_num_seqs (the spec's or the KV retune's) and spec.adapters."""
+def configmap_data(spec: InferenceServiceSpec, max_num_seqs: int,
+                   start_adapters: Sequence[AdapterSpec] | None = None) -> dict[str, str]:
+    """What new engine pods start with: max_num_seqs (the spec's or the KV retune's) and the
+    adapters (`start_adapters`: spec.adapters less those operator/adapters.py holds back; the
+    value may be empty: the pods then start with LoRA on and no adapter)."""
     data = {MAX_NUM_SEQS_KEY: str(max_num_seqs)}
     if spec.adapters:
-        data[LORA_MODULES_KEY] = " ".join(f"{a.name}={a.engine_path(spec.model)}" for a in spec.adapters)
+        start = spec.adapters if start_adapters is None else start_adapters
+        data[LORA_MODULES_KEY] = " ".join(f"{a.name}={a.engine_path(spec.model)}" for a in start)
         data[MAX_LORAS_KEY] = str(min(len(spec.adapters), MAX_LORAS_CAP))
     return data
 
@@ -389,13 +394,14 @@ def build_service(owner: Owner, spec: InferenceServiceSpec, router_serving: bool
     }
 
 
-def build_configmap(owner: Owner, spec: InferenceServiceSpec, max_num_seqs: int) -> dict[str, Any]:
+def build_configmap(owner: Owner, spec: InferenceServiceSpec, max_num_seqs: int,
+                    start_adapters: Sequence[AdapterSpec] | None = None) -> dict[str, Any]:
     """What new engine pods start with (configmap_data)."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(owner, configmap_name(owner.name)),
-        "data": configmap_data(spec, max_num_seqs),
+        "data": configmap_data(spec, max_num_seqs, start_adapters),
     }
 
 

@@ -98,7 +98,7 @@ def test_the_operators_adapter_pass_loads_and_unloads_live_and_the_router_follow
     wanted = {"ad1": str(root / "ad1"), "bad": str(root / "nowhere")}
     [second] = asyncio.run(sync_pods(admin, pods, wanted)).pods
     assert second.loaded == ("ad1",) and second.did_unload == ("ad0",) and second.did_load == ()
-    assert "load bad" in second.error and "adapter_config.json" in second.error
+    assert "load bad" in second.error and "adapter_config.json" in second.error and second.failed == ("bad",)
     wait_for(lambda: ROUTERS_404 in complete(url, "ad0").text, 15, 0.2, what="ad0 gone from the router's lists")
 
     [refused] = asyncio.run(sync_pods(AdapterAdmin("wrong-token"), pods, {"ad2": str(root / "ad2")})).pods

@@ -1,7 +1,8 @@
 """spec.adapters on the real control plane, with real-model engine pods run by the local pod
 runtime: the adapters in the spec are in every replica's /v1/models; one added to the spec is
 loaded on the running pods (same pod UIDs and start times: no restart), one removed is unloaded,
-and status.adapters and the Events say so."""
+and status.adapters and the Events say so; one whose source is bad fails to load, and the
+ConfigMap new pods start from leaves it out."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import uuid
 import httpx
 import pytest
 
-from iterserve.operator.adapters import LOADED, UNLOADED
+from iterserve.operator.adapters import FAILED, LOADED, UNLOADED
 from iterserve.operator.models import GROUP, PLURAL, VERSION
 from iterserve.operator.resources import selector_string
 from tests.lora_fixture import write_adapter
@@ -83,9 +84,12 @@ def test_adapters_in_the_spec_are_served_by_every_replica_and_follow_the_spec_li
         return {name: {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=5).json()["data"]
                        if m.get("parent")} for name, (_, _, url) in pods().items()}
 
-    def status_adapters() -> dict[str, list[str]]:
+    def status_entries() -> list[dict]:
         body = kube.get_inference_service(namespace, "tuned") or {}
-        return {e["pod"]: e["loaded"] for e in (body.get("status") or {}).get("adapters") or []}
+        return (body.get("status") or {}).get("adapters") or []
+
+    def status_adapters() -> dict[str, list[str]]:
+        return {e["pod"]: e["loaded"] for e in status_entries()}
 
     def events() -> list[str]:
         listed = client.CoreV1Api(api).list_namespaced_event(namespace, field_selector="involvedObject.name=tuned")
@@ -115,6 +119,15 @@ def test_adapters_in_the_spec_are_served_by_every_replica_and_follow_the_spec_li
     wait_for(lambda: status_adapters() == {name: ["ad1"] for name in started}, 30, 0.5,
              lambda: f"status.adapters {status_adapters()}")
     wait_for(lambda: UNLOADED in events(), 30, 0.5, lambda: f"an {UNLOADED} Event: {events()}")
+    # a bad source: the load fails on the running pods, and new pods would start without it
+    spec["adapters"].append({"name": "bad", "source": str(tmp / "nowhere")})
+    custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "tuned", {"spec": spec})
+    wait_for(lambda: {e["pod"]: e.get("failed") for e in status_entries()} == {name: ["bad"] for name in started},
+             30, 0.5, lambda: f"the failed load in status: {status_entries()}; {logs()}")
+    assert all("adapter_config.json" in e["error"] for e in status_entries())
+    wait_for(lambda: FAILED in events(), 30, 0.5, lambda: f"an {FAILED} Event: {events()}")
+    assert kube.get("ConfigMap", namespace, "tuned-engine")["data"]["lora_modules"] == f"ad1={tmp / 'ad1'}"
+    assert pods() == started and adapters_served() == {name: {"ad1"} for name in started}
     url = next(iter(started.values()))[2]
     answer = httpx.post(f"{url}/v1/completions", timeout=120,
                         json={"model": "ad1", "prompt": "Hello", "max_tokens": 2, "temperature": 0})

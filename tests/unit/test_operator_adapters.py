@@ -17,6 +17,7 @@ from iterserve.operator.adapters import (
     AdapterReport,
     PodAdapters,
     plan,
+    start_adapters,
     wanted_adapters,
 )
 from iterserve.operator.engine_config import engine_config_for
@@ -88,6 +89,7 @@ def test_the_users_max_loras_wins_and_the_pod_parses_what_the_operator_passes():
 def test_lora_modules_items_split_only_where_a_new_name_starts():
     config = EngineConfig(lora_modules=("a=/x b=/y", "c=/my dir/z"))
     assert config.lora_module_paths() == {"a": "/x", "b": "/y", "c": "/my dir/z"}
+    assert EngineConfig(lora_modules=("",)).lora_module_paths() == {}  # the ConfigMap's list may be empty
     with pytest.raises(ConfigError, match="twice"):
         EngineConfig(lora_modules=("a=/x a=/y",)).lora_module_paths()
 
@@ -129,3 +131,25 @@ def test_the_reconcile_records_an_adapter_pass_and_later_passes_keep_it():
     kube.writes.clear()
     reconciler.reconcile("ns", "llm")  # no pass: what status recorded stands, nothing is written
     assert kube.writes == [] and kube.body["status"]["adapters"] == [{"pod": "llm-x", "loaded": ["a"]}]
+
+
+def test_new_pods_start_without_an_adapter_that_failed_to_load_and_is_loaded_nowhere():
+    spec = spec_with([{"name": n, "source": f"/a/{n}"} for n in ("ok", "bad", "slow")])
+    recorded = [{"pod": "p1", "loaded": ["ok", "slow"], "failed": ["bad"]}, {"pod": "p2", "loaded": ["ok"],
+                                                                            "failed": ["slow"]}]
+    assert [a.name for a in start_adapters(spec, recorded)] == ["ok", "slow"]  # slow loaded on p1: it works
+    assert [a.name for a in start_adapters(spec, None)] == ["ok", "bad", "slow"]  # nothing known yet: all
+
+    kube = MemoryKube(copy.deepcopy({**BASE, "adapters": [{"name": "ok", "source": "/a/ok"},
+                                                           {"name": "bad", "source": "/a/bad"}]}))
+    reconciler = Reconciler(kube)
+    reconciler.reconcile("ns", "llm")
+    deployment = kube.objects[("Deployment", "llm")]["spec"]
+    report = AdapterReport((PodAdapters("llm-x", ("ok",), "load bad from /a/bad: HTTP 400: ...", failed=("bad",)),))
+    reconciler.reconcile("ns", "llm", adapters=report)
+    assert kube.objects[("ConfigMap", "llm-engine")]["data"]["lora_modules"] == "ok=/a/ok"
+    assert kube.body["status"]["adapters"][0]["failed"] == ["bad"]
+    assert kube.objects[("Deployment", "llm")]["spec"] == deployment  # no roll
+    fixed = AdapterReport((PodAdapters("llm-x", ("bad", "ok"), did_load=("bad",)),))
+    reconciler.reconcile("ns", "llm", adapters=fixed)  # the source was fixed: new pods get it again
+    assert kube.objects[("ConfigMap", "llm-engine")]["data"]["lora_modules"] == "ok=/a/ok bad=/a/bad"
