@@ -50,7 +50,10 @@ LEADER_WORKER_SET = "LeaderWorkerSet"
 LWS_GROUP = "leaderworkerset.x-k8s.io"
 LWS_VERSION = "v1"
 LWS_PLURAL = "leaderworkersets"
-RENDEZVOUS_PORT = 29500  # the leader's rendezvous store (--master-port)
+# The leader's rendezvous store (--master-port). StatefulSet group i uses RENDEZVOUS_PORT + i: pods
+# that share a host's network (hostNetwork, common for RDMA, and the local pod runtime) then never
+# have two groups' leaders on one port.
+RENDEZVOUS_PORT = 29500
 WORKER_HEALTH_PORT = 8001  # LWS workers' /health and /ready (--worker-health-port)
 LWS_LEADER_ADDRESS_ENV = "LWS_LEADER_ADDRESS"  # set by the LeaderWorkerSet controller in every pod
 LWS_WORKER_INDEX_ENV = "LWS_WORKER_INDEX"
@@ -88,9 +91,10 @@ def leader_selector(spec: InferenceServiceSpec, lws: bool) -> dict[str, str]:
     return {LWS_WORKER_INDEX_LABEL: "0"} if lws else {POD_INDEX_LABEL: "0"}
 
 
-def group_args(spec: InferenceServiceSpec, master_addr: str, node_rank: str, health_port: int) -> list[str]:
+def group_args(spec: InferenceServiceSpec, master_addr: str, node_rank: str, health_port: int,
+               master_port: int = RENDEZVOUS_PORT) -> list[str]:
     return ["--nnodes", str(spec.engine.parallelism.nodes), "--node-rank", node_rank, "--master-addr", master_addr,
-            "--master-port", str(RENDEZVOUS_PORT), "--worker-health-port", str(health_port)]
+            "--master-port", str(master_port), "--worker-health-port", str(health_port)]
 
 
 def spread_members(name: str) -> dict[str, Any]:
@@ -102,7 +106,7 @@ def spread_members(name: str) -> dict[str, Any]:
 
 
 def _group_template(spec: InferenceServiceSpec, name: str, args: list[str], env: list[dict],
-                    labels: dict[str, str]) -> dict[str, Any]:
+                    labels: dict[str, str], master_port: int = RENDEZVOUS_PORT) -> dict[str, Any]:
     template = copy.deepcopy(pod_template(spec, name))
     template["metadata"]["labels"].update(labels)
     if GROUP_LABEL in labels and not spec.scheduling.affinity:
@@ -112,7 +116,7 @@ def _group_template(spec: InferenceServiceSpec, name: str, args: list[str], env:
             container["args"] = container["args"] + args
             container["env"] = env + container["env"]
             container["ports"] = container["ports"] + [
-                {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"}]
+                {"name": "rendezvous", "containerPort": master_port, "protocol": "TCP"}]
     return template
 
 
@@ -134,7 +138,8 @@ def build_headless_service(owner: Owner) -> dict[str, Any]:
 def build_statefulset(owner: Owner, spec: InferenceServiceSpec, index: int) -> dict[str, Any]:
     group = group_name(owner.name, index)
     rank_env = [{"name": NODE_RANK_ENV, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}}]
-    args = group_args(spec, leader_address(owner, index), f"$({NODE_RANK_ENV})", ENGINE_PORT)
+    port = RENDEZVOUS_PORT + index
+    args = group_args(spec, leader_address(owner, index), f"$({NODE_RANK_ENV})", ENGINE_PORT, port)
     metadata = _metadata(owner, group)
     metadata["labels"] = {**metadata["labels"], GROUP_LABEL: group}
     return {
@@ -148,7 +153,7 @@ def build_statefulset(owner: Owner, spec: InferenceServiceSpec, index: int) -> d
             "updateStrategy": {"type": "OnDelete"},  # the reconcile restarts a whole group at a time
             "revisionHistoryLimit": 3,
             "selector": {"matchLabels": {**selector_labels(owner.name), GROUP_LABEL: group}},
-            "template": _group_template(spec, owner.name, args, rank_env, {GROUP_LABEL: group}),
+            "template": _group_template(spec, owner.name, args, rank_env, {GROUP_LABEL: group}, port),
         },
     }
 

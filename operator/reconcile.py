@@ -295,7 +295,9 @@ class Reconciler:
         deleting their pods, and returns the groups counted as a Deployment status counts pods."""
         namespace, name = owner.namespace, owner.name
         selector = selector_string(name)
-        listed = [s for s in self.kube.list_stateful_sets(namespace, selector) if controlled_by(s, owner)]
+        # list items carry no kind; delete() needs it
+        listed = [{**s, "kind": "StatefulSet"} for s in self.kube.list_stateful_sets(namespace, selector)
+                  if controlled_by(s, owner)]
         changes = []
         for sts in groups.surplus_statefulsets(name, spec, lws, listed):
             changes.append(self._delete(body, sts, groups.surplus_reason(spec, lws)))
@@ -303,7 +305,7 @@ class Reconciler:
         kept = [live.get(("StatefulSet", s["metadata"]["name"])) or s for s in kept]
         if lws:
             return groups.groups_summary(spec, [], [], live.get((groups.LEADER_WORKER_SET, name)) or {}), changes
-        pods = self.kube.list_pods(namespace, selector) if kept else []
+        pods = [{**p, "kind": "Pod"} for p in self.kube.list_pods(namespace, selector)] if kept else []
         for sts, why in groups.groups_to_restart(kept, pods):
             for pod in groups.members(sts, pods):
                 if not pod["metadata"].get("deletionTimestamp"):

@@ -1,7 +1,7 @@
 """Multi-node replica groups on the real control plane (operator/groups.py): the StatefulSet
 groups, their headless Service and the LeaderWorkerSet (its CRD pinned beside this file) are
 accepted by the API server, server-side dry run and real; and an InferenceService whose replica
-spans two pods runs on two KWOK nodes through the local pod runtime: the members rendezvous by
+spans three pods runs on three KWOK nodes through the local pod runtime: the members rendezvous by
 the leader's DNS name, the router serves a chat completion from the leader, a second group comes
 and goes with spec.replicas, and killing a worker restarts its whole group."""
 
@@ -87,12 +87,12 @@ def test_the_leaderworkerset_is_accepted_with_its_crd_installed(k8s_cluster, nam
 
 @pytest.fixture
 def operated(k8s_cluster, tmp_path):
-    """Two local-runtime nodes, a namespace with the operator (exactly rbac.RULES) and the pod runtime."""
+    """Three local-runtime nodes, a namespace with the operator (exactly rbac.RULES) and the pod runtime."""
     from iterserve.devcluster.podrunner import PodRunner, add_local_runtime_node
     from tests import operator_fixture as fx
 
     fx.install_crd(k8s_cluster)
-    nodes = [f"group-node-{uuid.uuid4().hex[:6]}" for _ in range(2)]
+    nodes = [f"group-node-{uuid.uuid4().hex[:6]}" for _ in range(3)]
     for node in nodes:
         add_local_runtime_node(k8s_cluster, node, gpus=2)
     namespace, kubeconfig = fx.operator_namespace(k8s_cluster, prefix="grp")
@@ -116,14 +116,17 @@ def operated(k8s_cluster, tmp_path):
 
 
 def group_service(name: str) -> dict:
-    """Two pipeline stages of the embedded model over two pods (SmolLM2's 9 heads split over no
-    tensor size of 2; its 30 layers split in two); the operator puts each member on its own node."""
+    """The embedded model at tensor-parallel size 3 over three pods, one rank each (SmolLM2's 9
+    heads and 3 KV heads split over 3, not 2; there is no smaller model a pod may name here); the
+    operator puts each member on its own node."""
     from iterserve.devcluster.podrunner import local_runtime_scheduling
 
     return {"apiVersion": "iterserve.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": name},
             "spec": {"model": {"uri": "smollm2-135m"}, "replicas": 1,
-                     "engine": {"parallelism": {"pipeline": 2, "nodes": 2}, "maxNumSeqs": 4, "maxModelLen": 256,
-                                "kvCacheMemory": "16MiB", "startupSeconds": 300, "drainSeconds": 2},
+                     "engine": {"parallelism": {"tensor": 3, "nodes": 3}, "maxNumSeqs": 4, "maxModelLen": 256,
+                                "kvCacheMemory": "16MiB", "startupSeconds": 300, "drainSeconds": 2,
+                                # one dtype on every node (auto measures bf16's speed on each)
+                                "extraArgs": ["--dtype", "float32"]},
                      "scheduling": local_runtime_scheduling(),
                      "podTemplatePatch": {"spec": {"containers": [{
                          "name": "engine", "startupProbe": {"periodSeconds": 1, "failureThreshold": 300},
@@ -131,7 +134,7 @@ def group_service(name: str) -> dict:
 
 
 @pytest.mark.slow
-def test_a_two_node_group_serves_scales_by_groups_and_restarts_as_a_group(k8s_cluster, operated):
+def test_a_multi_node_group_serves_scales_by_groups_and_restarts_as_a_group(k8s_cluster, operated):
     from kubernetes import client
 
     from iterserve.labels import is_leader
@@ -158,8 +161,8 @@ def test_a_two_node_group_serves_scales_by_groups_and_restarts_as_a_group(k8s_cl
 
     wait(ready_groups(1), 420, 1, lambda: f"one ready group; operator:\n{operator.log_tail()}\npods: {tmp / 'pods'}")
     pods = members("big-g0")
-    assert sorted(p["metadata"]["name"] for p in pods) == ["big-g0-0", "big-g0-1"]
-    assert len({p["spec"]["nodeName"] for p in pods}) == 2  # one member per node
+    assert sorted(p["metadata"]["name"] for p in pods) == ["big-g0-0", "big-g0-1", "big-g0-2"]
+    assert len({p["spec"]["nodeName"] for p in pods}) == 3  # one member per node
     assert [p["metadata"]["name"] for p in pods if is_leader(p)] == ["big-g0-0"]
 
     router = wait(lambda: ready_urls(kube.list_pods(namespace, ",".join(
@@ -172,7 +175,7 @@ def test_a_two_node_group_serves_scales_by_groups_and_restarts_as_a_group(k8s_cl
     # a second group comes with spec.replicas and goes again, whole
     custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "big", {"spec": {"replicas": 2}})
     wait(ready_groups(2), 420, 1, lambda: f"two ready groups; operator:\n{operator.log_tail()}")
-    assert len(members("big-g1")) == 2
+    assert len(members("big-g1")) == 3
     custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "big", {"spec": {"replicas": 1}})
     wait(lambda: kube.get("StatefulSet", namespace, "big-g1") is None and ready_groups(1)(), 120, 1,
          lambda: f"back to one group; operator:\n{operator.log_tail()}")

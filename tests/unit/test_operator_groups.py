@@ -32,7 +32,8 @@ def _spec(**changes):
 
 
 class GroupKube(MemoryKube):
-    """MemoryKube with the lists the group reconcile reads; StatefulSets report their pods ready."""
+    """MemoryKube with the lists the group reconcile reads (items without a kind, as the API lists
+    them); StatefulSets report their pods ready."""
 
     def __init__(self, spec: dict):
         super().__init__(spec)
@@ -48,8 +49,9 @@ class GroupKube(MemoryKube):
             applied = copy.deepcopy(obj)
         return applied
 
-    def list_stateful_sets(self, namespace, selector):
-        return [copy.deepcopy(o) for (kind, _), o in self.objects.items() if kind == "StatefulSet"]
+    def list_stateful_sets(self, namespace, selector):  # as the API lists them: items carry no kind
+        return [{k: v for k, v in copy.deepcopy(o).items() if k != "kind"}
+                for (kind, _), o in self.objects.items() if kind == "StatefulSet"]
 
     def list_pods(self, namespace, selector):
         return copy.deepcopy(self.pods)
@@ -66,8 +68,7 @@ class GroupKube(MemoryKube):
 
 
 def member(group: str, index: int, ready: bool = True, restarts: int = 0, revision: str | None = None) -> dict:
-    return {"kind": "Pod",
-            "metadata": {"name": f"{group}-{index}", "uid": f"pod-{group}-{index}",
+    return {"metadata": {"name": f"{group}-{index}", "uid": f"pod-{group}-{index}",
                          "labels": {**selector_labels("llm"), POD_INDEX_LABEL: str(index),
                                     groups.REVISION_LABEL: revision or f"{group}-r1"},
                          "ownerReferences": [{"kind": "StatefulSet", "uid": f"uid-{group}", "controller": True}]},
@@ -137,6 +138,7 @@ def test_the_reconcile_applies_groups_once_and_scales_by_whole_groups():
     assert ("StatefulSet", "llm-g1") in kube.writes
     args = _engine(kube.objects[("StatefulSet", "llm-g1")])["args"]
     assert args[args.index("--master-addr") + 1] == "llm-g1-0.llm-group"
+    assert args[args.index("--master-port") + 1] == str(groups.RENDEZVOUS_PORT + 1)  # no two leaders share one
     kube.body["spec"]["replicas"] = 1
     kube.writes.clear()
     reconciler.reconcile("ns", "llm")
