@@ -23,6 +23,7 @@ from iterserve.operator.adapters import (
 from iterserve.operator.engine_config import engine_config_for
 from iterserve.operator.reconcile import Reconciler
 from iterserve.operator.validation import SpecError, parse_spec
+from tests.unit.test_operator_bounded_reads import HostilePod
 from tests.unit.test_operator_value_flow import MemoryKube
 
 OWNER = r.Owner("llm", "ns", "uid-1")
@@ -153,3 +154,27 @@ def test_new_pods_start_without_an_adapter_that_failed_to_load_and_is_loaded_now
     fixed = AdapterReport((PodAdapters("llm-x", ("bad", "ok"), did_load=("bad",)),))
     reconciler.reconcile("ns", "llm", adapters=fixed)  # the source was fixed: new pods get it again
     assert kube.objects[("ConfigMap", "llm-engine")]["data"]["lora_modules"] == "ok=/a/ok bad=/a/bad"
+
+
+@pytest.fixture(params=["huge", "trickle"])
+def hostile_pod(request):
+    server = HostilePod(request.param)
+    yield server
+    server.close()
+
+
+def test_a_hostile_pods_model_list_is_bounded_and_only_that_pod_records_it(hostile_pod):
+    import asyncio
+    import time
+
+    from iterserve.operator.adapters import AdapterAdmin, sync_pods
+
+    pod = hostile_pod
+    started = time.monotonic()
+    report = asyncio.run(sync_pods(AdapterAdmin("token", timeout=1.0), {"bad": pod.url, "gone": "http://127.0.0.1:9"},
+                                   {"a": "/a"}, deadline_s=5.0))
+    assert time.monotonic() - started < 3
+    errors = {p.pod: p.error for p in report.pods}
+    assert "1048576-byte cap" in errors["bad"] or "timeout" in errors["bad"], errors
+    assert errors["gone"].startswith("GET http://127.0.0.1:9/v1/models: ") and len(report.pods) == 2
+    assert all(p.loaded == () and p.did_load == () for p in report.pods)
