@@ -17,7 +17,8 @@ Built on Kubernetes' own workload APIs:
   OnDelete updates) behind one headless Service NAME-group (publishing pods before they are
   ready: members rendezvous before any is ready). Rank = the pod's index (the
   apps.kubernetes.io/pod-index label the StatefulSet controller sets), the leader is
-  NAME-g<i>-0, reached by DNS as NAME-g<i>-0.NAME-group. One template serves every rank, so the
+  NAME-g<i>-0, reached by DNS as NAME-g<i>-0.NAME-group on port 29500 + i; each member on a node
+  of its own unless spec.scheduling.affinity is set. One template serves every rank, so the
   workers' health port is the HTTP port (they serve nothing else there). Scaling adds or deletes
   whole StatefulSets, the highest index first; `groups_to_restart` says which groups the
   reconcile restarts (by deleting their pods): one whose member failed or restarted, and one of

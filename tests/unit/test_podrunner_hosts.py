@@ -57,3 +57,14 @@ def test_a_pod_process_resolves_its_group_members_by_name_and_sees_later_changes
     lines = (tmp_path / "pod.log").read_text().splitlines()
     assert lines[-2:] == ["127.10.0.5", "127.10.0.6"]
     assert Path("/etc/hosts").read_text() == before
+
+
+def test_a_fresh_listing_drops_the_pods_deleted_while_the_watch_was_broken(tmp_path: Path):
+    hosts = HostsFiles(tmp_path / "hosts")
+    leader, worker = pod("llm-g0-0", "127.10.0.5"), pod("llm-g0-1", "127.10.0.6")
+    hosts.seen("ADDED", leader)
+    hosts.seen("ADDED", worker)
+    path = hosts.file_for(leader)
+    assert "llm-g0-1.llm-group" in path.read_text()
+    hosts.listed("team-a", [leader])  # llm-g0-1's DELETED event was missed
+    assert "llm-g0-1.llm-group" not in path.read_text() and "llm-g0-0.llm-group" in path.read_text()

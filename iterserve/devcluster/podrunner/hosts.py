@@ -77,6 +77,12 @@ class HostsFiles:
                 pods.pop(meta["uid"], None)
             self._rewrite(meta["namespace"])
 
+    def listed(self, namespace: str, pods: list[dict]) -> None:
+        """A fresh listing of the namespace (after a watch broke): pods deleted meanwhile go."""
+        with self._lock:
+            self._pods[namespace] = {p["metadata"]["uid"]: p for p in pods if pod_names(p)}
+            self._rewrite(namespace)
+
     def file_for(self, pod: dict) -> Path:
         """The hosts file `pod`'s process is to see as /etc/hosts (made now, kept current)."""
         meta = pod["metadata"]

@@ -246,6 +246,8 @@ class PodRunner:
         while not self._stop.is_set():
             try:
                 listing = self.api.list_pods(namespace)
+                if self.options.hosts is not None:
+                    self.options.hosts.listed(namespace, listing["items"])
                 seen = set()
                 for pod in listing["items"]:
                     seen.add(pod["metadata"]["uid"])
