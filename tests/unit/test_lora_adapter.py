@@ -201,3 +201,23 @@ def test_a_rank_s_part_gives_its_output_columns_or_its_share_of_the_sum(tmp_path
         summed = {target: summed[target] + got[target] for target in summed}
     for target, total in summed.items():
         torch.testing.assert_close(total, want[target])
+
+
+def test_a_worker_reads_an_adapter_again_when_rank_0_reloads_its_name(tmp_path):
+    """Rank 0's sources name each load; a worker's ensure reads a load it has not read, and its slot
+    then holds the new adapter."""
+    layers = [object(), object()]
+    rank0, worker = (LoraManager(CONFIG, layers, 1, 8, 1, torch.device("cpu"), torch.float32) for _ in range(2))
+    first, second = str(adapter(tmp_path / "one")), str(full_adapter(tmp_path / "two", CONFIG, seed=5))
+    rank0.register("x", first)
+    worker.ensure("x", rank0.sources(["x"])["x"])
+    x = {"qkv": torch.randn(3, 16)}
+    torch.testing.assert_close(deltas(worker, layers, "x", x), deltas(rank0, layers, "x", x))
+    worker.ensure("x", rank0.sources(["x"])["x"])  # the same load: nothing read
+    assert worker.slot_loads == 1
+    rank0.unregister("x")
+    rank0.register("x", second)
+    assert rank0.sources(["x"])["x"] == (second, 2)
+    worker.ensure("x", rank0.sources(["x"])["x"])
+    torch.testing.assert_close(deltas(worker, layers, "x", x), deltas(rank0, layers, "x", x))
+    assert worker.slot_loads == 2
