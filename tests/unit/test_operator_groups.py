@@ -244,3 +244,17 @@ def test_specs_groups_cannot_serve_are_refused_naming_the_field(raw, field):
     with pytest.raises(SpecError) as error:
         parse_spec({"model": {"uri": "m"}, **raw})
     assert error.value.field == field
+
+
+def test_the_chart_s_pod_monitor_scrapes_group_leaders_and_drops_workers():
+    import re
+
+    from tests.unit.chart_tools import of_kind, render
+
+    [pod_monitor] = of_kind(render(("namespaced-monitoring.yaml",)), "PodMonitor")
+    drops = {r["sourceLabels"][0]: r["regex"] for r in pod_monitor["spec"]["podMetricsEndpoints"][0]["relabelings"]
+             if r["action"] == "drop"}
+    for label in (POD_INDEX_LABEL, "leaderworkerset.sigs.k8s.io/worker-index"):
+        meta = "__meta_kubernetes_pod_label_" + re.sub(r"[^A-Za-z0-9]", "_", label)
+        # Prometheus anchors the regex: index 1, 2, 10 are dropped; 0 and no label (a Deployment's pod) kept
+        assert [bool(re.fullmatch(drops[meta], v)) for v in ("1", "2", "10", "0", "")] == [True] * 3 + [False] * 2
