@@ -141,6 +141,8 @@ def parse_models(body: bytes) -> frozenset[str]:
         ids = frozenset(str(card["id"]) for card in cards[:MAX_MODELS])
     except (KeyError, TypeError, RecursionError) as error:
         raise ValueError(f"not an OpenAI model list ({type(error).__name__})") from None
+    if not ids:  # a server serves at least its base model: an empty list says nothing
+        raise ValueError("the model list is empty")
     return ids
 
 

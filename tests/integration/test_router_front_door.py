@@ -201,8 +201,8 @@ class _Smuggler(socketserver.BaseRequestHandler):
             while len(buf) < length:
                 buf += self.request.recv(65536)
             buf = buf[length:]
-            if head.startswith(b"GET /metrics"):
-                gauge = b"vllm:num_requests_running 0\n"
+            if head.startswith((b"GET /metrics", b"GET /v1/models")):  # the router's scrapes
+                gauge = b"vllm:num_requests_running 0\n" if head.startswith(b"GET /metrics") else b'{"data": []}'
                 self.request.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(gauge), gauge))
                 continue
             if not counted:

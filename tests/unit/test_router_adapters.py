@@ -76,6 +76,6 @@ def test_lora_requests_info_gives_running_and_waiting_adapters_of_the_newest_sam
 
 def test_model_lists_are_read_strictly():
     assert parse_models(b'{"object": "list", "data": [{"id": "base"}, {"id": "sql", "parent": "base"}]}') == WITH_SQL
-    for bad in (b"[]", b'{"data": [1]}', b'{"data": {"id": "x"}}', b"not json"):
+    for bad in (b"[]", b'{"data": [1]}', b'{"data": {"id": "x"}}', b"not json", b'{"data": []}'):
         with pytest.raises(ValueError):
             parse_models(bad)
