@@ -92,6 +92,14 @@ def leader_selector(spec: InferenceServiceSpec, lws: bool) -> dict[str, str]:
     return {LWS_WORKER_INDEX_LABEL: "0"} if lws else {POD_INDEX_LABEL: "0"}
 
 
+def leader_pod_selector(name: str, spec: InferenceServiceSpec, lws: bool) -> str | None:
+    """The scale subresource's selector for groups: their leaders (one pod per replica, the one
+    with metrics, for an HPA's pod metrics); None without groups (every engine pod)."""
+    if not is_group(spec):
+        return None
+    return ",".join(f"{k}={v}" for k, v in {**selector_labels(name), **leader_selector(spec, lws)}.items())
+
+
 def group_args(spec: InferenceServiceSpec, master_addr: str, node_rank: str, health_port: int,
                master_port: int = RENDEZVOUS_PORT) -> list[str]:
     return ["--nnodes", str(spec.engine.parallelism.nodes), "--node-rank", node_rank, "--master-addr", master_addr,

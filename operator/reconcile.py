@@ -252,7 +252,8 @@ class Reconciler:
         routing_state = routing.routing_condition(name, spec, pool_served, router)
 
         seen = Observed(spec, name, generation, deployment, max_num_seqs, self.clock(), routing_state, router,
-                        live.get(("Deployment", disaggregation.prefill_name(name))), tick)
+                        live.get(("Deployment", disaggregation.prefill_name(name))), tick,
+                        groups.leader_pod_selector(name, spec, lws))
         written, _ = self.write_status(body, lambda prev: {**service_status(prev, seen), **(
             {"adapters": adapters.status()} if adapters is not None else {})})
         if written is not None:

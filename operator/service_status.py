@@ -34,6 +34,7 @@ class Observed:
     router: dict | None = None  # the router Deployment (Router mode)
     prefill: dict | None = None  # the prefill pool's Deployment (disaggregation)
     tick: AutoscalerTick | None = None
+    selector: str | None = None  # the scale subresource's pod selector, when not every engine pod's (groups)
 
 
 def service_status(previous: dict, seen: Observed) -> dict:
@@ -41,6 +42,8 @@ def service_status(previous: dict, seen: Observed) -> dict:
     status = reconciled_status(previous, seen.spec, seen.name, seen.generation, seen.deployment, seen.max_num_seqs,
                                seen.now, routing=seen.routing, router=seen.router)
     status.update(_extra_pools(previous, seen.spec, seen.prefill))
+    if seen.selector is not None:  # multi-node groups: one pod per replica, its leader
+        status["selector"] = seen.selector
     status["conditions"] = _ineffective(status["conditions"], seen)
     if seen.tick is not None:
         tick = seen.tick

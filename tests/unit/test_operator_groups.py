@@ -129,6 +129,8 @@ def test_the_reconcile_applies_groups_once_and_scales_by_whole_groups():
     reconciler.reconcile("ns", "llm")
     assert [w for w in kube.writes if w[0] != "status"] == []  # nothing to change
     assert kube.body["status"]["readyReplicas"] == 1
+    # the scale subresource's selector: one pod per replica, the group's leader
+    assert kube.body["status"]["selector"].endswith(f",{POD_INDEX_LABEL}=0")
     kube.writes.clear()
     reconciler.reconcile("ns", "llm")
     assert kube.writes == []  # a second pass writes nothing
