@@ -1,6 +1,6 @@
 """LoRA adapters on every family the engine serves, against transformers + peft, on small random
 models built with transformers' own config classes (tests/tiny_families.py's Gemma 2, Gemma 3,
-Phi-3 and Qwen3-MoE, and Qwen2 and Mistral built here the same way), each with two peft adapters
+Phi-3 and Qwen3-MoE, and Qwen2, Qwen3 and Mistral built here the same way), each with two peft adapters
 (random A, non-zero random B, fixed seeds; rank 4 on every linear peft can target, rank 3 with
 rsLoRA on a few):
 
@@ -23,7 +23,7 @@ from iterserve.engine.config import ConfigError
 from iterserve.engine.model.tokenizer import Tokenizer
 from tests import tiny_families as tiny
 
-pytestmark = pytest.mark.slow  # about a minute: six models, twelve peft adapters, six engines
+pytestmark = pytest.mark.slow  # about 40 s: seven models, fourteen peft adapters, seven engines
 
 NEW_TOKENS = 10
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -39,9 +39,11 @@ TARGETS = {
     # tests/unit/test_lora_adapter.py and runs the Llama path
     "qwen3_moe": ({"mlp_only_layers": [1]}, ("q_proj", "k_proj", "v_proj", "o_proj"), ("q_proj", "v_proj", "o_proj")),
     "qwen2": ({}, ALL, ("q_proj", "v_proj", "down_proj")),
+    "qwen3": ({}, ALL, ("k_proj", "gate_proj", "up_proj")),
     "mistral": ({}, ALL, ("o_proj", "gate_proj")),
 }
-# Llama-like families built here as tiny_families builds the others (q/k/v biases on Qwen2, a window on Mistral)
+# Llama-like families built here as tiny_families builds the others (q/k/v biases on Qwen2, a window on
+# Mistral, q/k norms on Qwen3)
 LLAMA_LIKE = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -49,6 +51,9 @@ LLAMA_LIKE = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, sliding_window=tiny.WINDOW, max_position_embeddings=256, tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, max_position_embeddings=256, tie_word_embeddings=False)),
 }
 
 
