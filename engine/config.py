@@ -109,6 +109,23 @@ class EngineConfig:
     pipeline_parallel_size: int = field(default=1, metadata=flag(
         MODEL, "pipeline stages the layers are split into (one process per stage and tensor-parallel rank; "
                "see docs/parallelism.md)"))
+    pipeline_micro_batches: int | None = field(default=None, metadata=flag(
+        MODEL, "micro-batches a pipeline step's batch is split into, so stage s works on one while stage s+1 "
+               "works on the previous (default: --pipeline-parallel-size; 1: no overlap)"))
+    # Several nodes (engine/distributed/multinode.py): each node's serve starts its share of the ranks.
+    nnodes: int = field(default=1, metadata=flag(
+        MODEL, "nodes the ranks span (tensor x pipeline divisible by it); node 0 is the leader (scheduler, HTTP "
+               "API), the others run ranks only (see docs/parallelism.md)"))
+    node_rank: int = field(default=0, metadata=flag(MODEL, "this node's index among --nnodes (0: the leader)"))
+    master_addr: str = field(default="127.0.0.1", metadata=flag(
+        MODEL, "the leader node's address or DNS name (resolved with retries until --rendezvous-timeout)",
+        metavar="HOST"))
+    master_port: int = field(default=29500, metadata=flag(
+        MODEL, "port of the rendezvous store the leader opens for the other nodes"))
+    rendezvous_timeout: float = field(default=600.0, metadata=flag(
+        MODEL, "seconds a node waits for the leader and for every rank to join (the log names missing ones)"))
+    worker_health_port: int = field(default=8001, metadata=flag(
+        MODEL, "--node-rank above 0: port of the worker node's GET /health and /ready (it has no API port)"))
     step_log: str | None = field(default=None, metadata=flag(
         SCHEDULING, "write one JSON line per engine step to this file", metavar="PATH"))
     watermark: float = 0.01  # share of the KV pool admission keeps free (no flag)
@@ -216,6 +233,7 @@ class EngineConfig:
                               "(--tensor-parallel-size works with adapters)")
         _positive("--tensor-parallel-size", self.tensor_parallel_size)
         _positive("--pipeline-parallel-size", self.pipeline_parallel_size)
+        self.validate_nodes()
         if self.tensor_parallel_size * self.pipeline_parallel_size > 1 and self.role != "both":
             raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size} / --pipeline-parallel-size "
                               f"{self.pipeline_parallel_size} with --role {self.role}: KV transfer of a sharded cache "
@@ -266,6 +284,31 @@ class EngineConfig:
                 raise ConfigError(str(error)) from None
         if not 0 <= self.watermark < 0.5:
             raise ConfigError(f"watermark must be in [0, 0.5), got {self.watermark}")
+
+    def validate_nodes(self) -> None:
+        """--pipeline-micro-batches and the multi-node options (engine/distributed/multinode.py)."""
+        if self.pipeline_micro_batches is not None:
+            _positive("--pipeline-micro-batches", self.pipeline_micro_batches)
+        _positive("--nnodes", self.nnodes)
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.nnodes > 1 and world == 1:
+            raise ConfigError(f"--nnodes {self.nnodes} needs more than one rank: set --tensor-parallel-size or "
+                              "--pipeline-parallel-size")
+        if world % self.nnodes:
+            raise ConfigError(f"--nnodes {self.nnodes} does not divide the {world} ranks (--tensor-parallel-size "
+                              f"{self.tensor_parallel_size} x --pipeline-parallel-size {self.pipeline_parallel_size}): "
+                              "every node runs the same number of ranks")
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes}), "
+                              f"got {self.node_rank!r}")
+        for option, port in (("--master-port", self.master_port), ("--worker-health-port", self.worker_health_port)):
+            if not isinstance(port, int) or not 0 < port < 65536:
+                raise ConfigError(f"{option} must be in 1..65535, got {port!r}")
+        if not self.master_addr or len(self.master_addr) > 253:
+            raise ConfigError(f"--master-addr must be a host name or address of at most 253 characters, "
+                              f"got {self.master_addr!r}")
+        if not 0 < self.rendezvous_timeout <= 86400:
+            raise ConfigError(f"--rendezvous-timeout must be in (0, 86400] seconds, got {self.rendezvous_timeout}")
 
     def check_kv_capacity(self, num_blocks: int, num_cpu_blocks: int) -> None:
         """Called once the pool is sized: a max-length sequence must fit in it, beside the watermark

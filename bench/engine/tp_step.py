@@ -10,6 +10,10 @@ shards dense weights only). Rank 0's collective time includes waiting for the
 slower rank, so it measures communication plus imbalance. On a machine shared with other work the
 figures are provisional: the JSON records the load average at the start and the end.
 
+The pipeline arm (`pipeline` in the JSON): PP=2 (two ranks of 15 layers, one thread each) with one
+micro-batch per step (the stages take turns) against two (stage 0 computes the second half of the
+batch while stage 1 computes the first: engine/distributed/pipeline.py), same sizes, interleaved.
+
     python -m bench.engine.tp_step --json docs/perf/tp_step.json --plot docs/perf/tp_step.png
 """
 
@@ -57,13 +61,14 @@ def random_llama(directory: Path) -> Path:
     return directory
 
 
-def measure(tp: int, batch: int, steps: int, model: str, threads: int) -> dict:
+def measure(tp: int, batch: int, steps: int, model: str, threads: int, pp: int = 1, micro: int | None = None) -> dict:
     """Median model time per decode step with `batch` running sequences, and of one prefill step."""
     import torch
 
-    if tp == 1:
+    if tp * pp == 1:
         torch.set_num_threads(threads)
-    config = EngineConfig(model=model, tensor_parallel_size=tp, quantization="none", dtype="float32", device="cpu",
+    config = EngineConfig(model=model, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                          pipeline_micro_batches=micro, quantization="none", dtype="float32", device="cpu",
                           attention_backend="torch", max_num_seqs=max(batch, 1), num_kv_blocks=batch * 8 + 40,
                           max_model_len=512, max_num_batched_tokens=PREFILL_LEN, enable_prefix_caching=False)
     engine = LLMEngine.from_config(config)
@@ -89,7 +94,7 @@ def measure(tp: int, batch: int, steps: int, model: str, threads: int) -> dict:
             engine.step()
             times.append(engine.last_timing.model_s)
             comm.append((group.seconds - before) if group else 0.0)
-        return {"tp": tp, "batch": batch, "decode_step_ms": 1000 * statistics.median(times),
+        return {"tp": tp, "pp": pp, "micro_batches": micro or pp, "batch": batch, "decode_step_ms": 1000 * statistics.median(times),
                 "decode_collective_share": statistics.median(c / t for c, t in zip(comm, times, strict=True)),
                 "prefill_tokens": PREFILL_LEN, "prefill_step_ms": 1000 * prefill_s,
                 "prefill_collective_share": prefill_comm / prefill_s}
@@ -102,6 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     common.add_common_args(parser)
     parser.add_argument("--batches", default="1,4,16", help="running sequences per decode step")
     parser.add_argument("--steps", type=int, default=20, help="measured decode steps per point")
+    parser.add_argument("--no-pipeline", dest="pipeline", action="store_false",
+                        help="skip the PP=2 arm (micro-batches 1 against 2)")
     parser.add_argument("--model", help="a model whose heads 2 divides (default: a random Llama of SmolLM2-135M's "
                                             "shape with 8 heads and 4 KV heads, built in a temporary folder)")
     args = parser.parse_args(argv)
@@ -120,6 +127,11 @@ def main(argv: list[str] | None = None) -> None:
         for tp in (1, 2):  # interleaved, so a change in the machine's load hits both sizes alike
             rows.append(measure(tp, batch, steps, args.model, args.threads))
             print(rows[-1], file=sys.stderr, flush=True)
+    pipeline_rows = []
+    for batch in batches if args.pipeline else []:
+        for micro in (1, 2):
+            pipeline_rows.append(measure(1, batch, steps, args.model, args.threads, pp=2, micro=micro))
+            print(pipeline_rows[-1], file=sys.stderr, flush=True)
     by = {(r["tp"], r["batch"]): r for r in rows}
     table = [[b, by[1, b]["decode_step_ms"], by[2, b]["decode_step_ms"],
               by[1, b]["decode_step_ms"] / by[2, b]["decode_step_ms"], by[2, b]["decode_collective_share"]]
@@ -128,10 +140,19 @@ def main(argv: list[str] | None = None) -> None:
     prefill = [by[1, batches[0]]["prefill_step_ms"], by[2, batches[0]]["prefill_step_ms"]]
     print(f"prefill of {PREFILL_LEN} tokens: TP=1 {prefill[0]:.0f} ms, TP=2 {prefill[1]:.0f} ms "
           f"({by[2, batches[0]]['prefill_collective_share']:.0%} in collectives)")
+    pipe = {(r["micro_batches"], r["batch"]): r for r in pipeline_rows}
+    if pipeline_rows:
+        print(common.format_table(
+            ["batch", "PP=2 1 micro-batch ms", "PP=2 2 micro-batches ms", "speed-up"],
+            [[b, pipe[1, b]["decode_step_ms"], pipe[2, b]["decode_step_ms"],
+              pipe[1, b]["decode_step_ms"] / pipe[2, b]["decode_step_ms"]] for b in batches]))
+        print(f"prefill of {PREFILL_LEN} tokens at PP=2: {pipe[1, batches[0]]['prefill_step_ms']:.0f} ms in one "
+              f"micro-batch, {pipe[2, batches[0]]['prefill_step_ms']:.0f} ms in two")
     common.write_json(args.json, {
         "benchmark": "tp_step", "provisional": True,
         "note": "shared machine: figures are noisy; compare TP=1 and TP=2 within this run only",
-        "model": label, "shape": SHAPE, "backend": "gloo", "machine": common.finish_machine(info), "results": rows})
+        "model": label, "shape": SHAPE, "backend": "gloo", "machine": common.finish_machine(info), "results": rows,
+        "pipeline": pipeline_rows})
     if args.plot:
         plt = common.pyplot()
         fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))

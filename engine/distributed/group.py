@@ -20,8 +20,9 @@ COLLECTIVE_TIMEOUT_S = 120.0
 
 class Group:
     def __init__(self, rank: int, size: int, device: torch.device, timeout_s: float = COLLECTIVE_TIMEOUT_S,
-                 prefix: str = ""):
+                 prefix: str = "", address: str = "127.0.0.1"):
         self.prefix = prefix  # a sub-group's name in its parent's store (a pipeline stage's TP group)
+        self.address = address  # where this rank's gloo listens: the other ranks connect to it
         self.rank = rank
         self.size = size
         self.device = device
@@ -32,7 +33,8 @@ class Group:
         self.calls = 0
 
     def open_store(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Rank 0: the rendezvous store (port 0: a free one); returns its port for the other ranks."""
+        """Rank 0: the rendezvous store (port 0: a free one; it listens on every interface); returns its
+        port for the other ranks."""
         from torch.distributed import TCPStore
 
         self.store = TCPStore(host, port, self.size, self.rank == 0, timeout=self.timeout, wait_for_workers=False)
@@ -53,7 +55,7 @@ class Group:
             self.pg = dist.ProcessGroupNCCL(self.store, self.rank, self.size, options)
         else:
             options = dist.ProcessGroupGloo._Options()
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.address)]
             options._timeout = self.timeout
             self.pg = dist.ProcessGroupGloo(self.store, self.rank, self.size, options)
         self.barrier()
@@ -88,10 +90,16 @@ class Group:
         self.seconds += time.perf_counter() - start
         self.calls += 1
 
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> _Sending:
+        """An asynchronous send (a pipeline micro-batch's output): wait() on the result before the
+        tensor may change; the wait has the collectives' timeout."""
+        tensor = tensor.contiguous()
+        return _Sending(self, self.pg.send([tensor], dst, tag), tensor)
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int = 0) -> torch.Tensor:
         start = time.perf_counter()
         tensor = torch.empty(shape, dtype=dtype, device=self.device)
-        self._wait(self.pg.recv([tensor], src, 0))
+        self._wait(self.pg.recv([tensor], src, tag))
         self.seconds += time.perf_counter() - start
         self.calls += 1
         return tensor
@@ -102,3 +110,15 @@ class Group:
     def close(self) -> None:
         self.pg = None
         self.store = None
+
+
+class _Sending:
+    def __init__(self, group: Group, work, tensor: torch.Tensor):
+        self.group, self.work, self.tensor = group, work, tensor  # the tensor lives until delivered
+
+    def wait(self) -> None:
+        start = time.perf_counter()
+        self.group._wait(self.work)
+        self.group.seconds += time.perf_counter() - start
+        self.group.calls += 1
+        self.tensor = None

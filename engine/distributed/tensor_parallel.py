@@ -27,12 +27,15 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from multiprocessing.connection import Client, Listener
 
 import torch
+from torch.distributed import TCPStore
 
 from iterserve.engine.attention.backend import AttentionMetadata
 from iterserve.engine.config import ConfigError, EngineConfig
+from iterserve.engine.distributed import multinode, pipeline
 from iterserve.engine.distributed.group import Group
 from iterserve.engine.model import parallel
 from iterserve.engine.model.loader import ModelConfig
@@ -96,6 +99,7 @@ class ShardRunner(ModelRunner):
         self.tp = config.tensor_parallel_size
         self.stages = config.pipeline_parallel_size
         self.stage, self.tp_rank = divmod(group.rank, self.tp)
+        self.micro_batches = config.pipeline_micro_batches or self.stages
         if config.compile:
             raise ConfigError(f"{_sizes(config)} with --compile is not supported; drop --compile")
         super().__init__(config, show_progress=show_progress)
@@ -148,15 +152,10 @@ class ShardRunner(ModelRunner):
         self.model.lora_step = self.lora.step(plan.lora_rows) if plan.lora_rows else None
         if self.stages == 1:
             hidden = self.model(ids, positions, self.kv_caches, meta)
-        else:
-            carry, last = None, self.stage == self.stages - 1
-            if self.stage > 0:  # the previous stage's rank of the same tensor-parallel share
-                shape, source = (len(plan.input_ids), self.hidden_size), self.group.rank - self.tp
-                carry = (self.group.recv(shape, self.dtype, source), self.group.recv(shape, self.dtype, source))
-            hidden = parallel.stage_forward(self.model, ids, positions, self.kv_caches, meta, carry, last)
-            if not last:
-                for tensor in hidden:
-                    self.group.send(tensor, self.group.rank + self.tp)
+        else:  # micro-batches through the stages (engine/distributed/pipeline.py)
+            hidden = pipeline.pipeline_forward(self, self.model, ids, positions, plan.query_lens, plan.seq_lens,
+                                               plan.block_tables, self.micro_batches)
+            if hidden is None:  # not the last stage
                 return
         for rows in plan.logit_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=device)])
@@ -178,9 +177,9 @@ class FirstStage:
         return getattr(self.model, name)
 
     def __call__(self, input_ids, positions, kv_caches, meta):
-        runner = self.runner
-        for tensor in parallel.stage_forward(self.model, input_ids, positions, kv_caches, meta, None, last=False):
-            runner.group.send(tensor, runner.tp)
+        runner, step = self.runner, self.runner.step
+        pipeline.pipeline_forward(runner, self.model, input_ids, positions, step.query_lens, step.seq_lens,
+                                  step.block_tables, runner.micro_batches)
         return torch.arange(input_ids.shape[0], device=input_ids.device).unsqueeze(1)
 
     def compute_logits(self, rows: torch.Tensor) -> torch.Tensor:
@@ -198,19 +197,36 @@ class TensorParallelRunner(ShardRunner):
     def __init__(self, config: EngineConfig, show_progress: bool = True):
         tp, stages = config.tensor_parallel_size, config.pipeline_parallel_size
         size = tp * stages
+        local = multinode.local_size(config)  # ranks on this node
+        if config.node_rank != 0:
+            raise ConfigError(f"--node-rank {config.node_rank} runs ranks only, no engine: start that node with "
+                              f"`iterserve serve --nnodes {config.nnodes} --node-rank {config.node_rank} ...` "
+                              "(engine/distributed/multinode.py)")
         device = pick_device(config.device)
-        if device.type == "cuda" and torch.cuda.device_count() < size:
-            raise ConfigError(f"--tensor-parallel-size {size} needs {size} CUDA devices; {torch.cuda.device_count()} "
+        if device.type == "cuda" and torch.cuda.device_count() < local:
+            raise ConfigError(f"--tensor-parallel-size {tp} x --pipeline-parallel-size {stages} over --nnodes "
+                              f"{config.nnodes} needs {local} CUDA devices on this node; {torch.cuda.device_count()} "
                               "are visible")
         if device.type == "cuda":
             torch.cuda.set_device(0)
-        group = Group(0, size, device)
-        tp_group = _tp_group(group, tp, stages, device)
         self.group_failure: BaseException | None = None
         self._workers: list[subprocess.Popen] = []
         self._pipes: list = []
         self._closing = False
-        _cpu_threads(size)
+        self._plans: multinode.PlanPublisher | None = None  # the other nodes' ranks read plans from the store
+        self._deadline = time.monotonic() + config.rendezvous_timeout
+        address, self._master_ip = "127.0.0.1", None
+        if config.nnodes > 1:  # the store first: the other nodes connect while rank 0 loads
+            self._master_ip = multinode.resolve(config.master_addr, self._deadline)
+            address = multinode.own_address(self._master_ip, config.master_port)
+        group = Group(0, size, device, address=address)
+        if config.nnodes > 1:
+            group.open_store(port=config.master_port)
+            logger.info("rendezvous store on port %d (--master-addr %s = %s); this node's ranks listen on %s; "
+                        "waiting for nodes 1..%d", config.master_port, config.master_addr, self._master_ip, address,
+                        config.nnodes - 1)
+        tp_group = _tp_group(group, tp, stages, device)
+        _cpu_threads(local)
         super().__init__(config, group, tp_group, show_progress)  # rank 0's slice first: its KV pool sizes the others
         worker_config = replace(config, num_kv_blocks=self.num_kv_blocks, num_cpu_blocks=self.num_cpu_blocks,
                                 kv_cache_memory=None)
@@ -229,20 +245,22 @@ class TensorParallelRunner(ShardRunner):
             self.model = FirstStage(self.model, self, full_config.vocab_size)
 
     def _start_workers(self, config: EngineConfig, group: Group, tp_group: Group | None) -> None:
-        """Spawn ranks 1..N-1 (`python -m` this module: no re-import of the caller's main script), hand
-        each its config over an authenticated local connection, rendezvous, wait for their models."""
-        size, port = group.size, group.open_store()
+        """Spawn this node's ranks 1..local-1 (`python -m` this module: no re-import of the caller's main
+        script), hand each its config over an authenticated local connection, and the other nodes'
+        ranks theirs through the store; rendezvous, wait for their models."""
+        size, local = group.size, multinode.local_size(config)
+        port = group.open_store() if group.store is None else group.store.port
         key = secrets.token_bytes(32)
         listener = Listener(("127.0.0.1", 0), authkey=key)
         try:
             env = {**os.environ, _KEY_ENV: key.hex()}
-            for rank in range(1, size):
+            for rank in range(1, local):
                 self._workers.append(subprocess.Popen(
                     [sys.executable, "-m", "iterserve.engine.distributed.tensor_parallel", str(rank),
                      str(listener.address[1])], env=env))
             pipes: dict[int, object] = {}
             accepting = threading.Thread(target=lambda: pipes.update(
-                (pipe.recv(), pipe) for pipe in (listener.accept() for _ in range(size - 1))), daemon=True)
+                (pipe.recv(), pipe) for pipe in (listener.accept() for _ in range(local - 1))), daemon=True)
             accepting.start()
             deadline = time.monotonic() + START_TIMEOUT_S
             while accepting.is_alive():
@@ -252,9 +270,13 @@ class TensorParallelRunner(ShardRunner):
                     raise ConfigError(f"tensor-parallel ranks did not connect within {START_TIMEOUT_S:.0f} s")
         finally:
             listener.close()
-        self._pipes = [pipes[rank] for rank in range(1, size)]
+        self._pipes = [pipes[rank] for rank in range(1, local)]
         for rank, pipe in enumerate(self._pipes, start=1):
-            pipe.send((config, rank, size, port, logging.getLogger().level))
+            pipe.send((config, rank, size, port, logging.getLogger().level, group.address))
+        if config.nnodes > 1:
+            group.store.set("config", multinode.config_json(config))
+            multinode.await_ranks(group.store, 0, config, self._deadline, f"port {port}")
+            self._plans = multinode.PlanPublisher(group.store, list(range(local, size)))
         group.connect(port=port)
         if tp_group is not None and tp_group is not group:
             tp_group.connect(parent=group)
@@ -267,6 +289,19 @@ class TensorParallelRunner(ShardRunner):
             status, detail = pipe.recv()
             if status != "ready":
                 raise ConfigError(f"tensor-parallel rank {rank} failed to start: {detail}")
+        if self._plans is not None:
+            self._await_remote(group.store, range(local, size))
+
+    def _await_remote(self, store, ranks: range) -> None:
+        """The other nodes' ranks: each writes ready/RANK once loaded, or `failed` with the reason."""
+        while not store.check([f"ready/{rank}" for rank in ranks]):
+            if store.check(["failed"]):
+                raise ConfigError(f"a rank of another node failed to start: {store.get('failed').decode()}")
+            if time.monotonic() > self._deadline + START_TIMEOUT_S:
+                missing = [rank for rank in ranks if not store.check([f"ready/{rank}"])]
+                raise ConfigError(f"ranks {missing} of the other nodes were not ready within {START_TIMEOUT_S:.0f} s "
+                                  "of the rendezvous")
+            time.sleep(0.2)
 
     def _check_alive(self, when: str) -> None:
         for rank, process in enumerate(self._workers, start=1):
@@ -275,15 +310,26 @@ class TensorParallelRunner(ShardRunner):
                                   f"(code {process.returncode}); see its log above")
 
     def _watch(self) -> None:
+        nodes = _NodeWatch(self.config, self._master_ip) if self._plans is not None else None
         while not self._closing:
+            failure = None
             for rank, process in enumerate(self._workers, start=1):
                 if process.poll() is not None and not self._closing:
-                    self.group_failure = RuntimeError(
-                        f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.returncode}; "
-                        f"the group of {self.group.size} ranks cannot compute without it")
-                    logger.error("%s: ending the group (GET /health answers 503)", self.group_failure)
-                    self._stop_workers()
-                    return
+                    failure = (f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.returncode}; "
+                               f"the group of {self.group.size} ranks cannot compute without it")
+            if failure is None and nodes is not None:
+                try:
+                    failure = nodes.check()
+                except Exception as error:  # noqa: BLE001 - the leader's own store failing ends the group too
+                    failure = f"the rendezvous store failed: {type(error).__name__}: {error}"
+            if failure is not None and not self._closing:
+                self.group_failure = RuntimeError(failure)
+                logger.error("%s: ending the group (GET /health answers 503)", failure)
+                self._stop_workers()
+                if nodes is not None:  # the whole group restarts: the other nodes lose the store and exit too
+                    logger.error("a multi-node group's leader exits (code 1) in %.0f s", multinode.LEADER_EXIT_GRACE_S)
+                    threading.Timer(multinode.LEADER_EXIT_GRACE_S, os._exit, (1,)).start()
+                return
             time.sleep(0.2)
 
     def execute(self, out: SchedulerOutput):
@@ -297,7 +343,10 @@ class TensorParallelRunner(ShardRunner):
         try:
             for pipe in self._pipes:
                 pipe.send(plan)
-        except (BrokenPipeError, ConnectionResetError, EOFError) as error:
+            if self._plans is not None:
+                self._plans.publish(plan)
+            self.step = plan  # FirstStage splits it into micro-batches
+        except (BrokenPipeError, ConnectionResetError, EOFError, RuntimeError) as error:
             raise RuntimeError(f"a tensor-parallel rank is gone: {error}") from error
         return super().execute(out)
 
@@ -310,6 +359,12 @@ class TensorParallelRunner(ShardRunner):
         self._stop_workers()
 
     def _stop_workers(self) -> None:
+        if self._plans is not None:
+            try:
+                self._plans.finish(0.0 if self.group_failure else 5.0)  # the other nodes' ranks end
+            except Exception:  # noqa: BLE001 - the store may be gone already
+                pass
+            self._plans = None
         for pipe in self._pipes:
             try:
                 pipe.send(None)
@@ -327,6 +382,29 @@ class TensorParallelRunner(ShardRunner):
         self.group.close()
 
 
+class _NodeWatch:
+    """Rank 0's view of the other nodes: a `failed` key, or a heartbeat that stopped (engine/distributed/multinode.py)."""
+
+    def __init__(self, config: EngineConfig, master_ip: str):
+        self.config = config
+        self.store = TCPStore(master_ip, config.master_port, None, False, timeout=timedelta(seconds=10))
+        self.beats = {node: (-1, time.monotonic()) for node in range(1, config.nnodes)}
+
+    def check(self) -> str | None:
+        if self.store.check(["failed"]):
+            return f"another node left the group: {self.store.get('failed').decode()}"
+        now = time.monotonic()
+        for node, (count, since) in self.beats.items():
+            beat = self.store.add(f"heartbeat/{node}", 0)
+            if beat != count:
+                self.beats[node] = (beat, now)
+            elif now - since > multinode.HEARTBEAT_TIMEOUT_S:
+                ranks = multinode.node_ranks(self.config, node)
+                return (f"node {node} (ranks {ranks[0]}..{ranks[-1]}) sent no heartbeat for "
+                        f"{multinode.HEARTBEAT_TIMEOUT_S:.0f} s: its process is gone or stalled")
+        return None
+
+
 def _tp_group(group: Group, tp: int, stages: int, device: torch.device) -> Group | None:
     """This rank's tensor-parallel group: the whole group with one stage, its stage's ranks otherwise."""
     if tp == 1:
@@ -334,7 +412,7 @@ def _tp_group(group: Group, tp: int, stages: int, device: torch.device) -> Group
     if stages == 1:
         return group
     stage, tp_rank = divmod(group.rank, tp)
-    return Group(tp_rank, tp, device, prefix=f"stage{stage}/")
+    return Group(tp_rank, tp, device, prefix=f"stage{stage}/", address=group.address)
 
 
 def _cpu_threads(size: int) -> None:
@@ -348,14 +426,18 @@ def worker_main(rank: int, address_port: int) -> None:
     until rank 0 ends (a None message, or end-of-file when rank 0's process is gone)."""
     pipe = Client(("127.0.0.1", address_port), authkey=bytes.fromhex(os.environ.pop(_KEY_ENV)))
     pipe.send(rank)
-    config, rank, size, port, log_level = pipe.recv()
+    config, rank, size, port, log_level, address = pipe.recv()
     logging.basicConfig(level=log_level or logging.INFO, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
     device = pick_device(config.device)
     if device.type == "cuda":
         torch.cuda.set_device(rank)
-    _cpu_threads(size)
+    _cpu_threads(multinode.local_size(config))
     try:
-        group = Group(rank, size, device)
+        group = Group(rank, size, device, address=address)
+        if config.nnodes > 1:
+            group.store = TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=config.rendezvous_timeout))
+            multinode.await_ranks(group.store, rank, config, time.monotonic() + config.rendezvous_timeout,
+                                  f"port {port}")
         group.connect(port=port)
         tp_group = _tp_group(group, config.tensor_parallel_size, config.pipeline_parallel_size, device)
         if tp_group is not None and tp_group is not group:

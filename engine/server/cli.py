@@ -189,6 +189,10 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, OSError) as error:
         print(f"iterserve serve: {error}", file=sys.stderr)
         return 2
+    if config.node_rank > 0:  # a worker node: its ranks and a health endpoint, no API
+        from iterserve.engine.distributed.multinode import run_worker_node
+
+        return run_worker_node(config, args.host)
 
     from iterserve.engine.server.app import build_app
     from iterserve.engine.server.state import ServerOptions, ServerState

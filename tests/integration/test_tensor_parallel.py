@@ -64,14 +64,15 @@ def greedy(model: str, prompts, tp: int, new_tokens: int = NEW_TOKENS, pp: int =
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,tp,pp", [("h8kv4", 2, 1), ("h4kv1", 2, 1), ("h8kv4", 4, 1), ("h4kv1", 1, 2),
-                                        ("h8kv4", 2, 2)])
-def test_greedy_tokens_equal_one_process(checkpoints, prompts, name, tp, pp):
-    """TP alone, PP alone (two stages of one layer each), and TP=2 x PP=2 (four ranks)."""
+@pytest.mark.parametrize("name,tp,pp,micro", [("h8kv4", 2, 1, None), ("h4kv1", 2, 1, None), ("h8kv4", 4, 1, None),
+                                              ("h4kv1", 1, 2, None), ("h8kv4", 1, 2, 3), ("h8kv4", 2, 2, None)])
+def test_greedy_tokens_equal_one_process(checkpoints, prompts, name, tp, pp, micro):
+    """TP alone, PP alone (two stages of one layer each; two micro-batches per step by default, three
+    that cut prompt chunks), and TP=2 x PP=2 (four ranks)."""
     path = str(checkpoints[name])
     one = greedy(path, prompts, 1)
     assert all(len(tokens) == NEW_TOKENS for tokens in one)
-    assert greedy(path, prompts, tp, pp=pp) == one
+    assert greedy(path, prompts, tp, pp=pp, pipeline_micro_batches=micro) == one
 
 
 @pytest.mark.slow
