@@ -77,5 +77,8 @@ def test_misuse_is_refused_naming_the_argument(llm, tmp_path):
 
 def test_lora_request_without_lora_on_names_the_option():
     llm = LLM(model="fake")
-    with pytest.raises(ConfigError, match="enable_lora=True"):
-        llm.generate(["hi"], PARAMS, use_tqdm=False, lora_request=LoRARequest("a", 1, "/a"))
+    try:
+        with pytest.raises(ConfigError, match="enable_lora=True"):
+            llm.generate(["hi"], PARAMS, use_tqdm=False, lora_request=LoRARequest("a", 1, "/a"))
+    finally:
+        llm.engine.close()
