@@ -56,6 +56,7 @@ MANAGED_FLAGS = flags_of(
     "host", "port", "model", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
     "chunked_prefill", "preemption_mode", "kv_cache_memory", "drain_timeout", "role", "kv_transfer_port",
     "kv_advertise_host", "kv_auth_key_file", "tensor_parallel_size", "pipeline_parallel_size", "lora_modules",
+    "nnodes", "node_rank", "master_addr", "master_port", "worker_health_port",  # multi-node groups (groups.py)
 )
 POD_IP_ENV = "POD_IP"
 NODE_RANK_ENV = "ITERSERVE_NODE_RANK"  # a multi-node group member's index (operator/groups.py)

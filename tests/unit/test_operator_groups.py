@@ -239,6 +239,8 @@ def test_statefulset_pods_are_verified_through_their_controller_revision():
 
 @pytest.mark.parametrize("raw, field", [
     ({"engine": {"parallelism": {"tensor": 3, "nodes": 2}}}, "spec.engine.parallelism.nodes"),
+    ({"engine": {"extraArgs": ["--master-addr", "elsewhere"]}}, "spec.engine.extraArgs[0]"),
+    ({"engine": {"extraArgs": ["--nnodes", "4"]}}, "spec.engine.extraArgs[0]"),
     ({"engine": {"parallelism": {"tensor": 2, "nodes": 2}}, "routing": {"mode": "Router"},
       "disaggregation": {"enabled": True}}, "spec.engine.parallelism.nodes"),
 ])
