@@ -412,6 +412,14 @@ class Replica:
         self.engine.step()  # applies the aborts, frees the blocks
         return aborted
 
+    def queue_and_batch(self) -> tuple[int, int, int]:
+        """engine.stats()'s num_waiting, num_running and max_num_seqs, without building the rest
+        (the router's pick reads these of every pod on every arrival)."""
+        engine = self.engine
+        sched = engine.scheduler
+        return (len(sched.waiting) + len(engine._inbox) + len(sched.waiting_for_kv), len(sched.running),
+                sched.max_num_seqs)
+
     @property
     def busy(self) -> bool:
         return self.engine.has_unfinished_requests()

@@ -152,10 +152,11 @@ def least_load(pods: Sequence[Pod], counter: int, rng: random.Random, max_queue:
     policy = PickPolicy() if max_queue is None else PickPolicy(max_queue=max_queue)
     loads = []
     for pod in pods:
-        stats = pod.replica.engine.stats()
-        loads.append(EndpointLoad(pod.name, len(pod.replica.in_flight), stats.num_waiting, stats.num_running,
-                                  stats.max_num_seqs, last_picked=pod.last_picked))
-    chosen = next((p for p in pods if p.name == pick(loads, rng, policy).url), None)
+        waiting, running, max_num_seqs = pod.replica.queue_and_batch()
+        loads.append(EndpointLoad(pod.name, len(pod.replica.in_flight), waiting, running, max_num_seqs,
+                                  last_picked=pod.last_picked))
+    url = pick(loads, rng, policy).url  # once: a call inside the search below ran it once per pod
+    chosen = next((p for p in pods if p.name == url), None)
     if chosen is not None:
         chosen.last_picked = counter + 1
     return chosen
