@@ -41,6 +41,9 @@ PREDATES_REPLICA_SET = "created_before_replica_set"
 SPEC_MISMATCH = "spec_differs_from_template"
 NOT_OUR_STATEFUL_SET = "owner_not_our_stateful_set"
 REVISION_LABEL = "controller-revision-hash"
+# What the LeaderWorkerSet controller's pod webhook adds to every container of the pods it makes
+# (its AddLWSVariables), never to the template: left out of the comparison for those pods only.
+LWS_INJECTED_ENV = ("LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX")
 
 
 @dataclass(frozen=True)
@@ -144,9 +147,24 @@ def check_stateful_pod(pod: dict, stateful_sets_by_uid: dict[str, dict], revisio
     if pod_created is None or sts_created is None or pod_created < sts_created:
         return PREDATES_REPLICA_SET
     template = (((revision.get("data") or {}).get("spec") or {}).get("template")) or {}
+    if (controller(sts) or {}).get("kind") == "LeaderWorkerSet":
+        pod = _without_injected_env(pod, template)
     if not runs_template(pod, {"spec": {"template": template}}):
         return SPEC_MISMATCH
     return None
+
+
+def _without_injected_env(pod: dict, template: dict) -> dict:
+    """The pod with LWS_INJECTED_ENV taken out of each container the template does not set them in."""
+    by_name = {c.get("name"): c for c in (template.get("spec") or {}).get("containers") or []}
+    spec = dict(pod.get("spec") or {})
+    containers = []
+    for container in spec.get("containers") or []:
+        declared = {e.get("name") for e in (by_name.get(container.get("name")) or {}).get("env") or []}
+        env = [e for e in container.get("env") or [] if e.get("name") not in LWS_INJECTED_ENV or e.get("name") in declared]
+        containers.append({**container, "env": env})
+    spec["containers"] = containers
+    return {**pod, "spec": spec}
 
 
 def verify(pods: Sequence[dict], deployments: Sequence[dict], replica_sets: Sequence[dict],

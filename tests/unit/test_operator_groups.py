@@ -262,3 +262,29 @@ def test_the_chart_s_pod_monitor_scrapes_group_leaders_and_drops_workers():
         meta = "__meta_kubernetes_pod_label_" + re.sub(r"[^A-Za-z0-9]", "_", label)
         # Prometheus anchors the regex: index 1, 2, 10 are dropped; 0 and no label (a Deployment's pod) kept
         assert [bool(re.fullmatch(drops[meta], v)) for v in ("1", "2", "10", "0", "")] == [True] * 3 + [False] * 2
+
+
+def test_pods_a_leaderworkerset_made_pass_the_chain_despite_the_variables_its_webhook_adds():
+    template = {"containers": [{"name": "engine", "image": "e", "env": [{"name": "HOME", "value": "/tmp"}]}]}
+    lws = {"metadata": {"name": "llm", "uid": "l1", "ownerReferences": [
+        {"kind": "InferenceService", "name": "llm", "uid": "u1", "controller": True}]}}
+    sts = {"metadata": {"name": "llm", "uid": "s1", "creationTimestamp": "2026-01-01T00:00:00Z",
+                        "ownerReferences": [{"kind": "LeaderWorkerSet", "uid": "l1", "controller": True}]}}
+    revision = {"metadata": {"name": "llm-r1", "ownerReferences": [{"kind": "StatefulSet", "uid": "s1", "controller": True}]},
+                "data": {"spec": {"template": {"spec": template}}}}
+    leader = {"metadata": {"name": "llm-0", "creationTimestamp": "2026-01-01T00:00:05Z",
+                           "labels": {groups.REVISION_LABEL: "llm-r1", "leaderworkerset.sigs.k8s.io/worker-index": "0"},
+                           "ownerReferences": [{"kind": "StatefulSet", "uid": "s1", "controller": True}]},
+              "spec": {"containers": [{"name": "engine", "image": "e", "env": [
+                  {"name": "LWS_LEADER_ADDRESS", "value": "llm-0.llm.ns"}, {"name": "LWS_GROUP_SIZE", "value": "2"},
+                  {"name": "LWS_WORKER_INDEX", "value": "0"}, {"name": "HOME", "value": "/tmp"}]}]}}
+    tampered = copy.deepcopy(leader)
+    tampered["metadata"]["name"] = "tampered"
+    tampered["spec"]["containers"][0]["env"].append({"name": "EXTRA", "value": "1"})
+    sets = chain.stateful_sets_owned([sts], "llm", "u1", leader_worker_set=lws)
+    verified, refused = chain.verify([leader, tampered], [], [], sets, [revision])
+    assert [p["metadata"]["name"] for p in verified] == ["llm-0"] and is_leader(leader)
+    assert [(r.pod, r.reason) for r in refused] == [("tampered", chain.SPEC_MISMATCH)]
+    # a StatefulSet of the InferenceService's own gets no such allowance
+    own = {**sts, "metadata": {**sts["metadata"], "ownerReferences": lws["metadata"]["ownerReferences"]}}
+    assert chain.verify([leader], [], [], [own], [revision])[1][0].reason == chain.SPEC_MISMATCH
