@@ -21,7 +21,7 @@ requests whose TTFT met the target, replica-seconds over the load (pods alive, l
 included; and ready ones), scale events.
 
     .venv/bin/python -m bench.cluster.slo_whole_loop --json docs/perf/slo_whole_loop.json \\
-        --plot docs/perf/slo_whole_loop.png                                        # ~12 min
+        --plot docs/perf/slo_whole_loop.png             # sized for ~12 min (17 at load average 25)
     .venv/bin/python -m bench.cluster.slo_whole_loop --quick                        # ~5 min
 
 Needs `make cluster-tools`. Two cores run the engines, the router, the operator and the control
@@ -32,6 +32,7 @@ machine as about the policies (the JSON records the load average).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import tempfile
@@ -103,7 +104,11 @@ def main() -> int:
     parser.add_argument("--burst", type=int, default=8, help="concurrent streams arriving at zero")
     parser.add_argument("--runs", default="slo,queue,zero", help="which runs, comma-separated (default all)")
     parser.add_argument("--workdir", type=Path, help="cluster, operator and pod logs (default: a temp folder)")
+    parser.add_argument("--resummarize", metavar="JSON",
+                        help="recompute the summary and the plot from a written result (no run)")
     args = parser.parse_args()
+    if args.resummarize:
+        return _resummarize(Path(args.resummarize), args.plot)
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     unknown = set(runs) - {"slo", "queue", "zero"}
     if unknown:
@@ -155,13 +160,33 @@ def main() -> int:
     return 0
 
 
+def _resummarize(path: Path, plot_path: str | None) -> int:
+    """Summaries from the runs a result holds (after summarize() learns a figure), written back."""
+    document = json.loads(path.read_text())
+    results = {name: _unslim(run) for name, run in document["runs"].items()}
+    document["summary"] = {name: summarize(result) for name, result in results.items()}
+    path.write_text(json.dumps(document, indent=2) + "\n")
+    print(_policy_table(document["summary"]))
+    if plot_path:
+        plot(results, document["summary"], document["target_ms"] / 1000, plot_path)
+    return 0
+
+
 def _slim(result: dict) -> dict:
     """The timeline without per-pod detail (the JSON stays readable); requests as (start, ttft, ok)."""
     origin = result["started_at"]
     rows = [{k: v for k, v in row.items() if k != "pods"} for row in result["timeline"]]
     return {**{k: v for k, v in result.items() if k not in ("timeline", "requests")}, "timeline": rows,
-            "requests": [[round(r["start"] - origin, 2), None if r["ttft"] is None else round(r["ttft"], 3), r["ok"]]
-                         for r in result["requests"]]}
+            "requests": [[round(r["start"] - origin, 2), None if r["ttft"] is None else round(r["ttft"], 3), r["ok"],
+                          r["status"]] for r in result["requests"]]}
+
+
+def _unslim(run: dict) -> dict:
+    """A run as run_policy returned it, from its slim JSON form (for --resummarize)."""
+    origin = run["started_at"]
+    requests = [{"start": row[0] + origin, "ttft": row[1], "ok": row[2], "status": row[3] if len(row) > 3 else None}
+                for row in run["requests"]]
+    return {**run, "requests": requests}
 
 
 def _policy_table(summaries: dict) -> str:
@@ -169,10 +194,12 @@ def _policy_table(summaries: dict) -> str:
     for name, s in summaries.items():
         p = s["phases"]
         rows.append([name, *(p.get(ph, {}).get("ttft_p95_s") for ph in ("before", "step", "after")),
-                     s["all"]["attainment"], s["replica_seconds"], s["ready_replica_seconds"], s["max_replicas"],
+                     s["all"]["attainment"], s["replica_seconds"], s["ready_replica_seconds"],
+                     s["replica_seconds_to_last_answer"], s["max_replicas"],
                      len(s["scale_events"]), s["failed"]])
     return format_table(["policy", "p95 before s", "p95 step s", "p95 after s", "attainment", "replica-s",
-                         "ready replica-s", "max replicas", "scale events", "failed"], rows)
+                         "ready replica-s", "replica-s to last answer", "max replicas", "scale events", "failed"],
+                        rows)
 
 
 def _zero_table(zero: dict) -> str:

@@ -245,8 +245,9 @@ def _integrate(rows: list[dict], key: str, start: float, end: float) -> float:
 
 def summarize(result: dict) -> dict:
     """Per phase: requests, failed, client p50/p95 TTFT, the share of requests whose TTFT met the
-    target (a failed request misses); over the load: replica-seconds (pods alive, loading ones
-    included, and ready ones), scale events and, in SLO mode, the status.slo readings."""
+    target (a failed request misses); over the load's phases (the same seconds for every policy):
+    replica-seconds (pods alive, loading ones included, and ready ones), and pods alive until the
+    last request was answered; scale events and, in SLO mode, the status.slo readings."""
     policy, origin = result["policy"], result["started_at"]
     target = policy["ttft_target_ms"] / 1000
     requests = result["requests"]
@@ -260,10 +261,14 @@ def summarize(result: dict) -> dict:
         out["phases"][phase]["seconds"] = round(b - a, 1)
     out["all"] = _phase_figures(everything, target)
     rows = [r for r in result["timeline"] if "error" not in r]
-    first, last = min(a for a, _ in phases.values()) - origin, result["phases"]["end"] - origin
-    out["load_seconds"] = round(last - first, 1)
-    out["replica_seconds"] = round(_integrate(rows, "pods_live", first, last), 1)
-    out["ready_replica_seconds"] = round(_integrate(rows, "replicas_ready", first, last), 1)
+    first = min(a for a, _ in phases.values()) - origin
+    sent = max(b for _, b in phases.values()) - origin  # the load's phases: the same for every policy
+    last = result["phases"]["end"] - origin  # the last request answered
+    out["load_seconds"] = round(sent - first, 1)
+    out["replica_seconds"] = round(_integrate(rows, "pods_live", first, sent), 1)
+    out["ready_replica_seconds"] = round(_integrate(rows, "replicas_ready", first, sent), 1)
+    out["seconds_to_last_answer"] = round(last - first, 1)
+    out["replica_seconds_to_last_answer"] = round(_integrate(rows, "pods_live", first, last), 1)
     out["max_replicas"] = max((r["replicas_desired"] or 0 for r in rows), default=None)
     step_start = phases["step"][0] - origin if "step" in phases else first
     out["scale_events"] = [
@@ -286,9 +291,13 @@ def summarize(result: dict) -> dict:
 
 def _phase_figures(requests: list[dict], target: float) -> dict:
     ttfts = [r["ttft"] for r in requests if r["ok"] and r["ttft"] is not None]
+    errors: dict[str, int] = {}
+    for r in requests:
+        if not r["ok"]:
+            errors[str(r.get("status"))] = errors.get(str(r.get("status")), 0) + 1
     met = sum(1 for r in requests if r["ok"] and r["ttft"] is not None and r["ttft"] <= target)
     return {
-        "requests": len(requests), "failed": sum(1 for r in requests if not r["ok"]),
+        "requests": len(requests), "failed": sum(1 for r in requests if not r["ok"]), "failed_by_status": errors,
         "ttft_p50_s": _round(percentile(ttfts, 0.5)), "ttft_p95_s": _round(percentile(ttfts, 0.95)),
         "attainment": round(met / len(requests), 3) if requests else None,
         "p95_met": (percentile(ttfts, 0.95) or math.inf) <= target if ttfts else None,
