@@ -28,7 +28,9 @@ def test_slo_mode_scales_up_on_a_load_step_and_reports_predicted_and_measured_p9
     ups = [d for d in result["decisions"] if d["action"] == "ScaleUp"]
     assert ups, f"no scale-up during the step: {summary} {where}"
     first = ups[0]
-    assert first["reason"] == "slo_predicted_miss" and first["signal"] == "SLO", (first, where)
+    # SLO mode's own plan (not its fallback to the queue signal): a predicted miss, or even
+    # maxReplicas predicted to miss (the lengths read while the pod fills run high: docs/autoscaling.md).
+    assert first["reason"] in ("slo_predicted_miss", "slo_unreachable") and first["signal"] == "SLO", (first, where)
     assert (first["fromReplicas"], first["toReplicas"]) == (1, 2), first
     # The decision came from the step's load, not before it.
     from e2e.wholeloop.timeline import epoch
