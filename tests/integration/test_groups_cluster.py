@@ -19,6 +19,7 @@ import yaml
 
 from iterserve.devcluster.waiting import wait_for
 from iterserve.operator import groups
+from iterserve.operator.kube import Kube
 from iterserve.operator.validation import parse_spec
 
 pytestmark = pytest.mark.cluster
@@ -57,16 +58,36 @@ def test_statefulset_groups_and_their_headless_service_are_accepted(k8s_cluster,
     assert headless["spec"]["clusterIP"] == "None"
 
 
-def test_the_leaderworkerset_is_accepted_with_its_crd_installed(k8s_cluster, namespace):
+@pytest.fixture
+def lws_crd(k8s_cluster):
+    """The LeaderWorkerSet CRD, installed for one test only: while the API server serves it, the
+    operator renders every group as a LeaderWorkerSet, which nothing runs on this cluster."""
     crd = yaml.safe_load(LWS_CRD.read_text())
     k8s_cluster.kubectl("apply", "-f", str(LWS_CRD))
+    yield crd
+    k8s_cluster.kubectl("delete", "crd", crd["metadata"]["name"], "--wait=true", "--timeout=60s", check=False)
+    wait_for(lambda: k8s_cluster.kubectl("get", "leaderworkersets", "-A", check=False).returncode != 0,
+             what="leaderworkersets gone from discovery")
+
+
+def test_the_leaderworkerset_is_accepted_with_its_crd_installed(k8s_cluster, namespace, lws_crd):
+    crd = lws_crd
     k8s_cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd['metadata']['name']}", "--timeout=30s")
     wait_for(lambda: k8s_cluster.kubectl("get", "leaderworkersets", "-A", check=False).returncode == 0,
              what="leaderworkersets discovery")
     owner = groups.Owner("chat", namespace, "uid-1")
     (lws,) = (_unowned(o) for o in groups.build_groups(owner, parse_spec(SPEC), lws=True))
     _apply(k8s_cluster, lws, namespace, "--dry-run=server")
-    _apply(k8s_cluster, lws, namespace)
+    api = k8s_cluster.api_client()
+    try:  # the operator's own calls: discovery, server-side apply (dry run, then real), read back
+        kube = Kube(api)
+        assert kube.api_resource_served(groups.LWS_GROUP, groups.LWS_VERSION, groups.LWS_PLURAL)
+        kube.apply(lws, dry_run=True)
+        assert kube.get(groups.LEADER_WORKER_SET, namespace, "chat") is None
+        kube.apply(lws)
+        assert kube.get(groups.LEADER_WORKER_SET, namespace, "chat")["spec"]["replicas"] == 2
+    finally:
+        api.close()
     stored = json.loads(k8s_cluster.kubectl("get", "leaderworkerset", "chat", "-n", namespace, "-o", "json").stdout)
     assert stored["spec"]["replicas"] == 2 and stored["spec"]["leaderWorkerTemplate"]["size"] == 2
     assert stored["spec"]["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
@@ -147,6 +168,7 @@ def test_a_multi_node_group_serves_scales_by_groups_and_restarts_as_a_group(k8s_
 
     namespace, operator, api, runner, nodes, tmp = operated
     kube, custom = Kube(api), client.CustomObjectsApi(api)
+    assert not kube.api_resource_served(groups.LWS_GROUP, groups.LWS_VERSION, groups.LWS_PLURAL)  # StatefulSets
     custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, group_service("big"))
 
     def members(group: str) -> list[dict]:

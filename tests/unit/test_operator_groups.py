@@ -288,3 +288,12 @@ def test_pods_a_leaderworkerset_made_pass_the_chain_despite_the_variables_its_we
     # a StatefulSet of the InferenceService's own gets no such allowance
     own = {**sts, "metadata": {**sts["metadata"], "ownerReferences": lws["metadata"]["ownerReferences"]}}
     assert chain.verify([leader], [], [], [own], [revision])[1][0].reason == chain.SPEC_MISMATCH
+
+
+def test_the_network_policy_lets_a_group_s_members_reach_each_other_on_every_port():
+    from iterserve.operator import network_policy as np
+
+    [policy] = np.build_for(OWNER, _spec(), np.DEFAULT_SETTINGS)
+    assert {"from": [{"podSelector": {"matchLabels": selector_labels("llm")}}]} in policy["spec"]["ingress"]
+    [single] = np.build_for(OWNER, parse_spec({**SPEC, "engine": {}}), np.DEFAULT_SETTINGS)
+    assert all("ports" in rule for rule in single["spec"]["ingress"])  # one node: named ports only
