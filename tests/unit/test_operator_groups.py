@@ -297,3 +297,45 @@ def test_the_network_policy_lets_a_group_s_members_reach_each_other_on_every_por
     assert {"from": [{"podSelector": {"matchLabels": selector_labels("llm")}}]} in policy["spec"]["ingress"]
     [single] = np.build_for(OWNER, parse_spec({**SPEC, "engine": {}}), np.DEFAULT_SETTINGS)
     assert all("ports" in rule for rule in single["spec"]["ingress"])  # one node: named ports only
+
+
+def test_the_autoscaler_reads_one_verified_leader_per_group():
+    from iterserve.labels import DECODE
+    from iterserve.operator.autoscaling.hook import AutoscalerHook
+
+    spec = _spec(replicas=2)
+    template = {"containers": [{"name": "engine", "image": "e"}]}
+    sets, revisions, pods = [], [], []
+    for i in range(2):
+        group = f"llm-g{i}"
+        sets.append({"metadata": {"name": group, "uid": f"uid-{group}", "creationTimestamp": "2026-01-01T00:00:00Z",
+                                  "ownerReferences": [{"kind": "InferenceService", "name": "llm", "uid": "u1",
+                                                       "controller": True}]}})
+        revisions.append({"metadata": {"name": f"{group}-r1", "ownerReferences": [
+            {"kind": "StatefulSet", "uid": f"uid-{group}", "controller": True}]},
+            "data": {"spec": {"template": {"spec": template}}}})
+        for k in range(2):
+            pod = member(group, k)
+            pod["metadata"]["creationTimestamp"] = "2026-01-01T00:00:05Z"
+            pod["spec"] = copy.deepcopy(template)
+            pods.append(pod)
+    stranger = copy.deepcopy(pods[0])
+    stranger["metadata"]["name"] = "look-alike-0"
+    stranger["spec"]["containers"][0]["image"] = "attacker"
+
+    class Kube:
+        def get(self, kind, namespace, name):
+            return None
+
+        def list_stateful_sets(self, namespace, selector):
+            return copy.deepcopy(sets)
+
+        def list_controller_revisions(self, namespace, selector):
+            return copy.deepcopy(revisions)
+
+        def list_pods(self, namespace, selector):
+            return copy.deepcopy([*pods, stranger])
+
+    pools = AutoscalerHook()._pools(Kube(), "ns", "llm", spec, OWNER)
+    assert pools[DECODE].replicas == 2
+    assert sorted(p["metadata"]["name"] for p in pools[DECODE].pods) == ["llm-g0-0", "llm-g1-0"]
