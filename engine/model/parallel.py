@@ -201,13 +201,15 @@ def stage_config(config: ModelConfig, layers: range) -> ModelConfig:
 def stage_weights(weights: dict[str, torch.Tensor], layers: range) -> None:
     """In place: keep this stage's layers, renumbered from 0 (embedding, final norm and LM head stay:
     the first stage embeds, the last computes the logits)."""
-    for name in list(weights):
-        if not name.startswith("model.layers."):
-            continue
+    kept = {}
+    # Renamed into a dict of their own: in place, a later stage's layer 17 (renamed 2) would be taken
+    # for the model's layer 2 and dropped.
+    for name in [name for name in weights if name.startswith("model.layers.")]:
         tensor = weights.pop(name)
         index, rest = name.removeprefix("model.layers.").split(".", 1)
         if int(index) in layers:
-            weights[f"model.layers.{int(index) - layers.start}.{rest}"] = tensor
+            kept[f"model.layers.{int(index) - layers.start}.{rest}"] = tensor
+    weights.update(kept)
 
 
 def stage_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta,

@@ -34,3 +34,12 @@ def test_every_row_is_in_exactly_one_micro_batch_and_counts_are_bounded():
 
 def test_one_decode_is_one_micro_batch():
     assert [(b.chunks, b.query_lens, b.seq_lens) for b in micro_batches([1], [10], 4)] == [([0], [1], [10])]
+
+
+def test_a_later_stage_keeps_its_own_layers_renumbered():
+    """Stage 1 of 30 layers in 2 holds 15..29 as 0..14; renaming 17 to 2 must not lose (or take) layer 2."""
+    from iterserve.engine.model.parallel import stage_layers, stage_weights
+
+    weights = {f"model.layers.{i}.w": i for i in range(30)} | {"model.norm.weight": -1}
+    stage_weights(weights, stage_layers(30, 1, 2))
+    assert weights == {f"model.layers.{i}.w": 15 + i for i in range(15)} | {"model.norm.weight": -1}
