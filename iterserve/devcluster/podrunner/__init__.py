@@ -12,6 +12,10 @@ from the one that assigns the pod IP (iterserve/devcluster/stages/).
 What a pod may make it run is narrow (launch.py): `iterserve serve` with allow-listed flags, no
 PYTHON*/LD_*-style variables, Python isolated; probes dial only the pod's own IP.
 
+Pods behind a headless Service (spec.hostname and spec.subdomain, as a StatefulSet's pods have)
+resolve each other by the names cluster DNS would give them, through their own /etc/hosts in a
+private mount namespace (hosts.py; process mode).
+
 Container mode (`PodRunner(..., container_runtime="podman")`, `--container-runtime podman`):
 each container is `podman run` of the pod's own image instead, with its securityContext,
 resource limits and volumes (container.py; docs/image.md).
