@@ -281,7 +281,10 @@ def _health_server(host: str, port: int, health: _Health) -> ThreadingHTTPServer
         def log_message(self, *args):
             pass
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    class Server(ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET  # --host :: binds IPv6 too
+
+    server = Server((host, port), Handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="iterserve-worker-health", daemon=True).start()
     return server
