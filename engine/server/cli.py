@@ -217,8 +217,10 @@ def run(args: argparse.Namespace) -> int:
         kv_advertise_host=args.kv_advertise_host,
     )
     state = ServerState(options)
+    # loop="asyncio": uvicorn would take uvloop (installed for the router) on its own; the engine's
+    # event loop is only measured on asyncio's.
     server = DrainingServer(
-        uvicorn.Config(build_app(state), host=args.host, port=args.port, log_config=None,
+        uvicorn.Config(build_app(state), host=args.host, port=args.port, log_config=None, loop="asyncio",
                        log_level=args.log_level, access_log=args.access_log, timeout_graceful_shutdown=5),
         state,
     )

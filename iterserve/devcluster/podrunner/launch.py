@@ -55,6 +55,7 @@ ROUTER_FLAGS = {
     "--kv-auth-key-file": True, "--tenant-salt-key-file": True,  # only from a secret volume (secret_files.py)
     "--drain-grace": True, "--max-connections": True, "--client-header-timeout": True,
     "--client-body-timeout": True, "--max-request-body": True, "--tenant-salt-header": True,
+    "--event-loop": True,
 }
 # `router` flags a pod may not pass: a file of this machine (--kubeconfig: the runtime gives its
 # own), or addresses to dial that no API server vouches for (--endpoints).
