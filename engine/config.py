@@ -133,8 +133,8 @@ class EngineConfig:
     speculative_config: str | None = field(default=None, metadata=flag(
         SCHEDULING, 'speculative decoding as vLLM spells it, JSON: {"method": "ngram" | "draft_model", '
                     '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4, '
-                    '"model": DRAFT, "disable_by_batch_size": 8, "min_acceptance_rate": 0.2} (default off; '
-                    "see docs/engine.md)", metavar="JSON"))
+                    '"model": DRAFT, "disable_by_batch_size": N, "min_acceptance_rate": 0.2} (default off; N defaults '
+                    "per device type; see docs/spec_decode.md)", metavar="JSON"))
     # engine/prefix_cache.py. None: on, except for the static-batching baseline and the fake model.
     enable_prefix_caching: bool | None = field(default=None, metadata=flag(
         SCHEDULING, "reuse the KV blocks of cached prompt prefixes (default: on, except with "
