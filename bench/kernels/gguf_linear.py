@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from bench import common
 
 SHAPES = {"gate_up 3072x576": (3072, 576), "down 576x1536": (576, 1536)}
-FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 def blocks_for(name: str, n: int, k: int) -> torch.Tensor:
@@ -41,10 +41,8 @@ def blocks_for(name: str, n: int, k: int) -> torch.Tensor:
     else:
         raw = rng.integers(0, 256, (n * k // weights, nbytes), dtype=np.uint8)
         scale = (rng.random((raw.shape[0], 2)) * 0.02).astype(np.float16).view(np.uint8)
-        if name == "Q6_K":
-            raw[:, 208:210] = scale[:, :2]
-        else:
-            raw[:, 0:4] = scale
+        at, width = {"Q6_K": (208, 2), "Q3_K": (108, 2), "Q2_K": (80, 4)}.get(name, (0, 4))
+        raw[:, at:at + width] = scale[:, :width]
     return torch.from_numpy(np.ascontiguousarray(raw.reshape(n, -1)))
 
 

@@ -1,15 +1,17 @@
 """GGUF linears computed on the file's own blocks (`--quantization auto`, the default for GGUF models
-on CPU): y = x . W^T with W as the file stores it (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)
+on CPU): y = x . W^T with W as the file stores it (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K,
+Q5_K, Q6_K)
 and x block-quantized to int8 as llama.cpp's Q8_1 does.
 
 Activations: each row is cut into blocks of 32; a block's scale is dx = amax / 127 (amax = max |x|
 of the block; a block with amax below MIN_AMAX is all zeros, one with NaN or inf has dx = NaN),
 qx = round(x * (1 / dx)) (half to even) in -127..127, and the block's integer lane sums are kept.
 
-Weights, per block of 32 (a K-quant's sub-blocks of 32; Q6_K's two scales of 16 weights each go
-to lanes 0-3 and 4-7): unsigned q (nibbles, 5-bit or 6-bit values; Q8_0's int8 through |w| and
-sign(x, w)), a scale per lane wd, and either an integer offset (Q4_0 8, Q5_0 16, Q6_K 32: w = wd *
-(q - offset)) or a float minimum (Q4_1, Q5_1 m; Q4_K, Q5_K -dmin * min: w = wd * q + wmin).
+Weights, per block of 32 (a K-quant's sub-blocks of 32; Q6_K's, Q3_K's and Q2_K's two scales of 16
+weights each go to lanes 0-3 and 4-7): unsigned q (2-bit, 3-bit, nibbles, 5-bit or 6-bit values; Q8_0's
+int8 through |w| and sign(x, w)), a scale per lane wd, and either an integer offset (Q4_0 8, Q5_0 16,
+Q6_K 32, Q3_K 4: w = wd * (q - offset)) or a float minimum (Q4_1, Q5_1 m; Q4_K, Q5_K -dmin * min;
+Q2_K one per 16 weights: w = wd * q + wmin).
 
 Arithmetic (what `reference()` repeats in torch ops, bit for bit): per block, 8 int32 lanes, lane l
 the exact dot of elements 4l..4l+3 (vpmaddubsw + vpmaddwd on AVX2, vpdpbusd with AVX-512 VNNI:
@@ -58,10 +60,12 @@ FORMATS = {
     12: ("Q4_K", 256, 144),
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
+    10: ("Q2_K", 256, 84),
+    11: ("Q3_K", 256, 110),
 }
 BY_NAME = {name: type_id for type_id, (name, _, _) in FORMATS.items()}
-OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32}  # w = wd * (q - offset)
-HAS_MIN = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")  # w = wd * q + wmin
+OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32, "Q3_K": 4}  # w = wd * (q - offset)
+HAS_MIN = ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K")  # w = wd * q + wmin
 
 _SOURCE = r"""
 #include <immintrin.h>
@@ -79,7 +83,7 @@ _SOURCE = r"""
 #define MAX_THREADS 16
 #define SPIN_ROUNDS 4000
 
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 static inline float f16(const uint8_t* p) {
     uint16_t h; memcpy(&h, p, 2);
@@ -166,6 +170,32 @@ static inline __attribute__((always_inline)) void decode(const int type, const u
         scale_min_k4(j, b + 4, &sc, &mn);
         *wd = _mm256_set1_ps(f16(b) * (float)sc);
         *wmin = _mm256_set1_ps(-(f16(b + 2) * (float)mn));
+    } else if (type == Q2_K) { /* 16 weights per 4-bit scale and 4-bit minimum: lanes 0-3 and 4-7 */
+        const int j = (int)(g & 7), h = j >> 2, r = j & 3;
+        const uint8_t* b = row + (g >> 3) * 84;
+        __m256i v = _mm256_loadu_si256((const __m256i*)(b + 16 + 32 * h));
+        *q = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * r)), _mm256_set1_epi8(3));
+        const float d = f16(b + 80), dmin = f16(b + 82);
+        const int lo = b[2 * j], hi = b[2 * j + 1];
+        *wd = _mm256_set_m128(_mm_set1_ps(d * (float)(hi & 0xF)), _mm_set1_ps(d * (float)(lo & 0xF)));
+        *wmin = _mm256_set_m128(_mm_set1_ps(-(dmin * (float)(hi >> 4))), _mm_set1_ps(-(dmin * (float)(lo >> 4))));
+    } else if (type == Q3_K) { /* 2 low bits, the high bit in hmask, 6-bit signed scales per 16 weights */
+        const int j = (int)(g & 7), h = j >> 2, r = j & 3;
+        const uint8_t* b = row + (g >> 3) * 110;
+        __m256i v = _mm256_loadu_si256((const __m256i*)(b + 32 + 32 * h));
+        v = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * r)), _mm256_set1_epi8(3));
+        __m256i m = _mm256_loadu_si256((const __m256i*)b);
+        m = _mm256_and_si256(_mm256_srl_epi16(m, _mm_cvtsi32_si128(j)), _mm256_set1_epi8(1));
+        *q = _mm256_or_si256(v, _mm256_slli_epi16(m, 2));
+        const uint8_t* sc = b + 96;
+        int scale[2];
+        for (int t = 0; t < 2; t++) {
+            const int i = 2 * j + t;
+            const int low = i < 8 ? sc[i] & 0xF : sc[i - 8] >> 4;
+            scale[t] = (low | (((sc[8 + (i & 3)] >> (2 * (i >> 2))) & 3) << 4)) - 32;
+        }
+        const float d = f16(b + 108);
+        *wd = _mm256_set_m128(_mm_set1_ps(d * (float)scale[1]), _mm_set1_ps(d * (float)scale[0]));
     } else { /* Q6_K */
         const int j = (int)(g & 7), h = j >> 2, r = j & 3;
         const uint8_t* b = row + (g >> 3) * 210;
@@ -197,8 +227,8 @@ typedef struct {
 static inline __attribute__((always_inline)) void tile(const int type, const int mr, const int nr, const share_t* s,
                                                        int64_t m, int64_t n) {
     const int64_t nb = s->k / 32;
-    const int offset = type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q6_K ? 32 : 0;
-    const int has_min = type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K;
+    const int offset = type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q6_K ? 32 : type == Q3_K ? 4 : 0;
+    const int has_min = type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K || type == Q2_K;
     /* signed weights (Q8_0, and q - offset) as |w| x sign(x, w): u8 x s8 for maddubs / dpbusd, the same
        integers as (q - offset) . x */
     const int is_signed = type == Q8_0 || offset;
@@ -269,6 +299,8 @@ static void run_share(const share_t* s) {
         case Q4_K: run_type(Q4_K, s); break;
         case Q5_K: run_type(Q5_K, s); break;
         case Q6_K: run_type(Q6_K, s); break;
+        case Q2_K: run_type(Q2_K, s); break;
+        case Q3_K: run_type(Q3_K, s); break;
     }
 }
 
@@ -329,7 +361,7 @@ int64_t gguf_scratch_bytes(int64_t m_rows, int64_t k) {
    ggml type `type`. Returns 0, 1 when k is not a multiple of the format's block, 2 for an unknown type. */
 int gguf_linear(int type, const float* x, int64_t ldx, int64_t m_rows, int64_t k, const uint8_t* w,
                 int64_t row_bytes, int64_t n, float* y, int64_t ldy, uint8_t* scratch, int threads) {
-    const int super = type == Q4_K || type == Q5_K || type == Q6_K;
+    const int super = type == Q4_K || type == Q5_K || type == Q6_K || type == Q2_K || type == Q3_K;
     if (type != Q8_0 && type != Q4_0 && type != Q4_1 && type != Q5_0 && type != Q5_1 && !super) return 2;
     if (k % (super ? 256 : 32)) return 1;
     const int64_t blocks = m_rows * (k / 32);
@@ -490,8 +522,9 @@ def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def unpack(blocks: torch.Tensor | np.ndarray, type_id: int) -> tuple[torch.Tensor, torch.Tensor,
                                                                       torch.Tensor | None, int]:
-    """(q [N, K] int16 (Q8_0 signed, else unsigned), wd [N, K/32, 8] fp32, wmin [N, K/32] fp32 or
-    None, offset) of the blocks uint8 [N, row bytes]: w = wd * (q - offset) (+ wmin)."""
+    """(q [N, K] int16 (Q8_0 signed, else unsigned), wd [N, K/32, 8] fp32, wmin [N, K/32] fp32 (Q2_K:
+    [N, K/32, 8], a minimum per 16 weights) or None, offset) of the blocks uint8 [N, row bytes]:
+    w = wd * (q - offset) (+ wmin)."""
     name, weights, nbytes = FORMATS[type_id]
     raw = np.asarray(blocks, dtype=np.uint8)
     n = raw.shape[0]
@@ -525,6 +558,29 @@ def unpack(blocks: torch.Tensor | np.ndarray, type_id: int) -> tuple[torch.Tenso
         q = q.reshape(n, -1).astype(np.int16)
         wd = np.repeat((d[..., None] * sc).reshape(n, -1)[..., None], 8, axis=-1)
         wmin = -(dmin[..., None] * mn).reshape(n, -1)
+    elif name in ("Q2_K", "Q3_K"):
+        # sub-block j (32 weights) of a super-block: 2 bits at shift 2 (j & 3) of bytes 32 (j >> 2)..+31;
+        # its two halves of 16 weights have scales 2j and 2j + 1 (lanes 0-3, 4-7)
+        qs = b[..., 16:80] if name == "Q2_K" else b[..., 32:96]
+        low = (qs.reshape(n, -1, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3  # [N, S, 2, 4, 32]
+        q = low.reshape(n, -1, 8, 32)
+        if name == "Q2_K":
+            scales = b[..., 0:16].astype(np.int32)
+            d, dmin = _f16(b[..., 80:82]), _f16(b[..., 82:84])
+            per16 = d[..., None] * (scales & 0xF).astype(np.float32)
+            wmin = np.repeat(-(dmin[..., None] * (scales >> 4).astype(np.float32)).reshape(n, -1, 2), 4, axis=-1)
+        else:
+            hm = b[..., 0:32]
+            q = q | (((hm[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 2)
+            raw = b[..., 96:108].astype(np.int32)
+            i = np.arange(16)
+            low4 = np.where(i < 8, raw[..., i % 8] & 0xF, raw[..., i % 8] >> 4)
+            scales = (low4 | (((raw[..., 8 + (i & 3)] >> (2 * (i >> 2))) & 3) << 4)) - 32
+            per16 = _f16(b[..., 108:110])[..., None] * scales.astype(np.float32)
+        q = q.reshape(n, -1).astype(np.int16)
+        wd = np.repeat(per16.reshape(n, -1, 2), 4, axis=-1)
+        if wmin is not None:
+            wmin = wmin.reshape(n, -1, 8)
     else:  # Q6_K
         ql, qh = b[..., 0:128], b[..., 128:192]
         scales = b[..., 192:208].view(np.int8).astype(np.float32)
@@ -592,7 +648,8 @@ def reference(x: torch.Tensor, blocks: torch.Tensor, type_id: int) -> torch.Tens
         scale = dx[:, g, None, None] * wd[None, :, g, :]
         acc = acc + p * scale
         if wmin is not None:
-            acc = acc + sums[:, g, None, :].float() * (dx[:, g, None, None] * wmin[None, :, g, None])
+            lane_min = wmin[None, :, g, :] if wmin.dim() == 3 else wmin[None, :, g, None]
+            acc = acc + sums[:, g, None, :].float() * (dx[:, g, None, None] * lane_min)
     lanes = [acc[..., i] for i in range(8)]
     return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))
 

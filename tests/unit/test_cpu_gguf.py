@@ -10,7 +10,8 @@ import torch
 from iterserve.engine.model import cpu_gguf
 
 SMALL = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")
+SCALES_AT = {"Q6_K": 208, "Q2_K": 80, "Q3_K": 108}  # where the fp16 d (then dmin, where there is one) sits
 
 
 def blocks_for(name: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -31,10 +32,9 @@ def blocks_for(name: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
     else:
         raw = rng.integers(0, 256, (n * k // weights, nbytes), dtype=np.uint8)
         scale = (rng.random((raw.shape[0], 2)) * 0.02).astype(np.float16).view(np.uint8)
-        if name == "Q6_K":
-            raw[:, 208:210] = scale[:, 0:2]
-        else:
-            raw[:, 0:4] = scale
+        at = SCALES_AT.get(name, 0)
+        width = 2 if name in ("Q6_K", "Q3_K") else 4
+        raw[:, at:at + width] = scale[:, 0:width]
     return torch.from_numpy(np.ascontiguousarray(raw.reshape(n, -1)))
 
 
@@ -54,8 +54,8 @@ def test_unpack_gives_gguf_s_own_weights(name):
     blocks = blocks_for(name, 7, 512)
     q, wd, wmin, offset = cpu_gguf.unpack(blocks, type_id)
     mine = wd.repeat_interleave(4, -1).reshape(7, -1) * (q.float() - offset)
-    if wmin is not None:
-        mine = mine + wmin.repeat_interleave(32, -1)
+    if wmin is not None:  # one per block, or one per lane of 4 (Q2_K)
+        mine = mine + wmin.repeat_interleave(32 if wmin.dim() == 2 else 4, -1).reshape(7, -1)
     torch.testing.assert_close(mine, cpu_gguf.dequantize(blocks, type_id), rtol=1e-6, atol=1e-7)
 
 
@@ -113,7 +113,7 @@ def test_an_embedding_in_block_format_gives_the_dense_table_s_rows(name):
 @pytest.mark.skipif(cpu_gguf.isa_path() == "avx2", reason="the AVX2 path is the one the other tests run")
 def test_the_plain_avx2_path_gives_the_same_bits_as_vnni():
     plain = cpu_gguf.build("avx2")
-    for name in ("Q8_0", "Q4_1", "Q6_K"):
+    for name in ("Q8_0", "Q4_1", "Q6_K", "Q2_K", "Q3_K"):
         blocks = blocks_for(name, 67, 512)
         x = activations(5, 512, seed=3)
         type_id = cpu_gguf.BY_NAME[name]
