@@ -11,7 +11,7 @@ TEST_MODELS_STAMP := $(VENV)/.test-models-gemma3-270m-1.0.0
 CLUSTER_BIN := e2e/cluster/bin
 PYTEST_ARGS ?=
 
-.PHONY: help install serve demo test test-serial test-unit cluster-tools system-packages monitoring-crds crds docs chart-test bench gpu-check image image-gpu lint clean
+.PHONY: help install serve demo llama-server test test-serial test-unit cluster-tools system-packages monitoring-crds crds docs chart-test bench gpu-check image image-gpu lint clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -78,6 +78,9 @@ BENCHES := engine.throughput engine.online_latency engine.chunked_prefill engine
 bench: install  ## run the benchmarks (full mode; tens of minutes on 2 cores): JSON + PNG under $(BENCH_OUT)/
 	@for b in $(BENCHES); do n=$${b#*.}; $(PY) -m bench.$$b --json $(BENCH_OUT)/$$n.json --plot $(BENCH_OUT)/$$n.png $(ARGS) || exit 1; done
 	$(PY) -m bench.kernels.triton_kernels --json $(BENCH_OUT)/kernels.json  # says so and exits 0 without a GPU
+
+llama-server: install  ## build llama.cpp's llama-server from the llama-cpp-python sdist (tens of minutes on 2 cores, once) into ~/.cache/iterserve-peers/bin, where bench/peers and bench/kernels/gguf_accuracy find it
+	$(PY) -c "from bench.peers import compare; print(compare.find_llama_server(None, True)[0])"
 
 gpu-check: install  ## on a CUDA machine: Triton kernels vs the torch reference, greedy parity, TP=2 on NCCL, step time (one JSON, < 8 min); says so and exits 0 without CUDA
 	$(PY) -m bench.kernels.gpu_check --json $(BENCH_OUT)/gpu_check.json
