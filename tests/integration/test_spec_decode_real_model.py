@@ -1,11 +1,9 @@
 """Speculative decoding on the embedded SmolLM2-135M: greedy outputs identical token for token to
 plain decoding, for 30 prompts (code, repeated structures, free text) at batch sizes 1, 4 and 32,
-with chunked prefill (a small step budget) and prefix caching on; n-gram proposals, and the model
-as its own draft. The model is loaded once per runner; each engine gets a fresh block manager.
-
-Plain decoding runs at batch sizes 4 and 32; speculation at batch size 1 is compared with plain
-decoding at 4 (a plain batch-1 run is the costliest part and adds nothing the batch-4 one does
-not check: greedy tokens do not depend on the batch, and the comparison is then stricter)."""
+each compared with plain decoding at the same batch size (the same requests admitted together,
+so a difference can only come from speculation), with chunked prefill (a small step budget) and
+prefix caching on; n-gram proposals, and the model as its own draft. The model is
+loaded once per runner; each engine gets a fresh block manager."""
 
 from __future__ import annotations
 
@@ -105,18 +103,17 @@ def generate(executor, tokenizer, prompts, max_num_seqs: int, speculative_config
     return outputs, engine.stats()
 
 
-@pytest.fixture(scope="module")
-def plain(runner):
-    return {batch: generate(Slice(runner), runner.tokenizer, PROMPTS, batch, None)[0] for batch in (4, 32)}
-
-
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # batch 1: 600 single-token plain steps, over 340 s of wall time at load average 12-16
 @pytest.mark.parametrize("batch", [1, 4, 32])
-def test_ngram_greedy_equals_plain_greedy(runner, plain, batch):
+def test_ngram_greedy_equals_plain_greedy_at_the_same_batch_size(runner, batch):
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
                        "prompt_lookup_max": 4, "disable_by_batch_size": 64, "min_acceptance_rate": 0.0})
+    plain, _ = generate(Slice(runner), runner.tokenizer, PROMPTS, batch, None)
     fast, stats = generate(Slice(runner), runner.tokenizer, PROMPTS, batch, spec)
-    assert fast == plain[max(batch, 4)]
+    assert len(plain) == len(PROMPTS) and all(plain.values())
+    different = sorted(rid for rid in plain if fast[rid] != plain[rid])
+    assert not different, f"batch {batch}: {different}"
     assert stats.spec_num_accepted_tokens > 30, stats  # the repeated prompts do accept proposals
 
 
