@@ -5,7 +5,8 @@
   kernel for the plain decodes beside it and SDPA for the verified chunks, the torch backend
   without that kernel, and the Triton kernels under the interpreter) gives a verified chunk the
   outputs that k + 1 single-token decodes give, in a batch mixing decodes, verified chunks (block
-  boundaries inside and at their edges) and a prompt chunk.
+  boundaries inside and at their edges) and a prompt chunk; and the engine speculating on the
+  Triton backend keeps plain decoding's greedy tokens.
 - The EAGLE seam (engine/spec_decode/proposer.py HiddenStateProposer): a proposer that asks for the
   target's hidden states gets, after each sampled step, the rows whose logits were sampled (1 + k
   for a verified chunk); through the LM head they give the tokens the engine emitted.
@@ -209,3 +210,23 @@ def test_a_sequence_with_low_acceptance_stops_proposing_probes_and_comes_back():
     for _ in range(2):  # the probes find a repetitive stretch: everything accepted
         policy.observe(seq, 4, 4)
     assert seq.spec_acceptance >= 0.3 and all(policy.seq_allows(seq) for _ in range(PROBE_EVERY))
+
+
+def test_speculation_on_the_triton_backend_keeps_greedy_tokens(tiny_model):
+    """The whole engine with verified chunks through the Triton kernels (the interpreter on a CPU):
+    the same greedy tokens as plain decoding on the torch backend."""
+    from iterserve.engine import LLM
+
+    prompts = [[65 + i % 4 for i in range(n)] for n in (9, 17)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    results = {}
+    for backend, speculative_config in (("torch", None), ("triton", '{"method": "ngram", "num_speculative_tokens": 3, '
+                                                                     '"prompt_lookup_min": 1, "min_acceptance_rate": 0, '
+                                                                     '"disable_by_batch_size": 8}')):
+        llm = LLM(str(tiny_model), device="cpu", attention_backend=backend, dtype="float32", max_model_len=128,
+                  block_size=8, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=64,
+                  speculative_config=speculative_config)
+        results[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if speculative_config:
+            assert llm.engine.stats().spec_num_accepted_tokens > 0
+    assert results["triton"] == results["torch"]
