@@ -11,10 +11,11 @@ tensor <= local).
   --worker-health-port (no OpenAI API) and beats a heartbeat into the store.
 - Rendezvous: --master-addr may be a DNS name that does not resolve yet (pods start in any order):
   it is resolved, and the store connected, with retries until --rendezvous-timeout. Rank 0 loads
-  its slice, then publishes the config the others load with (its KV pool size included) under
-  `config`; every rank writes `joined/RANK` and waits for all, logging the missing ranks and their
-  nodes every 10 s; the timeout's error names them. Then the gloo (or NCCL) groups form over the
-  same store, each rank's gloo bound to the address its node reaches the leader from.
+  its slice, then publishes the config the others load with (its KV pool size and its resolution of
+  --dtype/--device auto included: agreed_config) under `config`; every rank writes `joined/RANK`
+  and waits for all, logging the missing ranks and their nodes every 10 s; the timeout's error
+  names them. Then the gloo (or NCCL) groups form over the same store, each rank's gloo bound to
+  the address its node reaches the leader from (the leader's: leader_address).
 - Steps: the other nodes' ranks read rank 0's step plan from the store (`plan/N`, JSON; a rank
   waits on the key, so an idle group costs one wake-up per second), and record how far they read
   (`at/RANK`) so rank 0 deletes the plans everyone has read.
@@ -36,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -88,6 +89,56 @@ def own_address(master_ip: str, port: int) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect((master_ip, port))  # UDP: no packet is sent
         return probe.getsockname()[0]
+
+
+def _bindable(address: str) -> bool:
+    """Whether this machine owns `address` (a socket can listen on it)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
+def leader_address(master_ip: str, port: int) -> str:
+    """The leader's address as the other nodes reach it: --master-addr's own address when it is this
+    machine's (the pod IP behind a headless Service's name: the others connect to it by definition),
+    else the address its hostname resolves to (the pod's), else the source address of the route to
+    --master-addr. Not own_address(master_ip): the route to one's own address goes through lo, whose
+    source is 127.0.0.1, which no other machine reaches."""
+    if _bindable(master_ip):
+        return master_ip
+    try:
+        mine = socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)[0][4][0]
+    except (OSError, UnicodeError):
+        mine = None
+    if mine is not None and not mine.startswith("127.") and mine != "::1" and _bindable(mine):
+        return mine
+    return own_address(master_ip, port)
+
+
+def agreed_config(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> EngineConfig:
+    """The config every other rank loads with: the leader's own resolution of the per-process `auto`
+    choices whose disagreement breaks the first collective (--dtype auto times a bf16 matmul on each
+    machine; --device auto looks for CUDA), so a node whose own measurement differs takes rank 0's."""
+    return replace(config, device=device.type, dtype=str(dtype).removeprefix("torch."))
+
+
+def check_leader_choices(config: EngineConfig) -> None:
+    """A worker node refuses, naming the cause, a device or dtype the leader resolved that it cannot run."""
+    from iterserve.engine.model_runner import pick_device
+
+    told = f"the leader (node 0) resolved --device {config.device} --dtype {config.dtype} for every rank"
+    fix = "start every node with a --device and --dtype all of them run (e.g. --device cpu --dtype float32)"
+    try:
+        device = pick_device(config.device)
+        dtype = getattr(torch, config.dtype)
+        a = torch.ones(2, 2, dtype=dtype, device=device)
+        (a @ a).sum().item()
+    except (ConfigError, RuntimeError, AttributeError, TypeError) as error:
+        raise ConfigError(f"{told}; this node cannot run it ({error}); {fix}") from None
 
 
 def connect_store(master_ip: str, port: int, deadline: float, running=lambda: None):
@@ -218,6 +269,7 @@ def rank_main(rank: int, master_ip: str, port: int, deadline_s: float, parent: i
     try:
         store.wait(["config"], timedelta(seconds=max(1.0, deadline - time.monotonic())))
         config = config_from_json(store.get("config"))
+        check_leader_choices(config)
         world = config.tensor_parallel_size * config.pipeline_parallel_size
         device = pick_device(config.device)
         if device.type == "cuda":

@@ -218,7 +218,7 @@ class TensorParallelRunner(ShardRunner):
         address, self._master_ip = "127.0.0.1", None
         if config.nnodes > 1:  # the store first: the other nodes connect while rank 0 loads
             self._master_ip = multinode.resolve(config.master_addr, self._deadline)
-            address = multinode.own_address(self._master_ip, config.master_port)
+            address = multinode.leader_address(self._master_ip, config.master_port)
         group = Group(0, size, device, address=address)
         if config.nnodes > 1:
             group.open_store(port=config.master_port)
@@ -228,7 +228,8 @@ class TensorParallelRunner(ShardRunner):
         tp_group = _tp_group(group, tp, stages, device)
         _cpu_threads(local)
         super().__init__(config, group, tp_group, show_progress)  # rank 0's slice first: its KV pool sizes the others
-        worker_config = replace(config, num_kv_blocks=self.num_kv_blocks, num_cpu_blocks=self.num_cpu_blocks,
+        worker_config = replace(multinode.agreed_config(config, self.device, self.dtype),
+                                num_kv_blocks=self.num_kv_blocks, num_cpu_blocks=self.num_cpu_blocks,
                                 kv_cache_memory=None)
         try:
             self._start_workers(worker_config, group, tp_group)
