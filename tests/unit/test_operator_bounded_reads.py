@@ -164,7 +164,8 @@ def test_an_autoscaler_tick_past_its_deadline_is_dropped_and_the_reconcile_still
     reconciled = []
     kube = SimpleNamespace(list_pods=lambda *_: [], list_replica_sets=lambda *_: [], get=lambda *_: None)
     spec = SimpleNamespace(autoscaling_mode="Builtin", autoscaling=SimpleNamespace(interval_seconds=10, min_replicas=1),
-                           disaggregation=SimpleNamespace(enabled=False), replicas=1)
+                           disaggregation=SimpleNamespace(enabled=False), replicas=1,
+                           engine=SimpleNamespace(parallelism=SimpleNamespace(tensor=1, pipeline=1, nodes=1)))
     ctx = SimpleNamespace(spec=spec, kube=kube, namespace="ns", name="svc",
                           body={"metadata": {"name": "svc", "namespace": "ns", "uid": "u1"}},
                           reconciler=SimpleNamespace(reconcile=lambda ns, name, tick: reconciled.append(tick)))
