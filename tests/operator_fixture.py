@@ -4,6 +4,7 @@ in operator/rbac.py, and run `iterserve operator run` as a subprocess under it."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -122,3 +123,34 @@ class OperatorProcess:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except FileNotFoundError:
             return "(no log)"
+
+
+@contextlib.contextmanager
+def operated_namespace(cluster, tmp_path: Path, prefix: str, nodes: int = 1):
+    """Local-runtime nodes, a namespace with the operator (exactly rbac.RULES) and the pod runtime;
+    yields (namespace, operator, api, runner, node names), then deletes it all and fails if the
+    operator hit an RBAC denial."""
+    from iterserve.devcluster.podrunner import PodRunner, add_local_runtime_node
+
+    install_crd(cluster)
+    names = [f"{prefix}-node-{uuid.uuid4().hex[:6]}" for _ in range(nodes)]
+    for node in names:
+        add_local_runtime_node(cluster, node, gpus=2)
+    namespace, kubeconfig = operator_namespace(cluster, prefix=prefix)
+    operator = OperatorProcess(kubeconfig, namespace, tmp_path / "operator.log", resync_seconds=1).start()
+    runner = PodRunner(cluster.api_client(), tmp_path / "pods", namespaces=[namespace],
+                       work_dir=tmp_path / "pod-workdirs").start()
+    api = cluster.api_client()
+    try:
+        yield namespace, operator, api, runner, names
+    finally:
+        cluster.kubectl("-n", namespace, "delete", "inferenceservices", "--all", "--wait=true", "--timeout=60s",
+                        check=False, timeout=90)
+        operator.stop()
+        runner.stop()
+        api.close()
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+        for node in names:
+            cluster.kubectl("delete", "node", node, "--wait=false", check=False)
+    forbidden = [line for line in (tmp_path / "operator.log").read_text().splitlines() if "Forbidden" in line]
+    assert not forbidden, "the operator hit RBAC denials; add the rule to operator/rbac.py:\n" + "\n".join(forbidden)

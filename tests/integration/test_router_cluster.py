@@ -149,29 +149,10 @@ def _up(url: str) -> bool:
 @pytest.fixture
 def operated(k8s_cluster, tmp_path):
     """A local-runtime node, a namespace with the operator (exactly rbac.RULES) and the pod runtime."""
-    from iterserve.devcluster.podrunner import PodRunner, add_local_runtime_node
     from tests import operator_fixture as fx
 
-    fx.install_crd(k8s_cluster)
-    node = f"router-node-{uuid.uuid4().hex[:6]}"
-    add_local_runtime_node(k8s_cluster, node, gpus=2)
-    namespace, kubeconfig = fx.operator_namespace(k8s_cluster, prefix="rt")
-    operator = fx.OperatorProcess(kubeconfig, namespace, tmp_path / "operator.log", resync_seconds=1).start()
-    runner = PodRunner(k8s_cluster.api_client(), tmp_path / "pods", namespaces=[namespace],
-                       work_dir=tmp_path / "pod-workdirs").start()
-    api = k8s_cluster.api_client()
-    try:
+    with fx.operated_namespace(k8s_cluster, tmp_path, prefix="rt") as (namespace, operator, api, runner, nodes):
         yield namespace, operator, api, tmp_path
-    finally:
-        k8s_cluster.kubectl("-n", namespace, "delete", "inferenceservices", "--all", "--wait=true", "--timeout=60s",
-                            check=False, timeout=90)
-        operator.stop()
-        runner.stop()
-        api.close()
-        k8s_cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
-        k8s_cluster.kubectl("delete", "node", node, "--wait=false", check=False)
-    forbidden = [line for line in (tmp_path / "operator.log").read_text().splitlines() if "Forbidden" in line]
-    assert not forbidden, "the operator hit RBAC denials; add the rule to operator/rbac.py:\n" + "\n".join(forbidden)
 
 
 def inference_service(name: str, replicas: int = 2) -> dict:
