@@ -88,14 +88,14 @@ class EngineConfig:
         MODEL, "weights' and activations' type (auto: bf16 on CUDA; on a CPU fp32, or bf16 where it "
                "measures faster)",
         ("auto", "float32", "float16", "bfloat16")))
-    quantization: str = field(default="none", metadata=flag(
-        MODEL, "quantized linears on CPU (engine/model/quant.py): none (default): the exact dequantized "
-               "fp32 (or bf16) model; auto: a GGUF model on CPU under "
-               "--dtype auto computes on the file's own blocks (gguf: Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K, "
-               "activations in int8 blocks of 32, as llama.cpp), anything else as none (not yet the default: "
-               "it loses the embedded model's answer to some chat prompts); int8 (weight-only, bf16 activations), int4 (weight-only, "
-               "from the GGUF's Q4_1 blocks), w8a8 (int8 weights and int8 activations per row); see "
-               "docs/performance.md for the accuracy and speed of each",
+    quantization: str = field(default="auto", metadata=flag(
+        MODEL, "quantized linears on CPU (engine/model/quant.py): auto (default): a GGUF model on a CPU under "
+               "--dtype auto computes on the file's own blocks (gguf: Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q2_K/Q3_K/Q4_K/"
+               "Q5_K/Q6_K, activations in int8 blocks of 32, as llama.cpp, and measured at least as accurate as "
+               "llama.cpp), anything else (safetensors, CUDA, a sharded model, an explicit --dtype) as none; "
+               "none: the exact dequantized fp32 (or bf16) model, for parity; int8 (weight-only, bf16 activations), int4 "
+               "(weight-only, from the GGUF's Q4_1 blocks), w8a8 (int8 weights and int8 activations per row); "
+               "see docs/performance.md for the accuracy and speed of each",
         ("auto", "none", "gguf", "int8", "int4", "w8a8")))
     compile: bool = field(default=False, metadata=flag(
         MODEL, "CPU: torch.compile the decoder's dense work between attentions (inductor C++ code, fused "
@@ -234,10 +234,11 @@ class EngineConfig:
         _positive("--tensor-parallel-size", self.tensor_parallel_size)
         _positive("--pipeline-parallel-size", self.pipeline_parallel_size)
         self.validate_nodes()
-        if self.tensor_parallel_size * self.pipeline_parallel_size > 1 and self.role != "both":
-            raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size} / --pipeline-parallel-size "
-                              f"{self.pipeline_parallel_size} with --role {self.role}: KV transfer of a sharded cache "
-                              "is not implemented; use sizes of 1")
+        if self.role != "both" and self.pipeline_parallel_size > 1:
+            raise ConfigError(f"--role {self.role} with --pipeline-parallel-size {self.pipeline_parallel_size}: KV "
+                              "transfer moves a tensor-parallel cache only (rank i's shard to rank i; each pipeline "
+                              "stage holds other layers' KV); use --pipeline-parallel-size 1 for prefill and decode "
+                              "pools (--tensor-parallel-size and --nnodes work)")
         if self.block_size > 256 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"--block-size must be a power of two up to 256, got {self.block_size}")
         for f in fields(self):  # the allowed values of every field with choices, as its flag declares

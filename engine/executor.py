@@ -11,11 +11,12 @@ and the engine builds a KV connector for that executor only.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from iterserve.engine.config import ConfigError, EngineConfig
 from iterserve.engine.kv_transfer.layout import KVLayout
+from iterserve.engine.kv_transfer.transport import KVTransport
 from iterserve.engine.scheduler import SchedulerOutput
 from iterserve.engine.step_result import StepToken
 
@@ -54,6 +55,11 @@ class KVTransferCapable(ABC):
     @abstractmethod
     def enable_kv_store(self) -> None:
         """Called once before a KV transfer listener opens: keep whatever read_kv needs."""
+
+    def kv_transport(self, clock: Callable[[], float]) -> KVTransport | None:
+        """The transport for the engine's connector; None: one process's TcpTransport. A tensor-parallel
+        executor's reaches its other ranks' shards (engine/kv_transfer/sharded.py)."""
+        return None
 
 
 def kv_transfer_of(executor: Executor) -> KVTransferCapable | None:

@@ -34,7 +34,7 @@ from iterserve.engine.spec_decode import (
     SpecPolicy,
     SpeculativeConfig,
 )
-from iterserve.engine.step_log import StepLog
+from iterserve.engine.step_log import StepLog, StepRecords, as_record
 from iterserve.engine.step_result import RequestFailed, StepToken
 from iterserve.engine.stop import cut_at_stop_string
 
@@ -111,6 +111,8 @@ class LLMEngine:
         self._aborts: deque[str] = deque()
         self._request_counter = itertools.count()
         self._step_log = StepLog(config.step_log) if config.step_log else None
+        self.step_records = StepRecords()  # the newest steps' figures (GET /admin/steps)
+        self._load_1m, self._load_read_at = 0.0, -1.0  # os.getloadavg(), read at most once a second
         self._errors: dict[str, str] = {}  # request id -> why it failed, until its output is made
         self.num_steps = 0
         self.last_step_was_idle = False
@@ -123,7 +125,8 @@ class LLMEngine:
         self.proposer = self._make_proposer(self.speculative) if self.speculative is not None else None
         kv_side = kv_transfer_of(executor)
         if kv_side is not None:
-            self.kv_connector = KVConnector(config, self.block_manager, kv_side.kv_layout(), kv_side.read_kv, clock)
+            self.kv_connector = KVConnector(config, self.block_manager, kv_side.kv_layout(), kv_side.read_kv, clock,
+                                            transport=kv_side.kv_transport(clock))
             self.scheduler.connector = self.kv_connector
 
     def _make_proposer(self, spec: SpeculativeConfig):
@@ -349,7 +352,7 @@ class LLMEngine:
     # -- the engine thread ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t_start = time.perf_counter()
-        cpu_start = time.thread_time() if self._step_log is not None else 0.0
+        cpu_start = time.thread_time()
         finished_now: list[Sequence] = []
         self._drain_inbox(finished_now)
         if self.kv_connector is not None:
@@ -374,8 +377,8 @@ class LLMEngine:
         self.num_steps += 1
         self.last_step_was_idle = out.is_empty and not outputs
         self.last_timing = StepTiming(t_scheduled - t_start, t_model - t_scheduled, t_end - t_model)
-        if self._step_log is not None and not out.is_empty:
-            self._log_step(out, t_end - t_start, time.thread_time() - cpu_start)
+        if not out.is_empty:
+            self._record_step(out, t_end, t_end - t_start, time.thread_time() - cpu_start)
         return outputs
 
     def _propose(self) -> None:
@@ -522,37 +525,37 @@ class LLMEngine:
             else None,
         )
 
-    def _log_step(self, out: SchedulerOutput, duration: float, cpu: float) -> None:
+    def _record_step(self, out: SchedulerOutput, t_end: float, duration: float, cpu: float) -> None:
+        """The step's figures into the ring (engine/step_log.py FIELDS order, seq aside) and the
+        step log when there is one. One pass over the chunks: this runs on every step."""
+        prefill = decode = context = longest = pairs = 0
+        for chunk in out.chunks:
+            end = chunk.start + chunk.num_tokens
+            context += end
+            if end > longest:
+                longest = end
+            if chunk.is_decode:
+                decode += chunk.num_tokens
+            else:
+                prefill += chunk.num_tokens
+                pairs += chunk.num_tokens * end  # query-key pairs: prefill attention is quadratic
+        if t_end - self._load_read_at >= 1.0:  # a one-minute average: once a second is plenty
+            self._load_1m, self._load_read_at = os.getloadavg()[0], t_end
         timing = self.last_timing
-        self._step_log.write(
-            {
-                "step": self.num_steps,
-                "time": self.clock(),
-                "duration_s": duration,
-                # The engine thread's own CPU time for the step: its compute, which is what the wall
-                # time would be on a core of its own (a shared node's other work inflates duration_s).
-                "cpu_s": cpu,
-                "load_1m": os.getloadavg()[0],
-                "schedule_s": timing.schedule_s,
-                "model_s": timing.model_s,
-                "postprocess_s": timing.postprocess_s,
-                "prefill_tokens": out.num_prefill_tokens,
-                "decode_tokens": out.num_decode_tokens,
-                "num_seqs": len(out.chunks),
-                # Tokens each chunk attends to (its start plus itself), summed and the largest:
-                # what a step-time model needs beyond the token counts (iterserve simulate fit).
-                "context_tokens": sum(c.start + c.num_tokens for c in out.chunks),
-                "max_context_tokens": max((c.start + c.num_tokens for c in out.chunks), default=0),
-                # Query-key pairs of the prompt chunks' attention (quadratic in the prompt).
-                "prefill_attention_pairs": sum(c.num_tokens * (c.start + c.num_tokens)
-                                               for c in out.chunks if not c.is_decode),
-                "running": len(self.scheduler.running),
-                "waiting": len(self.scheduler.waiting),
-                "kv_blocks_used": self.block_manager.gpu.num_used,
-                "kv_blocks_cached": self.block_manager.num_cached_blocks,
-                "preemptions": len(out.preempted),
-            }
-        )
+        stored = self.step_records.append((
+            self.num_steps, self.clock(), duration,
+            # The engine thread's own CPU time for the step: its compute, which is what the wall
+            # time would be on a core of its own (a shared node's other work inflates duration_s).
+            cpu, self._load_1m, timing.schedule_s, timing.model_s, timing.postprocess_s,
+            prefill, decode, len(out.chunks),
+            # Tokens each chunk attends to (its start plus itself), summed and the largest: what a
+            # step-time model needs beyond the token counts (iterserve simulate fit).
+            context, longest, pairs,
+            len(self.scheduler.running), len(self.scheduler.waiting), self.block_manager.gpu.num_used,
+            self.block_manager.num_cached_blocks, len(out.preempted),
+        ))
+        if self._step_log is not None:
+            self._step_log.write(as_record(stored))
 
     def close(self) -> None:
         close_executor = getattr(self.executor, "close", None)  # a tensor-parallel group stops its ranks

@@ -20,6 +20,7 @@ from iterserve.engine.server.protocol import (  # the engine's adapter names
     LORA_NAME_MAX_LENGTH,
     LORA_NAME_PATTERN,
 )
+from iterserve.replica_model import online  # the online step profile's bounds
 from iterserve.replica_model.profile import DEFAULT_PROFILE, PROFILES  # the shipped step profiles
 from iterserve.router.disagg import PdPolicy  # the router's P/D defaults are its own
 
@@ -262,7 +263,13 @@ class SloTargets(WireModel):
     window: int = Field(120, ge=15, le=3600, description=(
         "Seconds of metrics the estimate reads: arrival rate, prompt and output lengths, measured p95s."))
     step_profile: Literal[*PROFILES] = Field(DEFAULT_PROFILE, description=(
-        "The step-time profile the replica model runs (`iterserve simulate --profile`), one that ships with iterserve."))
+        "The step-time profile the replica model runs (`iterserve simulate --profile`), one that ships with iterserve; "
+        "with fitStepProfileOnline, the fallback."))
+    fit_step_profile_online: bool = Field(True, description=(
+        "Fit the step profile online on the warm decode pods' own steps (their GET /admin/steps) and plan with it "
+        f"once it holds {online.MIN_STEPS} steps and errs by at most {online.MAX_ERROR:.0%} on its held-out steps; "
+        "until then, or when it errs more, "
+        "stepProfile (status.slo.stepProfileReason says which). false: always stepProfile."))
     hysteresis: float = Field(0.2, ge=0, lt=1, description=(
         "Scale down only when the fewer replicas are predicted to meet targets x (1 - hysteresis): the band "
         "that stops 2 <-> 1 flapping."))
@@ -618,6 +625,11 @@ class SloStatus(WireModel):
                            "the tick used the waiting-requests signal.")
     max_num_seqs: int | None = Field(None, description="The max_num_seqs the ITL target allows (None: it does not bind).")
     arrival_rate: float | None = Field(None, description="Requests per second over the window.")
+    step_profile: str | None = Field(None, description="The step profile the prediction ran (NAME-online: fitted online).")
+    step_profile_reason: Literal["fitted", "too_few_steps", "fit_error_above_bound", "given"] | None = Field(
+        None, description="Why that profile: fitted online; the given one while the fit has too few steps or errs "
+        "above its bound on its held-out steps; given (fitStepProfileOnline false).")
+    step_profile_steps: int | None = Field(None, description="Steps the online fit holds.")
     message: str | None = None
 
 

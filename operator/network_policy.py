@@ -83,9 +83,11 @@ def build_network_policy(owner: Owner, spec: InferenceServiceSpec, settings: Net
     ingress = [http]
     if spec.engine.parallelism.nodes > 1:
         ingress.append({"from": [{"podSelector": {"matchLabels": selector_labels(owner.name)}}]})
-    if spec.disaggregation.enabled:
-        ingress.append({"from": [{"podSelector": {"matchLabels": selector_labels(owner.name)}}],
-                        "ports": [{"protocol": "TCP", "port": spec.disaggregation.kv_transfer_port}]})
+    if spec.disaggregation.enabled:  # one KV listener per tensor rank: kvTransferPort .. + tensor - 1
+        kv_port = {"protocol": "TCP", "port": spec.disaggregation.kv_transfer_port}
+        if spec.engine.parallelism.tensor > 1:
+            kv_port["endPort"] = spec.disaggregation.kv_transfer_port + spec.engine.parallelism.tensor - 1
+        ingress.append({"from": [{"podSelector": {"matchLabels": selector_labels(owner.name)}}], "ports": [kv_port]})
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": KIND,

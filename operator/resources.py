@@ -200,6 +200,14 @@ def engine_args(spec: InferenceServiceSpec, role: str | None = None) -> list[str
     return args + lora_args(spec) + list(engine.extra_args) + role_args(spec, role_of(spec, role))
 
 
+def kv_transfer_ports(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """A disaggregated pod's KV transfer listeners: tensor rank i listens on kvTransferPort + i
+    (engine/kv_transfer/sharded.py)."""
+    port = spec.disaggregation.kv_transfer_port
+    return [{"name": "kv-transfer" + (f"-{rank}" if rank else ""), "containerPort": port + rank, "protocol": "TCP"}
+            for rank in range(spec.engine.parallelism.tensor)]
+
+
 def gpu_count(spec: InferenceServiceSpec) -> int:
     """GPUs per engine pod: as the resources ask; a pod that asks for GPUs under parallelism gets one
     per rank it runs (tensor x pipeline / nodes)."""
@@ -258,8 +266,7 @@ def engine_container(spec: InferenceServiceSpec, name: str, role: str | None = N
         "command": ["iterserve", "serve"],
         "args": engine_args(spec, role),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}] + (
-            [{"name": "kv-transfer", "containerPort": spec.disaggregation.kv_transfer_port, "protocol": "TCP"}]
-            if role_of(spec, role) else []),
+            kv_transfer_ports(spec) if role_of(spec, role) else []),
         "env": _env(spec, name),
         "startupProbe": _probe("/health", startup_period, -(-engine.startup_seconds // startup_period)),
         "livenessProbe": _probe("/health", 10, 3),

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from iterserve.engine.server.cli import serve_flags, served_model_name
 from iterserve.operator.models import InferenceServiceSpec
 from iterserve.operator.podsecurity import violations
-from iterserve.operator.resources import MANAGED_FLAGS, RESERVED_ENV
+from iterserve.operator.resources import ENGINE_PORT, MANAGED_FLAGS, RESERVED_ENV
 
 
 class SpecError(ValueError):
@@ -63,13 +63,34 @@ def check_semantics(spec: InferenceServiceSpec) -> None:
         if var.value is not None and var.value_from is not None:
             raise SpecError(f"spec.engine.env[{i}]", "set value or valueFrom, not both")
     _check_adapter_names(spec)
+    # Both pools run spec.engine.parallelism (extraArgs cannot set it), so prefill and decode have one
+    # tensor-parallel size, which KV transfer of a sharded cache needs (rank i's shard goes to rank i).
     if spec.engine.parallelism.nodes > 1 and spec.disaggregation.enabled:
         raise SpecError("spec.engine.parallelism.nodes", "multi-node groups do not run prefill/decode disaggregation "
                                                          "yet: set nodes to 1 or spec.disaggregation.enabled to false")
+    if spec.engine.parallelism.pipeline > 1 and spec.disaggregation.enabled:
+        raise SpecError("spec.engine.parallelism.pipeline", "prefill/decode disaggregation moves a tensor-parallel KV "
+                                                            "cache only (each stage holds other layers' KV): set "
+                                                            "pipeline to 1 or spec.disaggregation.enabled to false")
+    _check_kv_ports(spec)
     patch = spec.pod_template_patch or {}
     unknown = sorted(set(patch) - {"metadata", "spec"})
     if unknown:
         raise SpecError("spec.podTemplatePatch", f"only metadata and spec may be patched, not {', '.join(unknown)}")
+
+
+def _check_kv_ports(spec: InferenceServiceSpec) -> None:
+    """Tensor rank i of a disaggregated pod listens for KV transfers on kvTransferPort + i."""
+    first, tensor = spec.disaggregation.kv_transfer_port, spec.engine.parallelism.tensor
+    last = first + tensor - 1
+    if not spec.disaggregation.enabled:
+        return
+    if last > 65535:
+        raise SpecError("spec.disaggregation.kvTransferPort", f"{first} + {tensor} tensor ranks - 1 passes 65535 (rank "
+                                                              "i listens on kvTransferPort + i): pick a lower port")
+    if first <= ENGINE_PORT <= last:
+        raise SpecError("spec.disaggregation.kvTransferPort", f"the KV ports {first}..{last} (one per tensor rank) hold "
+                                                              f"the engine's HTTP port {ENGINE_PORT}: pick another")
 
 
 def _check_adapter_names(spec: InferenceServiceSpec) -> None:

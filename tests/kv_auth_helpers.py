@@ -34,3 +34,17 @@ def sign_lease(params: dict, key: bytes = KEY, ttl: float = 60.0) -> dict:
     """params (a lease answer, altered or made up) signed as a prefill engine holding key would."""
     unsigned = {k: v for k, v in params.items() if k not in (auth.MAC_FIELD, auth.EXPIRES_FIELD)}
     return auth.sign(unsigned, key, auth.REMOTE_PREFILL, time.time() + ttl)
+
+
+def run_engine(engine, timeout: float) -> dict:
+    """Step until nothing is unfinished (KV pulls run on their own threads); finished outputs by id."""
+    finished = {}
+    deadline = time.monotonic() + timeout
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if engine.last_step_was_idle:
+            time.sleep(0.002)
+        assert time.monotonic() < deadline, "engine did not finish"
+    return finished

@@ -309,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     report = {"benchmark": "spec_decode" if args.mode == "matrix" else f"spec_decode_{args.mode}", **result,
               "quick": args.quick, "seconds": time.perf_counter() - started,
               "machine": common.finish_machine(machine),
-              "note": "shared, loaded machine: absolute figures are noisy; compare on/off within a cell or round"}
+              "note": ("one run per cell (matrix) or alternating rounds: compare on/off within a cell or round; "
+                       "cells where no draft was proposed show the run-to-run noise (the load average is in "
+                       "machine and per cell)")}
     common.write_json(args.json, report)
     if args.plot:
         {"matrix": plot, "crossover": plot_crossover, "offswitch": plot_offswitch}[args.mode](report, args.plot)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import time
 
@@ -118,10 +117,9 @@ def main() -> int:
         print(f"| {r['policy']} | {startup} | {r['slo_attainment']:.1%} | {r['ttft_p95_s']:.2f} | "
               f"{r['replica_seconds']:.0f} | {r['scale_events']} | {r['retunes']} | {r['preemptions']} | "
               f"{r['statuses'].get('rejected', 0)} | {r['max_ready']} | {cold} |")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({**common.run_record(), "load_average_at_end": list(os.getloadavg()), "profile": profile.name, "minutes": minutes, "burst_rate": args.burst_rate, "requests": len(trace),
-                       "slo": vars(slo), "engine": ENGINE, "rows": rows}, handle, indent=2)
+    common.write_json(args.json, {"load_average_at_end": list(os.getloadavg()), "profile": profile.name,
+                                  "minutes": minutes, "burst_rate": args.burst_rate, "requests": len(trace),
+                                  "slo": vars(slo), "engine": ENGINE, "rows": rows})
     return 0
 
 

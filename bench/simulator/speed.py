@@ -13,10 +13,10 @@ machine the wall figure mostly measures the other processes). Prints a table and
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
-from pathlib import Path
+
+from bench import common
 
 CASES = {  # profile: (rate req/s, duration s, prompt, output, maxNumSeqs)
     "smollm2-135m-cpu": (0.5, 120, "uniform:8:128", "zipf:40", 16),
@@ -67,9 +67,8 @@ def main() -> int:
     load_after = os.getloadavg()
     print(f"load average {load_before[0]:.1f} -> {load_after[0]:.1f} on {os.cpu_count()} CPUs")
     if args.json:
-        Path(args.json).write_text(json.dumps({"benchmark": "sim_speed", "quick": args.quick,
-                                               "load_average": [load_before, load_after],
-                                               "cpus": os.cpu_count(), "rows": rows}, indent=2) + "\n")
+        common.write_json(args.json, {"benchmark": "sim_speed", "quick": args.quick,
+                                      "load_average": [load_before, load_after], "cpus": os.cpu_count(), "rows": rows})
         print(f"wrote {args.json}")
     return 0
 

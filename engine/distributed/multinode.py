@@ -19,6 +19,11 @@ tensor <= local).
 - Steps: the other nodes' ranks read rank 0's step plan from the store (`plan/N`, JSON; a rank
   waits on the key, so an idle group costs one wake-up per second), and record how far they read
   (`at/RANK`) so rank 0 deletes the plans everyone has read.
+- KV transfer (--role prefill|decode; engine/kv_transfer/sharded.py): rank 0 and the other nodes'
+  ranks exchange its messages through the store too (`Mailbox`: `kv/RANK/N` to a rank, `kvr/RANK/N`
+  back, JSON, each read once and deleted), on store connections of their own; a prefill rank
+  listens on --kv-transfer-port + rank and advertises its own address (the route's source towards
+  the leader: its pod IP), which the lease answer names.
 - Failure: a worker node whose rank exits, or that loses the store (the leader is gone), logs why,
   answers /health 503, stops its ranks and exits 1 (the pod restarts). The leader ends the group
   when a node writes `failed` or its heartbeat stops for HEARTBEAT_TIMEOUT_S: /health turns 503
@@ -248,6 +253,51 @@ def read_plans(store, rank: int):
         step += 1
 
 
+class Mailbox:
+    """KV transfer messages through the store: `box/N` for N = 0, 1, ... (JSON), each deleted once
+    read. One writer and one reader per box, each on a store connection of its own (a reader blocks
+    in wait)."""
+
+    def __init__(self, master_ip: str, port: int, timeout_s: float):
+        self.address = (master_ip, port, timeout_s)
+        self._writer = self._connect()
+        self._sent: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _connect(self):
+        from torch.distributed import TCPStore
+
+        host, port, timeout_s = self.address
+        return TCPStore(host, port, None, False, timeout=timedelta(seconds=timeout_s))
+
+    def send(self, box: str, message: tuple) -> None:
+        with self._lock:
+            n = self._sent.get(box, 0)
+            self._writer.set(f"{box}/{n}", json.dumps(message))
+            self._sent[box] = n + 1
+
+    def read_forever(self, box: str, handle) -> None:
+        """Calls handle(message) for each message of box, in order, until the store is gone."""
+        from torch.distributed import DistNetworkError, DistStoreError
+
+        store, n = self._connect(), 0
+        while True:
+            key = f"{box}/{n}"
+            try:
+                store.wait([key], timedelta(seconds=PLAN_POLL_S))
+            except DistNetworkError:
+                return  # the leader is gone: the group is ending
+            except DistStoreError:
+                continue
+            message = tuple(json.loads(store.get(key)))
+            store.delete_key(key)
+            n += 1
+            try:
+                handle(message)
+            except Exception:  # noqa: BLE001 - a malformed message fails that transfer, not the rank
+                logger.exception("KV transfer message %r failed", message[1:2])
+
+
 # -- a worker rank's process on node R > 0 -----------------------------------------------------------
 
 
@@ -291,6 +341,15 @@ def rank_main(rank: int, master_ip: str, port: int, deadline_s: float, parent: i
         except Exception:  # noqa: BLE001 - the store itself may be what failed
             pass
         return 1
+    if config.role != "both":  # KV transfer messages (engine/kv_transfer/sharded.py) through the store
+        from iterserve.engine.kv_transfer.sharded import ShardServer
+
+        mailbox = Mailbox(master_ip, port, config.rendezvous_timeout)
+        runner.kv_shards = ShardServer(rank, runner.kv_layout(), runner.read_kv,
+                                       lambda message: mailbox.send(f"kvr/{rank}", message),
+                                       advertise=own_address(master_ip, port))
+        threading.Thread(target=mailbox.read_forever, args=(f"kv/{rank}", runner.kv_shards.handle),
+                         name="iterserve-kv-mailbox", daemon=True).start()
     store.set(f"at/{rank}", "-1")
     store.set(f"ready/{rank}", "1")
     logger.info("rank %d of %d ready (stage %d, tensor rank %d)", rank, world, runner.stage, runner.tp_rank)

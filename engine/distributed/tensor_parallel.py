@@ -8,6 +8,12 @@ head (the sampled rows, then prompt-logprob rows). Every rank then runs the same
 collectives inside it (two all-reduces per layer, one for the embedding, one gather of the logits)
 meet in the same order on every rank. Only rank 0 samples.
 
+P/D disaggregation (engine/kv_transfer/sharded.py): every rank serves and pulls its own KV shard;
+rank 0's connector decides each transfer's outcome and the step plans carry it (kv_loads,
+kv_forget), over the same connection, which also carries the KV transfer messages between rank 0
+and the other ranks (read on a thread of its own at both ends, so a lease or a pull order does not
+wait for a step); the other nodes' ranks get them through the store (multinode.Mailbox).
+
 Workers are `python -m iterserve.engine.distributed.tensor_parallel RANK PORT` processes; each
 connects back to rank 0 over 127.0.0.1 (authenticated with a key passed in its environment) and
 receives its config there. The plan travels over that connection, not a collective: an idle server sends nothing, and a worker blocked
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import secrets
 import subprocess
 import sys
@@ -28,6 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from functools import partial
 from multiprocessing.connection import Client, Listener
 
 import torch
@@ -37,6 +45,8 @@ from iterserve.engine.attention.backend import AttentionMetadata
 from iterserve.engine.config import ConfigError, EngineConfig
 from iterserve.engine.distributed import multinode, pipeline
 from iterserve.engine.distributed.group import Group
+from iterserve.engine.kv_transfer.sharded import KV, ShardedTransport, ShardServer
+from iterserve.engine.kv_transfer.wire import KVTransferError
 from iterserve.engine.model import parallel
 from iterserve.engine.model.loader import ModelConfig
 from iterserve.engine.model_runner import ModelRunner, pick_device
@@ -62,6 +72,10 @@ class StepPlan:
     # (directory, load number) for the workers to read it (LoraManager.sources / ensure)
     lora_rows: list[str | None] = field(default_factory=list)
     lora_sources: dict[str, tuple[str, int]] = field(default_factory=dict)
+    # engine/kv_transfer/sharded.py: pulled shards to load (key, block ids) before the forward, and
+    # staged shards to drop (their pull failed or was given up, or the sequence was preempted)
+    kv_loads: list[tuple[str, list[int]]] = field(default_factory=list)
+    kv_forget: list[str] = field(default_factory=list)
 
 
 def step_plan(out: SchedulerOutput) -> StepPlan:
@@ -102,8 +116,12 @@ class ShardRunner(ModelRunner):
         self.micro_batches = config.pipeline_micro_batches or self.stages
         if config.compile:
             raise ConfigError(f"{_sizes(config)} with --compile is not supported; drop --compile")
+        if config.quantization == "auto":  # the default: the file's blocks are not sharded, so the dense model
+            config = replace(config, quantization="none")
         super().__init__(config, show_progress=show_progress)
         self.split = None  # two threads issuing collectives would interleave them differently per rank
+        self._kv_layout = replace(self._kv_layout, shard=f"{self.tp_rank}/{self.tp}")
+        self.kv_shards: ShardServer | None = None  # a worker's side of KV transfer (worker_main)
 
     def shard(self, loaded, config: EngineConfig) -> ModelConfig:
         if self.quantization != "none":
@@ -141,6 +159,10 @@ class ShardRunner(ModelRunner):
             self._copy_blocks(plan.swap_out, self.kv_caches, self.cpu_caches)
         if plan.swap_in:
             self._copy_blocks(plan.swap_in, self.cpu_caches, self.kv_caches)
+        for key in plan.kv_forget:
+            self.kv_shards.forget(key)
+        if plan.kv_loads:
+            self._load_kv([self.kv_shards.take(key, blocks) for key, blocks in plan.kv_loads])
         if not plan.input_ids:
             return
         device = self.device
@@ -214,6 +236,8 @@ class TensorParallelRunner(ShardRunner):
         self._pipes: list = []
         self._closing = False
         self._plans: multinode.PlanPublisher | None = None  # the other nodes' ranks read plans from the store
+        self._send_lock = threading.Lock()  # step plans (engine thread) and KV messages (transfer threads)
+        self._kv_transport: ShardedTransport | None = None
         self._deadline = time.monotonic() + config.rendezvous_timeout
         address, self._master_ip = "127.0.0.1", None
         if config.nnodes > 1:  # the store first: the other nodes connect while rank 0 loads
@@ -239,6 +263,43 @@ class TensorParallelRunner(ShardRunner):
         logger.info("tensor parallelism %d x pipeline stages %d: %d ranks (%s), pids %s", tp, stages, size,
                     "nccl" if device.type == "cuda" else "gloo", [os.getpid()] + [p.pid for p in self._workers])
         threading.Thread(target=self._watch, name="iterserve-tp-watch", daemon=True).start()
+        for rank, pipe in enumerate(self._pipes, start=1):
+            threading.Thread(target=self._read_answers, args=(rank, pipe), name=f"iterserve-tp-answers{rank}",
+                             daemon=True).start()
+        self._mailbox: multinode.Mailbox | None = None  # KV transfer messages to the other nodes' ranks
+        if config.nnodes > 1 and config.role != "both":
+            self._mailbox = multinode.Mailbox(self._master_ip, config.master_port, config.rendezvous_timeout)
+            for rank in range(local, size):
+                threading.Thread(target=self._mailbox.read_forever, args=(f"kvr/{rank}", partial(self._answer, rank)),
+                                 name=f"iterserve-kv-mailbox{rank}", daemon=True).start()
+
+    def _answer(self, rank: int, message: tuple) -> None:
+        if self._kv_transport is not None and message[:1] == (KV,):
+            self._kv_transport.deliver(rank, message)
+
+    def _read_answers(self, rank: int, pipe) -> None:
+        """A worker's answers to KV transfer messages (the only thing workers send after start-up)."""
+        while True:
+            try:
+                message = pipe.recv()
+            except (EOFError, OSError):
+                return  # the worker is gone (_watch reports it) or the group was closed
+            if self._kv_transport is not None and isinstance(message, tuple) and message[:1] == (KV,):
+                self._kv_transport.deliver(rank, message)
+
+    def send(self, rank: int, message: tuple) -> None:
+        """A KV transfer message to a rank (kv_transfer/sharded.py's RankLinks): over its connection on
+        this node, through the store on another."""
+        with self._send_lock:
+            if self._closing or (rank > len(self._pipes) and self._mailbox is None):
+                raise KVTransferError(f"tensor rank {rank} is gone: the group has ended")
+            try:
+                if rank <= len(self._pipes):
+                    self._pipes[rank - 1].send(message)
+                else:
+                    self._mailbox.send(f"kv/{rank}", message)
+            except (OSError, EOFError, RuntimeError) as error:  # RuntimeError: torch's store errors
+                raise KVTransferError(f"tensor rank {rank} is gone: {error}") from None
 
     def parallelize(self, full_config: ModelConfig) -> None:
         super().parallelize(full_config)
@@ -336,14 +397,15 @@ class TensorParallelRunner(ShardRunner):
     def execute(self, out: SchedulerOutput):
         if self.group_failure is not None:
             raise self.group_failure
-        if out.kv_loads:
-            raise ConfigError("KV loads into a tensor-parallel engine are not implemented")
         plan = step_plan(out)
+        if self._kv_transport is not None:
+            self._plan_kv(out, plan)
         if plan.lora_rows:
             plan.lora_sources = self.lora.sources({name for name in plan.lora_rows if name is not None})
         try:
-            for pipe in self._pipes:
-                pipe.send(plan)
+            with self._send_lock:
+                for pipe in self._pipes:
+                    pipe.send(plan)
             if self._plans is not None:
                 self._plans.publish(plan)
             self.step = plan  # FirstStage splits it into micro-batches
@@ -351,8 +413,23 @@ class TensorParallelRunner(ShardRunner):
             raise RuntimeError(f"a tensor-parallel rank is gone: {error}") from error
         return super().execute(out)
 
+    def _plan_kv(self, out: SchedulerOutput, plan: StepPlan) -> None:
+        """The workers' part of rank 0's KV decisions: load the shards of the pulls this step loads,
+        drop every other settled pull's."""
+        settled = self._kv_transport.take_settled()
+        loads = {load.seq.request_id: load for load in out.kv_loads}
+        unknown = set(loads) - set(settled)
+        if unknown:  # a load without a sharded pull: rank 0 alone would hold the prompt's KV
+            raise RuntimeError(f"KV loads of {sorted(unknown)} have no pull on the other tensor ranks")
+        plan.kv_loads = [(settled[request_id], list(load.block_ids)) for request_id, load in loads.items()]
+        plan.kv_forget = [key for request_id, key in settled.items() if request_id not in loads]
+
     def enable_kv_store(self) -> None:
-        raise ConfigError("KV transfer of a tensor-parallel engine's sharded cache is not implemented")
+        pass  # every rank's KV pool is the store of its shard
+
+    def kv_transport(self, clock) -> ShardedTransport:
+        self._kv_transport = ShardedTransport(self, clock)
+        return self._kv_transport
 
     def close(self) -> None:
         """Stop the workers (the end of the engine)."""
@@ -447,11 +524,20 @@ def worker_main(rank: int, address_port: int) -> None:
     except BaseException as error:  # noqa: BLE001 - reported to rank 0, which refuses to start
         pipe.send(("error", f"{type(error).__name__}: {error}"))
         return
+    sending = threading.Lock()
+
+    def reply(message: tuple) -> None:
+        with sending:
+            pipe.send(message)
+
+    runner.kv_shards = ShardServer(rank, runner.kv_layout(), runner.read_kv, reply)
+    plans: queue.Queue = queue.Queue()
     pipe.send(("ready", None))
+    threading.Thread(target=_read_plans, args=(pipe, runner.kv_shards, plans), name="iterserve-tp-plans",
+                     daemon=True).start()
     while True:
-        try:
-            plan = pipe.recv()
-        except (EOFError, OSError):
+        plan = plans.get()
+        if plan is EOFError:
             logger.error("rank 0 is gone; rank %d exits", rank)
             return
         if plan is None:
@@ -461,6 +547,26 @@ def worker_main(rank: int, address_port: int) -> None:
         except BaseException:
             logger.exception("rank %d failed a step; the group ends", rank)
             os._exit(1)
+
+
+def _read_plans(pipe, shards: ShardServer, plans: queue.Queue) -> None:
+    """A worker's messages from rank 0: KV transfer messages are handled at once, step plans queued
+    for the step loop (EOFError: rank 0 is gone)."""
+    while True:
+        try:
+            message = pipe.recv()
+        except (EOFError, OSError):
+            plans.put(EOFError)
+            return
+        if isinstance(message, tuple) and message[:1] == (KV,):
+            try:
+                shards.handle(message)
+            except Exception:  # noqa: BLE001 - a malformed message fails that transfer, not the rank
+                logger.exception("KV transfer message %r failed", message[1])
+            continue
+        plans.put(message)
+        if message is None:
+            return
 
 
 if __name__ == "__main__":

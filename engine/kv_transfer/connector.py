@@ -15,6 +15,12 @@ default), so a test's fake clock drives every one of them. Only what crosses mac
 expiry as written into kv_transfer_params, the MAC's expires_at) is in unix seconds, read from
 `wall_clock`: two pods' monotonic clocks cannot be compared.
 
+Tensor parallelism (kv_transfer/sharded.py): on an engine of N ranks this connector runs on rank 0
+and its transport reaches the others. The lease answer adds tensor_parallel_size and the other
+ranks' listeners (shards); a pull fetches every rank's shard, rank i's from the prefill engine's
+rank i, and finishes only when all have theirs: one outcome, decided here, for every rank. A pull
+from an engine of another tensor-parallel size is refused before any dial, naming both sizes.
+
 Trust: with a KV key (--kv-auth-key-file), `pin` signs the lease it answers (auth.py) and gives it
 a random secret that the transport asks for on PULL and RELEASE. Leases hold at most
 --kv-max-leased-fraction of the pool: beyond it a prefill call is answered without a lease (the
@@ -133,6 +139,7 @@ class KVConnector:
         lease_s = self.config.kv_lease_seconds
         with self._lock:
             self._leases[transfer_id] = Lease(transfer_id, blocks, num_tokens, self.clock() + lease_s, secret)
+        self.transport.lease_opened(transfer_id, secret, blocks, lease_s)
         logger.debug("pinned %d blocks of request %s under transfer %s for %.0f s", len(blocks), seq.request_id,
                      transfer_id, lease_s)
         expires_at = self.wall_clock() + lease_s
@@ -141,6 +148,9 @@ class KVConnector:
             "block_ids": blocks, "num_tokens": num_tokens, "block_size": self.block_manager.block_size,
             "compat_hash": self.compat_hash, "lease_expires_at": round(expires_at, 3), "lease_secret": secret,
         }
+        if self.config.tensor_parallel_size > 1:
+            params["tensor_parallel_size"] = self.config.tensor_parallel_size
+            params["shards"] = [list(address) for address in self.transport.shard_addresses(self.host)]
         if self.auth_key is None:
             return params
         # The MAC outlives the lease by a grace: a decode call that arrives just late is answered by
@@ -168,6 +178,7 @@ class KVConnector:
                                "%d blocks are freed", lease.transfer_id, self.config.kv_lease_seconds,
                                len(lease.blocks))
             self.block_manager.unpin(lease.blocks)
+            self.transport.lease_closed(lease.transfer_id)
             freed += len(lease.blocks)
         return freed
 
@@ -236,7 +247,8 @@ class KVConnector:
         kv: KVTransferState = seq.kv_transfer
         remote = kv.remote_prefill
         request = PullRequest(remote.host, remote.port, remote.transfer_id, remote.lease_secret, first_block,
-                              len(remote.block_ids) - first_block, self.clock() + self.config.kv_transfer_timeout)
+                              len(remote.block_ids) - first_block, self.clock() + self.config.kv_transfer_timeout,
+                              key=seq.request_id, shards=remote.shards)
         self.counts.blocks_from_cache += first_block
         pull = Pull(request, self.clock())
         self._pulls[seq.request_id] = pull
@@ -244,6 +256,8 @@ class KVConnector:
         if problem:
             pull.error = problem
             pull.finished.set()
+            if remote.authenticated:  # a peer's lease that will never be pulled: free it now, not at its expiry
+                self._release_later(remote)
             return
         threading.Thread(target=self._run_pull, args=(pull,), name="kv-pull", daemon=True).start()
 
@@ -251,6 +265,10 @@ class KVConnector:
         remote = seq.kv_transfer.remote_prefill
         if not remote.authenticated:  # never dial an address a client chose (params.accept signs them)
             return "the kv_transfer_params were not authenticated"
+        if remote.tensor_parallel_size != self.config.tensor_parallel_size:
+            return (f"the prefill engine runs --tensor-parallel-size {remote.tensor_parallel_size}, this decode engine "
+                    f"{self.config.tensor_parallel_size}: each rank holds the KV of its own heads, so a sharded cache "
+                    "moves only between groups of one size; run both pools with the same --tensor-parallel-size")
         if remote.compat_hash != self.compat_hash:
             return (f"compat_hash {remote.compat_hash} differs from this engine's {self.compat_hash} (another model, "
                     "dtype or block size on the prefill engine)")
@@ -288,6 +306,7 @@ class KVConnector:
             pull.error = f"no answer within --kv-transfer-timeout {self.config.kv_transfer_timeout:g} s"
             pull.request.cancel.set()
         del self._pulls[seq.request_id]
+        self.transport.settled(pull.request)
         if pull.error is None:
             self.counts.pulls_ok += 1
             self.counts.blocks_pulled += pull.request.num_blocks
@@ -303,7 +322,10 @@ class KVConnector:
         if pull is None:
             return
         pull.request.cancel.set()
-        remote = seq.kv_transfer.remote_prefill
+        self.transport.settled(pull.request)
+        self._release_later(seq.kv_transfer.remote_prefill)
+
+    def _release_later(self, remote) -> None:
         threading.Thread(target=self.transport.release,
                          args=(remote.host, remote.port, remote.transfer_id, remote.lease_secret), daemon=True,
                          name="kv-release").start()

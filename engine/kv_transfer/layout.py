@@ -1,7 +1,10 @@
 """What a KV block holds, and whether two engines' blocks are interchangeable.
 
 Two engines can exchange blocks only if the model (and its quantization), the dtype, the layer
-count, the KV heads, the head size and the block size all match. The compatibility hash names
+count, the KV heads, the head size, the block size and the shard all match. A tensor-parallel
+engine's rank holds the KV of its heads only: its layout is that shard's (`shard` "i/N", N the
+tensor-parallel size), so rank i of a decode group can talk only to rank i of a prefill group of
+the same size. The compatibility hash names
 that tuple; the transport's handshake compares the fields themselves so a refusal can say which
 one differs.
 """
@@ -23,6 +26,7 @@ class KVLayout:
     head_size: int
     block_size: int
     itemsize: int
+    shard: str = "0/1"  # tensor rank / tensor-parallel size of the engine holding these blocks
 
     @property
     def block_bytes_per_layer(self) -> int:

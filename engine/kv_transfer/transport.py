@@ -86,6 +86,9 @@ class PullRequest:
     num_blocks: int
     deadline: float  # on the transport's clock (the connector's), by which the pull must be done
     cancel: threading.Event = field(default_factory=threading.Event)
+    key: str = ""  # the pulling engine's name for it (the request id)
+    shards: tuple[tuple[str, int], ...] = ()  # a tensor-parallel prefill engine's ranks 1..N-1 (params.py)
+    release: bool = True  # release the lease once pulled; False: another pull releases it (kv_transfer/sharded.py)
 
 
 class KVTransport(ABC):
@@ -103,6 +106,24 @@ class KVTransport(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+    # A transport whose KV lives in several processes (kv_transfer/sharded.py: a tensor-parallel
+    # engine's ranks) hears of leases and settled pulls; one process's transport needs neither.
+    def shard_addresses(self, advertise_host: str) -> list[tuple[str, int]]:
+        """Where the other ranks serve their KV shards (ranks 1..N-1), for kv_transfer_params."""
+        return []
+
+    def lease_opened(self, transfer_id: str, secret: str, blocks: list[int], seconds: float) -> None:
+        """The connector leased these blocks for `seconds` (the listening half's other processes serve them too)."""
+        return None
+
+    def lease_closed(self, transfer_id: str) -> None:
+        """The connector freed the lease's blocks."""
+        return None
+
+    def settled(self, request: PullRequest) -> None:
+        """The connector took the pull's outcome (the scheduler loads it this step, or never)."""
+        return None
 
 
 class TcpTransport(KVTransport):
@@ -235,7 +256,8 @@ class TcpTransport(KVTransport):
         differences = source.layout.mismatch(theirs)
         if differences:
             message = ("the KV layouts differ, blocks cannot be exchanged (" + "; ".join(differences)
-                       + "): run the same model, dtype and --block-size on prefill and decode")
+                       + "): run the same model, dtype, --block-size and --tensor-parallel-size on prefill and decode "
+                       "(tensor rank i pulls from tensor rank i)")
             logger.warning("refused a KV transfer handshake from engine %s: %s", hello.get("engine_id"), message)
             wire.send_json(conn, wire.REFUSED, {"error": message, "fields": [d.split(":")[0] for d in differences]},
                            left)
@@ -304,6 +326,8 @@ class TcpTransport(KVTransport):
             raise FrameError(f"got {len(layers)} layers of KV, expected {layout.num_layers}")
         seconds = self.clock() - started
         released = False
+        if not request.release:  # hang up: the lease stays for the pull that releases it
+            return PulledKV(layers, received, seconds, released)
         release_by = self.clock() + min(2.0, max(0.1, request.deadline - self.clock()))
         try:  # the blocks are here; a failed release only leaves the lease to expire on its own
             self._send_release(sock, request.transfer_id, request.lease_secret, release_by)

@@ -10,7 +10,7 @@ In: the model (LlamaModel), a step's token ids, positions, KV caches and Attenti
 LlamaModel.forward takes them. Out: the final hidden states [T, hidden], as LlamaModel.forward
 returns them.
 
-fp32 without --quantization keeps torch's ops (its exact-parity mode): these kernels round the
+`--quantization none` keeps torch's ops (the exact-parity mode): these kernels round the
 norm's sum of squares and SiLU's exp differently from torch (within a few ulp; rotary and the KV
 write are exact). Without a C compiler or AVX2, or for shapes the kernels do not take (head_dim or
 hidden size not a multiple of 8), the model keeps torch's ops.

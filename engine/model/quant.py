@@ -15,7 +15,7 @@ Large batches are compute-bound, and there MKL's fp32 sgemm beats the weight-onl
 so a linear with more than `dense_above` rows multiplies by the dequantized weight instead (the
 same quantized values in fp32: a row's result does not depend on the kernel beyond rounding).
 
-fp32 without --quantization stays the exact-parity mode.
+`--quantization none` (and an explicit `--dtype float32`) stays the exact-parity fp32 mode.
 """
 
 from __future__ import annotations

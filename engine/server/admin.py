@@ -1,4 +1,6 @@
-"""Admin API: read and change max_num_seqs live, and start a drain.
+"""Admin API: read and change max_num_seqs live, start a drain, and read the newest step records
+(what each engine step did and how long it took: engine/step_log.py), which the operator fits its
+SLO step profile on.
 
 With a token configured (ITERSERVE_ADMIN_TOKEN or --admin-token-file) every admin call needs
 `Authorization: Bearer <token>`. Without one, admin calls are refused unless the server listens
@@ -8,19 +10,24 @@ on loopback only, where only local processes can reach it.
 from __future__ import annotations
 
 import hmac
+import json
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request, Response
 
 from iterserve.engine.sampling_params import InvalidRequestError
 from iterserve.engine.server.errors import APIError, invalid, unavailable
 from iterserve.engine.server.protocol import (
+    MAX_STEP_RECORDS_BYTES,
     AdminConfig,
     AdminConfigPatch,
+    AdminStepsQuery,
     DrainStatus,
     ErrorResponse,
+    StepRecordsPage,
 )
 from iterserve.engine.server.state import ServerState
+from iterserve.engine.step_log import as_record
 
 ADMIN_TOKEN_ENV = "ITERSERVE_ADMIN_TOKEN"
 
@@ -65,6 +72,31 @@ async def patch_config(patch: AdminConfigPatch, state: Admin) -> AdminConfig:
 async def drain(state: Admin) -> DrainStatus:
     state.begin_drain()
     return DrainStatus(draining=True, in_flight=state.in_flight)
+
+
+@router.get("/steps", response_model=StepRecordsPage)
+async def steps(query: Annotated[AdminStepsQuery, Query()], state: Admin) -> Response:
+    """The step records after `after`, oldest first: at most `limit` of them and
+    MAX_STEP_RECORDS_BYTES of their JSON, whatever the ring holds."""
+    if state.engine is None:
+        raise unavailable("the model is still loading; retry shortly", "loading")
+    engine = state.engine.engine
+    ring = engine.step_records
+    stored, first, last = ring.after(query.after, query.limit)
+    parts, size = [], 0
+    for values in stored:
+        text = json.dumps(as_record(values), separators=(",", ":"))
+        size += len(text) + 1
+        if size > MAX_STEP_RECORDS_BYTES and parts:
+            break
+        parts.append(text)
+    next_after = stored[len(parts) - 1][0] if parts else query.after
+    missed = max(0, first - 1 - query.after) if first else 0
+    head = json.dumps({"next_after": next_after, "first_seq": first, "last_seq": last, "missed": missed,
+                       "now": engine.clock(), "capacity": ring.capacity}, separators=(",", ":"))
+    # Built by hand, not through the response model: up to a thousand records a call, each read
+    # by the operator's own parser, and validating them again here would cost more than the rest.
+    return Response(f'{head[:-1]},"records":[{",".join(parts)}]}}', media_type="application/json")
 
 
 def _config(state: ServerState) -> AdminConfig:

@@ -3,7 +3,7 @@ models in protocol.py, so every field, default and limit the page shows is the o
 enforces: a unit test fails when the checked-in page differs from this text.
 
 In: the request models' JSON schemas. Out: Markdown, one table per request body (completions,
-chat, admin) and per nested object.
+chat, admin), per query (GET /admin/steps) and its answer, and per nested object.
 
 `python -m iterserve.engine.server.api_docs > docs/api-reference.md` (or `make docs`) rewrites it.
 """
@@ -18,14 +18,18 @@ from iterserve.engine.server.protocol import (
     IGNORED_FIELDS,
     IGNORED_FIELDS_HEADER,
     AdminConfigPatch,
+    AdminStepsQuery,
     ChatCompletionRequest,
     CompletionRequest,
+    StepRecordsPage,
 )
 
 BODIES = [
     ("POST /v1/completions", CompletionRequest),
     ("POST /v1/chat/completions", ChatCompletionRequest),
     ("PATCH /admin/config", AdminConfigPatch),
+    ("GET /admin/steps (query parameters)", AdminStepsQuery),
+    ("GET /admin/steps (answer)", StepRecordsPage),
 ]
 
 HEADER = f"""# OpenAI API request reference

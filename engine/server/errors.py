@@ -75,7 +75,7 @@ def _describe_validation_error(exc: RequestValidationError) -> tuple[str, str | 
     errors = exc.errors()
     # A string that is not valid Unicode fails every alternative of a union; say that, not the union.
     first = next((e for e in errors if "not valid Unicode" in str(e.get("msg", ""))), errors[0])
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query")]
     kind = first.get("type", "")
     if kind == "json_invalid":
         return "the request body is not valid JSON", None

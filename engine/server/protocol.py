@@ -345,3 +345,59 @@ class UnloadLoraAdapterRequest(_Request):
 class DrainStatus(BaseModel):
     draining: bool
     in_flight: int
+
+
+# GET /admin/steps: the engine's newest step records (engine/step_log.py), for the operator's
+# online step profile. Both bounds hold however many records the ring has.
+MAX_STEP_RECORDS_PER_CALL = 1024
+MAX_STEP_RECORDS_BYTES = 1024 * 1024  # of the records' JSON; a record is ~450 bytes, so rarely reached
+MAX_STEP_SEQ = 2**63 - 1
+
+
+class AdminStepsQuery(BaseModel):
+    """GET /admin/steps's query parameters: page through the ring oldest first, `after` the last
+    seq read (the answer's `next_after`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    after: int = Field(0, ge=0, le=MAX_STEP_SEQ, description=(
+        "Records with a larger seq than this (0: from the oldest the engine still holds)."))
+    limit: int = Field(256, ge=1, le=MAX_STEP_RECORDS_PER_CALL, description=(
+        f"At most this many records (fewer when their JSON passes {MAX_STEP_RECORDS_BYTES} bytes)."))
+
+
+class StepRecord(BaseModel):
+    """One engine step, as the step log (`--step-log`) writes it too: what it did and where its time went."""
+
+    seq: int = Field(description="Consecutive from 1 over the engine's life: a gap means records fell out of the ring.")
+    step: int = Field(description="The engine's step counter (idle steps are counted, not recorded).")
+    time: float = Field(description="When the step ended, on the engine's monotonic clock (the answer's `now` is on it too).")
+    duration_s: float = Field(description="The step's wall time.")
+    cpu_s: float = Field(description="The engine thread's CPU time in the step: its wall time on a core of its own.")
+    load_1m: float = Field(description="The node's one-minute load average (read at most once a second).")
+    schedule_s: float = Field(description="Scheduling's share of duration_s.")
+    model_s: float = Field(description="The model run's share of duration_s.")
+    postprocess_s: float = Field(description="Sampling's and output making's share of duration_s.")
+    prefill_tokens: int = Field(description="Prompt tokens computed.")
+    decode_tokens: int = Field(description="Decode tokens computed (speculative ones included).")
+    num_seqs: int = Field(description="Sequences scheduled.")
+    context_tokens: int = Field(description="Tokens the scheduled chunks attend to, summed (each chunk's start plus itself).")
+    max_context_tokens: int = Field(description="The largest of those.")
+    prefill_attention_pairs: int = Field(description="Query-key pairs of the prompt chunks' attention.")
+    running: int = Field(description="Sequences running after the step.")
+    waiting: int = Field(description="Requests waiting after the step.")
+    kv_blocks_used: int = Field(description="KV blocks sequences hold.")
+    kv_blocks_cached: int = Field(description="Cached KV blocks no sequence holds.")
+    preemptions: int = Field(description="Sequences preempted by the step.")
+
+
+class StepRecordsPage(BaseModel):
+    """GET /admin/steps's answer."""
+
+    records: list[StepRecord] = Field(description="Oldest first, each seq larger than `after`.")
+    next_after: int = Field(description="The `after` of the next call: the last record's seq (`after` when none).")
+    first_seq: int = Field(description="The oldest seq the engine still holds (0: none yet).")
+    last_seq: int = Field(description="The newest seq (smaller than `after`: the engine restarted; read from 0).")
+    missed: int = Field(description="Records after `after` that left the ring before this call.")
+    now: float = Field(description="The engine's monotonic clock now, to place each record's `time`.")
+    capacity: int = Field(description="Records the engine keeps.")

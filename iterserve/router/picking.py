@@ -26,10 +26,17 @@ the adapter now (`active_adapters`, vLLM's lora_requests_info: it sits in a devi
 preferred while their load is within `policy.affinity_tolerance` of the least; a pick that either
 rule narrowed counts as `adapter_affinity`. `unknown_model` says when the router itself may answer
 404: every endpoint's list is known and none names the model.
+
+`PickIndex` is the same rule (no affinity, no model) for a caller that keeps thousands of
+endpoints and changes a few loads between picks (the simulator's fleet): the endpoints sit in a
+heap by (load, last_picked, order), so a pick costs a logarithm of the fleet, not a pass over it,
+and it returns what `pick` returns over the same loads in `order`, drawing from the rng exactly
+as `pick` does (tests/unit/test_router_pick_index.py holds the two equal on random loads).
 """
 
 from __future__ import annotations
 
+import heapq
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -122,6 +129,77 @@ def pick(endpoints: Sequence[EndpointLoad], rng: random.Random, policy: PickPoli
     longest_ago = min(e.last_picked for e in best)
     return Pick(rng.choice([e for e in best if e.last_picked == longest_ago]).url,
                 ADAPTER_AFFINITY if narrowed else TIE_BREAK, least_here)
+
+
+class PickIndex:
+    """`pick(endpoints in ascending order, rng, policy)` (no affinity, no model) over endpoints
+    kept indexed: `update` one when its load, capacity, last_picked or routability changes,
+    `remove` one that left, `pick` as often as wanted."""
+
+    def __init__(self, policy: PickPolicy = PickPolicy()):
+        self.policy = policy
+        # Open endpoints' (load, last_picked, order, url); an entry that is not the url's current one is stale.
+        self._heap: list[tuple[int, int, int, str]] = []
+        self._current: dict[str, tuple[int, int, int, str]] = {}
+        self._open_at: dict[int, int] = {}  # load -> how many open endpoints have it
+        self._saturated: set[str] = set()  # routable, at capacity
+
+    def __len__(self) -> int:
+        return len(self._current) + len(self._saturated)
+
+    def update(self, endpoint: EndpointLoad, order: int) -> None:
+        """Enter or re-enter `endpoint`; `order` is its place in the sequence `pick` would be given
+        (unique per url)."""
+        url = endpoint.url
+        self.remove(url)
+        if not endpoint.routable:
+            return
+        load = endpoint.load
+        if load >= endpoint.capacity(self.policy.max_queue):
+            self._saturated.add(url)
+            return
+        entry = (load, endpoint.last_picked, order, url)
+        self._current[url] = entry
+        self._open_at[load] = self._open_at.get(load, 0) + 1
+        heapq.heappush(self._heap, entry)
+        if len(self._heap) > 2 * len(self._current) + 64:  # drop the stale entries
+            self._heap = list(self._current.values())
+            heapq.heapify(self._heap)
+
+    def remove(self, url: str) -> None:
+        entry = self._current.pop(url, None)
+        if entry is None:
+            self._saturated.discard(url)
+            return
+        left = self._open_at[entry[0]] - 1
+        if left:
+            self._open_at[entry[0]] = left
+        else:
+            del self._open_at[entry[0]]
+
+    def pick(self, rng: random.Random) -> Pick:
+        current, heap = self._current, self._heap
+        if not current:
+            return Pick(None, SATURATED if self._saturated else NONE_READY)
+        while current.get(heap[0][3]) is not heap[0]:
+            heapq.heappop(heap)
+        load, last_picked, _, url = heap[0]
+        if self._open_at[load] == 1:
+            return Pick(url, LEAST_LOAD, load)
+        # Several share the least load: pick() draws among those picked longest ago, in order
+        # (the heap yields them in order), even when that is one endpoint.
+        tied = []
+        while heap:
+            top = heap[0]
+            if current.get(top[3]) is not top:
+                heapq.heappop(heap)
+            elif top[0] == load and top[1] == last_picked:
+                tied.append(heapq.heappop(heap))
+            else:
+                break
+        for entry in tied:
+            heapq.heappush(heap, entry)
+        return Pick(rng.choice([entry[3] for entry in tied]), TIE_BREAK, load)
 
 
 def unknown_model(endpoints: Sequence[EndpointLoad], model: str) -> bool:

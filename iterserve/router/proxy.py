@@ -9,8 +9,9 @@ then 429 with Retry-After; 503 at once when none is routable), send on a pooled 
 connection (upstream.py: one that ever held bytes nobody asked for is never reused), relay the
 answer as it arrives. A request whose replica fails before any byte reached the client
 (connection refused or reset, or a 503 from a draining engine) is sent once more, to another
-replica. A client that goes away cancels its handler, which closes the upstream connection, which
-makes the engine abort the request.
+replica; an answer that is not valid HTTP/1.1 is answered 502 and not re-sent (as nginx does: the
+engine may have run it). A client that goes away cancels its handler, which closes the upstream
+connection, which makes the engine abort the request.
 
 With a prefill pool (`set_prefill_endpoints`), a completions or chat request whose uncached prompt
 is long goes first to a prefill replica (max_tokens 1), and its decode replica then pulls the KV
@@ -34,7 +35,6 @@ from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
-from yarl import URL
 
 from iterserve.engine import metrics as names
 from iterserve.router import disagg, upstream
@@ -54,6 +54,18 @@ from iterserve.router.prefix import CHARS_PER_TOKEN, PrefixTable, block_hashes, 
 
 logger = logging.getLogger("iterserve.router")
 SSE = "text/event-stream"
+_HOP_BY_HOP = frozenset(name.encode() for name in HOP_BY_HOP)
+
+
+def _forwarded(request: web.BaseRequest) -> bytes:
+    """The client's header lines to send upstream, as received (llhttp refused CR, LF and NUL in
+    them): all but hop-by-hop ones and those its Connection header names."""
+    skip = _HOP_BY_HOP
+    named = request.headers.get("connection")
+    if named:
+        skip = skip | {t.strip().lower().encode("utf-8", "surrogateescape") for t in named.split(",")}
+    return b"".join([b"%s: %s\r\n" % (name, value) for name, value in request.raw_headers
+                     if name.lower() not in skip])
 
 
 @dataclass
@@ -127,7 +139,8 @@ class Router:
                                      options.stale_after_s, lambda: self.activator.held)
         self._fallback_logged: dict[str, float] = {}
         self.door: FrontDoor | None = None
-        self.session: aiohttp.ClientSession | None = None
+        self.pool: upstream.Pool | None = None  # connections for requests
+        self._counted: dict[int, object] = {}  # status -> its requests-counter child
         self.scrape_session: aiohttp.ClientSession | None = None
         self._in_flight: set[asyncio.Task] = set()  # proxied requests' handler tasks
         self._all_done = asyncio.Event()
@@ -208,7 +221,7 @@ class Router:
     # -- the process ----------------------------------------------------------------------------
     async def start(self) -> None:
         o = self.options
-        self.session = upstream.session(o.connect_timeout_s, o.max_idle_conn_s)
+        self.pool = upstream.Pool(o.connect_timeout_s, o.max_idle_conn_s)
         # Scrapes keep a connection per replica of their own: a scrape never waits for a free
         # request connection, and a replica that answers scrapes but fails requests still fails them.
         self.scrape_session = upstream.session(o.connect_timeout_s, o.max_idle_conn_s, per_host=1)
@@ -246,9 +259,10 @@ class Router:
             task.cancel()
         for endpoint in [*self.endpoints.values(), *self.prefills.values()]:
             endpoint.removed = True
-        for session in (self.session, self.scrape_session):
-            if session is not None:
-                await session.close()
+        if self.pool is not None:
+            self.pool.close()
+        if self.scrape_session is not None:
+            await self.scrape_session.close()
 
     def ready(self) -> bool:
         """With the activator on, ready with no replica too: the router is where requests wait."""
@@ -279,8 +293,14 @@ class Router:
         return error_response(404, "not found: the router serves /v1/..., /metrics, /health and /ready",
                               "invalid_request_error", "not_found")
 
+    def _count(self, status: int) -> None:
+        counter = self._counted.get(status)
+        if counter is None:
+            counter = self._counted[status] = self.metrics.requests.labels(str(status))
+        counter.inc()
+
     def _reply(self, response: web.Response) -> web.Response:
-        self.metrics.requests.labels(str(response.status)).inc()
+        self._count(response.status)
         if self.draining:
             response.force_close()
         return response
@@ -334,9 +354,7 @@ class Router:
                                               refused.code, close=True))
         except BadBody as error:
             return self._reply(error_response(400, str(error), "invalid_request_error", "bad_body"))
-        connection = {t.strip().lower() for t in request.headers.get("connection", "").split(",")}
-        headers = [(k, v) for k, v in request.headers.items()
-                   if k.lower() not in HOP_BY_HOP and k.lower() not in connection]
+        headers = _forwarded(request)
         model = fields.get("model") if path.encode() in disagg.GENERATION_PATHS else None
         model = model if isinstance(model, str) else None
         if model is not None and unknown_model([e.load(self.clock(), o.stale_after_s) for e in self.endpoints.values()],
@@ -454,58 +472,71 @@ class Router:
         finally:
             activator.release()
 
-    async def _exchange(self, endpoint: Endpoint, request: web.BaseRequest, headers: list, body: bytes,
+    async def _exchange(self, endpoint: Endpoint, request: web.BaseRequest, headers: bytes, body: bytes,
                         relay: _Relay) -> web.StreamResponse:
         """One request to one endpoint; raises _Retry if it failed before the client saw a byte."""
-        url = URL(endpoint.url + request.raw_path, encoded=True)
+        method = request.method.encode()
+        target = request.raw_path.encode("utf-8", "surrogateescape")
+        data = upstream.request_bytes(method, target, self.pool.host(endpoint.url), headers, body)
         for again in (True, False):
             try:
-                async with self.session.request(request.method, url, headers=headers, data=body or None,
-                                                allow_redirects=False) as answer:
-                    return await self._relay(endpoint, request, answer, relay)
-            except _Retry:
-                raise
-            except CONNECTION_ERRORS as error:
-                if relay.response is not None:
-                    raise  # the client side failed mid-answer
-                if again and isinstance(error, aiohttp.ServerDisconnectedError):
-                    continue  # a pooled connection the engine had just closed: open a new one
-                self._eject(endpoint, f"request: {type(error).__name__}: {error}")
+                conn = await self.pool.connection(endpoint.url)
+            except upstream.ConnectFailed as error:
+                self._eject(endpoint, f"request: {error}")
                 raise _Retry from None
+            try:
+                conn.send(data, head_only=method == b"HEAD")
+                try:
+                    await conn.head()
+                except upstream.Malformed as error:  # as nginx: 502, not re-sent (the engine may have run it)
+                    logger.warning("%s sent a malformed answer to %s %s: %s", endpoint.url, request.method,
+                                   request.path, error)
+                    return self._reply(error_response(502, f"the replica sent a malformed answer: {error}",
+                                                      "server_error", "upstream_malformed"))
+                except upstream.UpstreamError as error:
+                    if again and isinstance(error, upstream.Stale):
+                        continue  # a pooled connection the engine had just closed: open a new one
+                    self._eject(endpoint, f"request: {type(error).__name__}: {error}")
+                    raise _Retry from None
+                return await self._relay(endpoint, request, conn, relay)
+            finally:
+                self.pool.release(conn)  # kept only if its answer ended cleanly; else closed (the engine aborts)
         raise AssertionError("unreachable")
 
-    async def _relay(self, endpoint: Endpoint, request: web.BaseRequest, answer: aiohttp.ClientResponse,
+    async def _relay(self, endpoint: Endpoint, request: web.BaseRequest, conn: upstream.Connection,
                      relay: _Relay) -> web.StreamResponse:
         """Sends upstream's answer to the client as it arrives."""
-        if answer.status == 503:
+        status = conn.status
+        if status == 503:
             raise _Retry  # a draining or loading engine: nothing reached the client yet, so try another
-        self.metrics.requests.labels(str(answer.status)).inc()
-        response = _Relayed(status=answer.status, reason=answer.reason)
-        for name, value in answer.headers.items():
-            if name.lower() not in HOP_BY_HOP:
-                response.headers.add(name, value)
-        if answer.content_length is not None and request.method != "HEAD":
-            response.content_length = answer.content_length
+        self._count(status)
+        response = _Relayed(status=status, reason=conn.reason.decode("latin-1") or None)
+        out = response.headers
+        for name, value in conn.headers:
+            if name.lower() not in _HOP_BY_HOP:
+                out.add(name.decode("latin-1"), value.decode("utf-8", "replace"))
+        if conn.content_length is not None and request.method != "HEAD":
+            response.content_length = conn.content_length
         if self.draining:
             response.force_close()
         relay.response = response
         await response.prepare(request)
         try:
-            data = answer.content.read_nowait()  # what came with the head goes out with it
-        except CONNECTION_ERRORS as error:
+            data = conn.take()  # what came with the head goes out with it
+        except upstream.UpstreamError as error:
             return self._cut_upstream(endpoint, request, response, error)
-        if not data and not answer.content.at_eof():
+        if not data and not conn.done:
             await response.write(b"")  # no body yet: the head goes now, as the engine sent it
         while True:
             if not data:
                 try:
-                    data = await answer.content.readany()
-                except CONNECTION_ERRORS as error:
+                    data = await conn.read()
+                except upstream.UpstreamError as error:
                     return self._cut_upstream(endpoint, request, response, error)
                 if not data:
                     break
             relay.at_event_end = data.endswith(b"\n\n")
-            if answer.content.at_eof():  # the last bytes: one write with the end of the body
+            if conn.finished:  # the last bytes: one write with the end of the body
                 await response.write_eof(data)
                 return response
             await response.write(data)
@@ -523,7 +554,7 @@ class Router:
         return response
 
     # -- the P/D path ---------------------------------------------------------------------------
-    async def _disaggregate(self, decode: Endpoint, path: str, headers: list, body: bytes) -> tuple[bytes, list[int]]:
+    async def _disaggregate(self, decode: Endpoint, path: str, headers: bytes, body: bytes) -> tuple[bytes, list[int]]:
         """The body to send to the decode replica (with the prefill's kv_transfer_params when a
         prefill replica ran the prompt; unchanged otherwise), and the prompt's block keys (to
         remember what that decode replica now has cached)."""
@@ -568,7 +599,7 @@ class Router:
         self.metrics.pd_prefill_seconds.observe(self.clock() - started)
         return disagg.decode_body(fields, params), keys
 
-    async def _tokenize(self, decode: Endpoint, headers: list, fields: dict, prompt: disagg.Prompt) -> list[int] | None:
+    async def _tokenize(self, decode: Endpoint, headers: bytes, fields: dict, prompt: disagg.Prompt) -> list[int] | None:
         """The prompt's token ids from the decode replica's /tokenize (the engine's own tokenizer and
         chat template), or None if it cannot say in time."""
         try:
@@ -581,7 +612,7 @@ class Router:
             return None
         return tokens if isinstance(tokens, list) else None
 
-    async def _remote_prefill(self, prefill: Endpoint, path: str, headers: list, body: bytes) -> dict | str:
+    async def _remote_prefill(self, prefill: Endpoint, path: str, headers: bytes, body: bytes) -> dict | str:
         """Runs the prompt on the prefill replica: its kv_transfer_params, or why not (a fallback
         reason). A client that leaves meanwhile cancels this, which closes the prefill call, so
         the prefill replica aborts the request."""
@@ -611,23 +642,31 @@ class Router:
                            names.ROUTER_PD_FALLBACKS_TOTAL, reason)
         return reason
 
-    async def _call(self, endpoint: Endpoint, path: str, headers: list, body: bytes) -> tuple[int, bytes]:
+    async def _call(self, endpoint: Endpoint, path: str, headers: bytes, body: bytes) -> tuple[int, bytes]:
         """POST body to endpoint's path on a pooled connection: (status, body, at most
         max_body_bytes; ValueError beyond). Cancelling it closes the connection (so the engine
         aborts the request)."""
         limit = self.options.max_body_bytes
+        data = upstream.request_bytes(b"POST", path.encode(), self.pool.host(endpoint.url), headers, body)
         for again in (True, False):
+            conn = await self.pool.connection(endpoint.url)
             try:
-                async with self.session.post(URL(endpoint.url + path, encoded=True), headers=headers,
-                                             data=body) as answer:
-                    parts, total = [], 0
-                    while chunk := await answer.content.readany():
-                        total += len(chunk)
-                        if total > limit:
-                            raise ValueError(f"{path} answered over {limit} bytes")
-                        parts.append(chunk)
-                    return answer.status, b"".join(parts)
-            except aiohttp.ServerDisconnectedError:
-                if not again:
-                    raise  # else a pooled connection the engine had just closed: open a new one
+                conn.send(data)
+                try:
+                    await conn.head()
+                except upstream.Stale:
+                    if again:
+                        continue  # a pooled connection the engine had just closed: open a new one
+                    raise
+                if conn.content_length is not None and conn.content_length > limit:
+                    raise ValueError(f"{path} answered {conn.content_length} bytes, over {limit}")
+                parts, total = [], 0
+                while chunk := await conn.read():
+                    total += len(chunk)
+                    if total > limit:
+                        raise ValueError(f"{path} answered over {limit} bytes")
+                    parts.append(chunk)
+                return conn.status, b"".join(parts)
+            finally:
+                self.pool.release(conn)
         raise AssertionError("unreachable")

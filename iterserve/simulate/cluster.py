@@ -18,6 +18,16 @@ run starts. Whatever reads a replica first brings it to where stepping would hav
 max_num_seqs change, the drain deadline) also ends the run there, and the next step runs for
 real. `SimOptions.plain_loop` steps every step and scans every pod on each arrival: the
 reference a test holds the fast loop to, byte for byte.
+
+Least-load routing (the iterserve router) picks with the router's own rule on what the router
+sees of each replica: max(its last scrape's queue + batch brought forward by its own sends and
+finishes since, its in-flight count). With one router the scraped part never exceeds the
+in-flight count (every request a replica holds came through it), so the load is the router's
+in-flight count, whatever the scrape's age; the capacity is the replica's max_num_seqs (taken
+current) plus maxQueue. The plain loop builds every ready pod's EndpointLoad from the engine on
+each arrival and calls `pick`; the fast loop keeps the pods in a `PickIndex`, updated when a pod
+gets a request, finishes one, is retuned, becomes ready or is deleted, and the two give the same
+run.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from iterserve.operator.engine_config import engine_config_for
 from iterserve.operator.resources import effective_max_num_seqs
 from iterserve.replica_model.profile import StepProfile
 from iterserve.replica_model.replica import Replica, RequestRecord
+from iterserve.router.picking import EndpointLoad, PickIndex, PickPolicy
 from iterserve.simulate.traces import TraceRequest
 
 # Event kinds, in the order they run when due at the same instant.
@@ -100,6 +111,9 @@ class SimOptions:
     # True: every engine step is an event, and each arrival scans every pod ever created for the
     # ready ones (the reference the fast loop is tested against; same results, slower).
     plain_loop: bool = False
+    # True: least-load routing builds every ready pod's load on each arrival and calls pick(), as
+    # the plain loop does, instead of keeping the pods in a PickIndex (same run; the reference).
+    scan_routing: bool = False
 
 
 @dataclass
@@ -114,6 +128,7 @@ class Pod:
     stepping: bool = False  # a STEP event is queued
     step_event: int = 0  # which queued STEP event is current (an ended decode run leaves one behind)
     last_picked: int = 0  # the pick number when the router last chose this pod (0: never): ties rotate
+    seen: tuple[int, int] = (-1, -1)  # in flight and max_num_seqs as the pick index last had them
     samples: deque = field(default_factory=lambda: deque(maxlen=64))
 
     @property
@@ -143,11 +158,11 @@ def round_robin(pods: Sequence[Pod], counter: int, rng: random.Random) -> Pod:
 
 
 def least_load(pods: Sequence[Pod], counter: int, rng: random.Random, max_queue: int | None = None) -> Pod | None:
-    """The router's own picking function (iterserve/router/picking.py), fed what the router sees:
-    its in-flight count per replica and the replica's queue and batch (its 0.2 s scrape taken as
-    current). None: every replica saturated (the router answers 429). max_queue: spec.routing.maxQueue
-    (None: the router's default)."""
-    from iterserve.router.picking import EndpointLoad, PickPolicy, pick
+    """The router's own picking function (iterserve/router/picking.py) over every pod, fed what the
+    router sees: its in-flight count per replica and the replica's queue and batch (the plain
+    loop's reference; the fast loop picks from a PickIndex). None: every replica saturated (the
+    router answers 429). max_queue: spec.routing.maxQueue (None: the router's default)."""
+    from iterserve.router.picking import pick
 
     policy = PickPolicy() if max_queue is None else PickPolicy(max_queue=max_queue)
     loads = []
@@ -194,8 +209,13 @@ class ClusterSim:
         self.router = options.router or router_for(spec)
         self.picker = PICKERS[self.router]
         routing = getattr(spec, "routing", None)
-        if self.picker is least_load and routing is not None and routing.max_queue is not None:
-            self.picker = functools.partial(least_load, max_queue=routing.max_queue)
+        max_queue = routing.max_queue if routing is not None else None
+        if self.picker is least_load and max_queue is not None:
+            self.picker = functools.partial(least_load, max_queue=max_queue)
+        # The fast loop's least-load routing: the accepting pods by load (the module docstring).
+        self._index = None
+        if self.picker is not round_robin and not (options.plain_loop or options.scan_routing):
+            self._index = PickIndex(PickPolicy() if max_queue is None else PickPolicy(max_queue=max_queue))
         self.progress = progress
         self.records = [RequestRecord(i, r.arrival_s, r.prompt_tokens, r.output_tokens) for i, r in enumerate(trace)]
         self.events: list[tuple] = []
@@ -207,6 +227,7 @@ class ClusterSim:
         # as pods change state, so an arrival costs the ready pods, not every pod ever created.
         self._accepting: list[Pod] = []
         self._order_of: dict[str, int] = {}
+        self._by_name: dict[str, Pod] = {}
         self.replicas = spec.replicas
         self.configmap_seqs = spec.engine.max_num_seqs  # what new pods start with
         self.memory = mem.fresh_memory(spec.replicas, 0.0)
@@ -315,10 +336,12 @@ class ClusterSim:
         name = f"pod-{next(self._names)}"
         pod = Pod(name, now, seqs, Replica(name, config, self.profile, server))
         self._order_of[name] = len(self.pods)
+        self._by_name[name] = pod
         self.pods.append(pod)
         if ready:
             pod.ready_at = now
             self._accepting.append(pod)  # created in order: the index stays in creation order
+            self._seen(pod)
         else:
             self._at(now + self.options.startup.draw(self.rng), POD_READY, pod)
 
@@ -330,6 +353,7 @@ class ClusterSim:
             return
         pod.ready_at = self.now
         bisect.insort(self._accepting, pod, key=self._created_order)
+        self._seen(pod)
         while self.router_queue:
             self._route(self.router_queue.popleft())
 
@@ -352,6 +376,8 @@ class ClusterSim:
         at = next((i for i, p in enumerate(self._accepting) if p is pod), None)
         if at is not None:
             del self._accepting[at]
+        if self._index is not None:
+            self._index.remove(pod.name)
         if not pod.replica.busy:
             pod.gone_at = self.now
             return
@@ -373,7 +399,13 @@ class ClusterSim:
             self.router_queue.append(record)  # no endpoint yet: the client waits for one
             record.held = True
             return False
-        pod = self.picker(ready, next(self._rr), self.route_rng)
+        if self._index is not None:
+            counter, url = next(self._rr), self._index.pick(self.route_rng).url
+            pod = None if url is None else self._by_name[url]
+            if pod is not None:
+                pod.last_picked = counter + 1
+        else:
+            pod = self.picker(ready, next(self._rr), self.route_rng)
         if pod is None:  # the router holds it until a replica has room, or answers 429
             if not held:
                 self.saturated.append(record)
@@ -382,7 +414,9 @@ class ClusterSim:
         if held:
             self.saturated.remove(record)
         self._end_run(pod)
-        if not pod.replica.submit(record, self.now):
+        submitted = pod.replica.submit(record, self.now)
+        self._seen(pod, picked=True)
+        if not submitted:
             self.open_requests -= 1
             return True
         if not pod.stepping:
@@ -409,6 +443,8 @@ class ClusterSim:
         end = replica.step(self.now)
         finished = before - len(replica.in_flight)
         self.open_requests -= finished
+        if finished and pod.deleted_at is None:
+            self._seen(pod)
         if finished and self.saturated:
             self._retry_saturated()
         if replica.busy and end > self.now:
@@ -417,6 +453,17 @@ class ClusterSim:
         pod.stepping = False  # idle, or nothing schedulable until something changes
         if pod.deleted_at is not None and not replica.busy and pod.gone_at is None:
             pod.gone_at = self.now
+
+    def _seen(self, pod: Pod, picked: bool = False) -> None:
+        """The pick index follows the pod's in-flight count, max_num_seqs and (picked) last pick."""
+        if self._index is None or not pod.accepting:
+            return
+        replica = pod.replica
+        seen = (len(replica.in_flight), replica.engine.scheduler.max_num_seqs)
+        if seen != pod.seen or picked:
+            pod.seen = seen
+            self._index.update(EndpointLoad(pod.name, seen[0], max_num_seqs=seen[1], last_picked=pod.last_picked),
+                               self._order_of[pod.name])
 
     def _kick(self, pod: Pod) -> None:
         if not pod.stepping and pod.replica.busy and pod.gone_at is None:
@@ -491,6 +538,7 @@ class ClusterSim:
                 continue
             self._end_run(pod)
             pod.replica.engine.set_max_num_seqs(change.to_max_num_seqs)  # what PATCH /admin/config calls
+            self._seen(pod)
             applied.append(change)
             self.retunes.append({"t": round(now, 6), "pod": change.pod, "from": change.from_max_num_seqs,
                                  "to": change.to_max_num_seqs, "reason": change.reason})

@@ -4,4 +4,5 @@ operator's timer (hook.py); what a tick did goes to the reconcile as a report.
 
 settings.py (a pool: role, bounds, signal, target), readings.py (what a pod's metrics say),
 policy.py (the decision), retune.py (per-pod max_num_seqs), memory.py (one per pool), loop.py
-(a tick), report.py (the tick as status and Events)."""
+(a tick), report.py (the tick as status and Events), step_feed.py (SLO mode's step profile fitted
+online on the pods' own steps)."""

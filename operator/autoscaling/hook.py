@@ -31,9 +31,9 @@ from iterserve.operator.routing import ROUTER, ROUTER_PORT, router_labels, route
 
 logger = logging.getLogger("iterserve.autoscaler")
 
-# One tick's whole budget: scrapes (2 s each, concurrent) + admin calls (5 s each, concurrent) +
-# a scale patch, with room to spare. Past it the tick is dropped and the reconcile runs without
-# it, so no tenant's pod can hold the operator's timer for its InferenceService.
+# One tick's whole budget: scrapes and step-record reads (2 s each, concurrent) + admin calls
+# (5 s each, concurrent) + a scale patch, with room to spare. Past it the tick is dropped and the
+# reconcile runs without it, so no tenant's pod can hold the operator's timer for its InferenceService.
 TICK_DEADLINE_S = 20.0
 
 

@@ -9,6 +9,8 @@ admin client, engine_admin.py: its only write to pods), and each pool's replicas
 
 Memory (recent samples, proposals, scale events, per-pod max_num_seqs) lives in this process,
 one entry per pool of each InferenceService; see memory.py for why losing it on restart is safe.
+In SLO mode each InferenceService also keeps its online step profile (step_feed.py), fed each
+tick from its warm decode pods' step records; lost on restart, it starts again from the given one.
 """
 
 from __future__ import annotations
@@ -47,8 +49,15 @@ from iterserve.operator.autoscaling.settings import (
     Settings,
     settings_from_spec,
 )
+from iterserve.operator.autoscaling.step_feed import (
+    StepFeed,
+    StepSource,
+    fingerprint,
+    with_online_profile,
+)
 from iterserve.operator.kube import Kube
 from iterserve.operator.metrics import OperatorMetrics
+from iterserve.replica_model.online import OnlineProfile
 
 logger = logging.getLogger("iterserve.autoscaler")
 
@@ -129,6 +138,7 @@ class Autoscaler:
         self.clock = clock
         self.scrape_timeout = scrape_timeout
         self._memories: dict[tuple[str, str, str], mem.Memory] = {}  # (namespace, name, pool role)
+        self._step_feeds: dict[tuple[str, str], StepFeed] = {}  # SLO mode's online step profile
         self._last_tick: dict[tuple[str, str], float] = {}
         self._guard = threading.Lock()
 
@@ -151,6 +161,7 @@ class Autoscaler:
             for key in [k for k in self._memories if k[:2] == (namespace, name)]:
                 del self._memories[key]
             self._last_tick.pop((namespace, name), None)
+            self._step_feeds.pop((namespace, name), None)
         if self.metrics:
             self.metrics.forget(namespace, name)
 
@@ -169,9 +180,17 @@ class Autoscaler:
                  for pool in settings.pools() if pool.role in pools]
         readable = [PodEndpoint(p.name, urls[p.name]) for _, _, infos, urls in found for p in infos
                     if p.ready_at is not None and p.name in urls]
-        read, held = await asyncio.gather(
+        feed = self._step_feed(namespace, name, spec, settings)
+        read, held, _ = await asyncio.gather(
             self.source_for(spec, namespace).read(readable) if readable else _nothing(),
-            read_held_requests(router_urls, self.scrape_timeout))
+            read_held_requests(router_urls, self.scrape_timeout),
+            feed.read(EngineAdmin(admin_token, self.scrape_timeout), _step_sources(found[0], settings), self.clock)
+            if feed is not None else _nothing())
+        if feed is not None:
+            if feed.errors:
+                logger.info("%s/%s: step records not read this tick: %s", namespace, name,
+                            "; ".join(f"{pod}: {error}" for pod, error in sorted(feed.errors.items())))
+            settings = with_online_profile(settings, feed.online)
         now = self.clock()
         ticks, samples_by_pool = [], []
         for pool, at, infos, urls in found:
@@ -188,6 +207,18 @@ class Autoscaler:
         return AutoscalerTick(settings, main.decision, main.record, datetime.fromtimestamp(now, UTC),
                               start_max_num_seqs(main.decision, main.record, settings), average_prompt(samples),
                               tuple(ticks[1:]))
+
+    def _step_feed(self, namespace: str, name: str, spec, settings: Settings) -> StepFeed | None:
+        """The InferenceService's online step profile, when SLO mode plans (Builtin) and fits one (a
+        new one when what the steps describe changed); None otherwise."""
+        if settings.slo is None or not settings.slo.fit_online or settings.mode != "Builtin":
+            self._step_feeds.pop((namespace, name), None)
+            return None
+        key, prints = (namespace, name), fingerprint(spec)
+        feed = self._step_feeds.get(key)
+        if feed is None or feed.fingerprint != prints:
+            feed = self._step_feeds[key] = StepFeed(OnlineProfile(settings.slo.profile), prints)
+        return feed
 
     async def _tick_pool(self, namespace: str, name: str, settings: Settings, pool: Pool, replicas: int,
                          infos: list[mem.PodInfo], urls: dict[str, str], samples: list[PodSample],
@@ -217,6 +248,13 @@ class Autoscaler:
 
 async def _nothing() -> list:
     return []
+
+
+def _step_sources(found, settings: Settings) -> list[StepSource]:
+    """The decode pool's ready pods the step feed may read, each with the end of its warm-up."""
+    pool, _, infos, urls = found
+    return [StepSource(p.name, urls[p.name], p.ready_at + settings.warmup_seconds) for p in infos
+            if pool.role == DECODE and p.ready_at is not None and p.name in urls]
 
 
 class _Unconfigured:

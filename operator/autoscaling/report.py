@@ -238,6 +238,9 @@ def slo_status(slo) -> dict:
         "fallback": slo.fallback,
         "maxNumSeqs": slo.max_num_seqs,
         "arrivalRate": round(slo.workload.arrival_rate, 4) if slo.workload else None,
+        "stepProfile": slo.step_profile or None,
+        "stepProfileReason": slo.profile_choice.reason,
+        "stepProfileSteps": slo.profile_choice.steps,
         "message": slo.note[:1024],
     }
 

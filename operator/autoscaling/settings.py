@@ -20,6 +20,7 @@ from iterserve.operator.models import (
     ScalingPolicy,
     SloTargets,
 )
+from iterserve.replica_model.online import ProfileChoice
 
 _AUTOSCALING = AutoscalingSpec()  # the models' defaults, the one place they are written
 _KV = KvRetune()
@@ -91,7 +92,10 @@ class PrefillSettings:
 @dataclass(frozen=True)
 class SloSettings:
     """spec.autoscaling.slo in seconds, and the replica model the plan runs: the EngineConfig and
-    server options a pod starts with and the step profile (slo.py; iterserve/replica_model/plan.py)."""
+    server options a pod starts with and the step profile (slo.py; iterserve/replica_model/plan.py).
+    `profile` is the spec's stepProfile; with `fit_online` the tick puts the InferenceService's
+    online fit in its place when that is fitted (step_feed.py), and `profile_choice` says which
+    and why."""
 
     ttft_p95_s: float | None
     itl_p95_s: float | None
@@ -101,6 +105,8 @@ class SloSettings:
     engine: object  # iterserve.engine.config.EngineConfig of a pod, max_num_seqs as the spec sets it
     server: object  # iterserve.replica_model.replica.ServerOptions
     profile: object  # iterserve.replica_model.profile.StepProfile
+    fit_online: bool = SloTargets.model_fields["fit_step_profile_online"].default
+    profile_choice: ProfileChoice = ProfileChoice()
 
 
 _SLO_SETTINGS: dict[str, SloSettings] = {}  # by the spec's JSON: parsing the engine flags costs ~0.1 s a tick
@@ -126,7 +132,8 @@ def _slo_settings(spec, slo: SloTargets) -> SloSettings:
     ms = 1e-3
     return SloSettings(None if slo.ttft_p95_ms is None else slo.ttft_p95_ms * ms,
                        None if slo.itl_p95_ms is None else slo.itl_p95_ms * ms,
-                       float(slo.window), slo.hysteresis, slo.max_prediction_error, engine, server, profile)
+                       float(slo.window), slo.hysteresis, slo.max_prediction_error, engine, server, profile,
+                       slo.fit_step_profile_online)
 
 
 DECODE, PREFILL = "decode", "prefill"  # pool roles: the engine Deployment, NAME-prefill

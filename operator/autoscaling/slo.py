@@ -6,7 +6,8 @@ Rules, in order:
   - Workload: the arrival rate is the finished-request rate plus the growth of requests in the
     pods (waiting + running), over each warm pod's samples in the window (samples from pods still
     warming are left out, as everywhere in the policy); mean prompt and output lengths from the
-    token counters. A pod counts once its warm readings cover MIN_SPAN_FRACTION of the window (a
+    token counters, counting the requests still running at the window's edges (`_mean_lengths`).
+    A pod counts once its warm readings cover MIN_SPAN_FRACTION of the window (a
     pod just past its warm-up has seconds of readings, and a rate or a mean length over two or
     three seconds is noise: in the whole loop, 2 requests over 3 s read as 1.3 req/s at twice the
     real lengths and scaled a lightly loaded pool up); the others are assumed to take the same
@@ -22,13 +23,16 @@ Rules, in order:
     replica count is tried at the spec's max_num_seqs and halvings of it to the KV retune's
     floor; the largest that meets the ITL target at the planned replicas is the cap the pods get
     when it is below the spec's.
+  - Profile: the replica model steps in `settings.slo.profile`, the spec's stepProfile or, once
+    the InferenceService's online fit takes over, that fit (the loop puts it in the settings:
+    step_feed.py); every outcome names it and says why (`profile_choice`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from iterserve.operator.autoscaling.readings import (
     PodSample,
@@ -38,6 +42,7 @@ from iterserve.operator.autoscaling.readings import (
     windowed_quantile,
 )
 from iterserve.operator.autoscaling.settings import Settings, SloSettings
+from iterserve.replica_model.online import ProfileChoice
 from iterserve.replica_model.plan import Plan, Prediction, Workload, plan, predict
 
 MIN_OBSERVED = 20  # requests in the window before a measured p95 can overrule the prediction
@@ -62,6 +67,8 @@ class SloOutcome:
     max_num_seqs: int | None  # the ITL target's cap when it binds, else None
     reason: str  # snake_case
     note: str
+    step_profile: str = ""  # the profile's name the prediction ran
+    profile_choice: ProfileChoice = ProfileChoice()  # which profile, and why (online fit or given)
 
     @property
     def predicted(self) -> Prediction | None:
@@ -79,7 +86,7 @@ def measure_workload(slo: SloSettings, measured: Sequence[str], pods: Mapping[st
                      now: float) -> Workload | None:
     """The pool's workload over the window from its measured (warm) pods whose readings cover
     enough of it; None when no pod does, or one lacks the counters."""
-    rate = prompt = output = finished = 0.0
+    rate = prompt = output = finished = running_growth = 0.0
     counted = 0
     for name in measured:
         samples = usable_samples(history.get(name, ()), pods[name], settings)
@@ -99,6 +106,7 @@ def measure_workload(slo: SloSettings, measured: Sequence[str], pods: Mapping[st
         growth = 0.0
         if len(inside) >= 2:
             growth = (inside[-1].waiting + inside[-1].running) - (inside[0].waiting + inside[0].running)
+            running_growth += inside[-1].running - inside[0].running
         rate += max(0.0, count + growth) / seconds
         prompt += prompts[0]
         output += outputs[0]
@@ -107,14 +115,37 @@ def measure_workload(slo: SloSettings, measured: Sequence[str], pods: Mapping[st
     if not counted:
         return None
     rate *= len(measured) / counted
-    if finished <= 0:
-        return Workload(rate, 1.0, 1.0)
-    return Workload(rate, prompt / finished, output / finished)
+    return Workload(rate, *_mean_lengths(prompt, output, finished, running_growth))
+
+
+def _mean_lengths(prompt: float, output: float, finished: float, running_growth: float) -> tuple[float, float]:
+    """Mean prompt and output tokens per request from the window's counter increases. The token
+    counters count requests still running too (a prompt once its first token is out, each output
+    token as it comes) while the request counter counts finished ones only, so dividing by the
+    finished requests alone reads a rising load's lengths long and a falling one's short. The
+    prompts counted belong to the requests that started: those that finished plus the growth of
+    those running. The output tokens counted are, in expectation, the finished requests' whole
+    outputs plus half an output for each request more running at the end than at the start (one
+    running at an edge is halfway through, on average). Nothing to divide by: 1 token each."""
+    started = finished + running_growth
+    halfway = finished + running_growth / 2
+    return (prompt / started if started > 0 and prompt > 0 else 1.0,
+            output / halfway if halfway > 0 and output > 0 else 1.0)
 
 
 def slo_reading(settings: Settings, current: int, seqs_now: int, measured: Sequence[str],
                 pods: Mapping[str, PodState], history: Mapping[str, Sequence[PodSample]],
                 now: float) -> SloOutcome:
+    """The tick's SLO outcome; it names the step profile it ran and why that one."""
+    outcome = _slo_reading(settings, current, seqs_now, measured, pods, history, now)
+    slo = settings.slo
+    return replace(outcome, step_profile=slo.profile.name, profile_choice=slo.profile_choice,
+                   note=f"{outcome.note}; step profile {slo.profile.name} ({slo.profile_choice.describe()})")
+
+
+def _slo_reading(settings: Settings, current: int, seqs_now: int, measured: Sequence[str],
+                 pods: Mapping[str, PodState], history: Mapping[str, Sequence[PodSample]],
+                 now: float) -> SloOutcome:
     slo = settings.slo
     histories = [usable_samples(history.get(name, ()), pods[name], settings) for name in measured]
     ttft, observed = windowed_quantile(0.95, histories, now, slo.window_seconds, "ttft_buckets")

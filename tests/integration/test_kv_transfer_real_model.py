@@ -29,7 +29,7 @@ from iterserve.engine.kv_transfer import params as kv_params
 from iterserve.engine.kv_transfer.transport import LeaseRead, TcpTransport
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.sampling_params import InvalidRequestError, SamplingParams
-from tests.kv_auth_helpers import key_file, remote_decode
+from tests.kv_auth_helpers import key_file, remote_decode, run_engine
 
 pytestmark = pytest.mark.slow
 
@@ -64,16 +64,7 @@ def engine_on(runner, role: str) -> LLMEngine:
 
 
 def run(engine: LLMEngine, timeout: float = 120) -> dict:
-    finished = {}
-    deadline = time.monotonic() + timeout
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-        if engine.last_step_was_idle:
-            time.sleep(0.002)
-        assert time.monotonic() < deadline
-    return finished
+    return run_engine(engine, timeout)
 
 
 def at_baseline(engine: LLMEngine) -> bool:

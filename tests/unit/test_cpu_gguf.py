@@ -84,6 +84,28 @@ def test_the_kernel_matches_its_torch_reference_bit_for_bit(name):
 
 
 @needs_kernel
+@pytest.mark.parametrize("name", SMALL + K_QUANTS)
+def test_the_panel_path_of_many_rows_matches_the_reference_bit_for_bit(name):
+    """From cpu_gguf.panel_rows() rows on the kernel decodes 16 (AVX2: 8) weight rows at a time into a
+    panel shared by all rows: at the threshold, an odd count (the 2-row tile's tail), a prefill chunk,
+    67 weight rows (a panel's tail, uneven thread shares) and K = 1536 (several panels per cache tile)."""
+    type_id = cpu_gguf.BY_NAME[name]
+    for k in ((576, 1536) if name in SMALL else (256, 1536)):
+        blocks = blocks_for(name, 67, k, seed=k + 1)
+        first = cpu_gguf.panel_rows()
+        for rows in ((first, 17, 64, 256, 300) if k == 1536 else (first, 300)):
+            x = activations(rows, k, seed=rows)
+            reference = cpu_gguf.reference(x, blocks, type_id)
+            for threads in (1, 2, 3):
+                got = cpu_gguf.linear(x, blocks, type_id, threads)
+                assert torch.equal(got, reference), (name, k, rows, threads)
+        for rows in (1, 3):  # the panels asked for at a few rows: still the same bits
+            x = activations(rows, k, seed=rows)
+            got = cpu_gguf.linear(x, blocks, type_id, 2, panel_rows=1)
+            assert torch.equal(got, cpu_gguf.reference(x, blocks, type_id)), (name, k, rows)
+
+
+@needs_kernel
 def test_weight_rows_past_one_cache_tile_match_the_reference():
     """Rows of 2,448 bytes (Q8_0, K = 2304): one thread's 67 weight rows span two cache tiles of the
     kernel (66 rows, then a one-row register tail)."""
@@ -113,11 +135,20 @@ def test_an_embedding_in_block_format_gives_the_dense_table_s_rows(name):
 @pytest.mark.skipif(cpu_gguf.isa_path() == "avx2", reason="the AVX2 path is the one the other tests run")
 def test_the_plain_avx2_path_gives_the_same_bits_as_vnni():
     plain = cpu_gguf.build("avx2")
-    for name in ("Q8_0", "Q4_1", "Q6_K", "Q2_K", "Q3_K"):
+    for name in SMALL + K_QUANTS:
         blocks = blocks_for(name, 67, 512)
-        x = activations(5, 512, seed=3)
         type_id = cpu_gguf.BY_NAME[name]
-        assert torch.equal(cpu_gguf.linear(x, blocks, type_id, 2, plain), cpu_gguf.linear(x, blocks, type_id, 2))
+        for rows in (5, 33):  # the row tiles and the panels
+            x = activations(rows, 512, seed=3)
+            assert torch.equal(cpu_gguf.linear(x, blocks, type_id, 2, plain), cpu_gguf.linear(x, blocks, type_id, 2))
+        assert torch.equal(cpu_gguf.linear(x, blocks, type_id, 2, plain), cpu_gguf.reference(x, blocks, type_id))
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", sorted(cpu_gguf.ISA_FLAGS))
+def test_every_instruction_set_path_compiles(isa):
+    """The paths this CPU cannot run still compile (the ones it can run are compared above)."""
+    assert cpu_gguf.build(isa) is not None
 
 
 @needs_kernel

@@ -23,7 +23,7 @@ from iterserve.engine.kv_transfer.wire import FrameError, KVTransferError
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from iterserve.engine.sequence import Sequence, SequenceStatus
-from tests.kv_auth_helpers import KEY, OTHER_KEY, key_file, remote_decode, sign_lease
+from tests.kv_auth_helpers import KEY, OTHER_KEY, key_file, remote_decode, run_engine, sign_lease
 from tests.unit.engine_helpers import ManualClock
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -40,17 +40,7 @@ def make_engine(role: str = "both", num_blocks: int = 64, clock=time.monotonic, 
 
 
 def run(engine: LLMEngine, timeout: float = 10.0) -> dict:
-    """Step until nothing is unfinished (pulls run on their own threads); finished outputs by id."""
-    finished = {}
-    deadline = time.monotonic() + timeout
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-        if engine.last_step_was_idle:
-            time.sleep(0.002)
-        assert time.monotonic() < deadline, "engine did not finish"
-    return finished
+    return run_engine(engine, timeout)
 
 
 def prefill(engine: LLMEngine, prompt: str, request_id: str = "p") -> dict:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
+
 from iterserve.replica_model import profile as profiles
 from iterserve.replica_model.online import (
     FIT_ERROR_ABOVE_BOUND,
@@ -55,3 +57,21 @@ def test_records_that_are_not_a_steps_figures_are_dropped():
     idle = dict(good, decode_tokens=0, num_seqs=0)
     online.observe([good, *bad, idle, good])
     assert online.dropped == len(bad) and len(online.steps) == 2
+
+
+def test_a_refit_that_describes_the_steps_no_better_keeps_the_profile_in_use():
+    records = _recorded()
+    random.Random(2).shuffle(records)
+    online = OnlineProfile(profiles.load_profile("modelled-accelerator"), window=400, min_steps=150,
+                           refit_every=50, timing="cpu")
+    online.observe(records[:200])
+    first, reason = online.current()
+    assert reason == FITTED
+    online.observe(records[200:])  # more steps of the same engine: the refit is no better
+    assert online.current()[0] is first and online._new == 0  # refitted, and the one in use kept
+    # Steps twice as slow: the profile in use no longer describes them, and the refit replaces it.
+    online.observe([dict(r, cpu_s=2 * r["cpu_s"]) for r in records])
+    second, reason = online.current()
+    assert reason == FITTED and second is not first
+    lone_decode = profiles.StepFeatures(0, 1, 100, 1, 100)
+    assert second.step_seconds(lone_decode) == pytest.approx(2 * first.step_seconds(lone_decode), rel=0.2)

@@ -120,10 +120,38 @@ def test_turning_it_off_deletes_the_prefill_pool_and_the_roles():
     ({**SPEC, "disaggregation": {"enabled": True, "prefill": {"minReplicas": 3, "maxReplicas": 2}}},
      "spec.disaggregation.prefill.minReplicas: must be <="),
     ({**SPEC, "engine": {"extraArgs": ["--role", "prefill"]}}, "--role is set by the operator"),
+    ({**SPEC, "disaggregation": {"enabled": True, "decode": {"extraArgs": ["--tensor-parallel-size", "4"]}}},
+     "spec.disaggregation.decode.extraArgs.0.: --tensor-parallel-size is set by the operator"),
+    ({**SPEC, "engine": {"parallelism": {"pipeline": 2}}}, "spec.engine.parallelism.pipeline: prefill/decode"),
+    ({**SPEC, "engine": {"parallelism": {"tensor": 4}}, "disaggregation": {"enabled": True, "kvTransferPort": 7998}},
+     "spec.disaggregation.kvTransferPort: the KV ports 7998..8001"),
+    ({**SPEC, "engine": {"parallelism": {"tensor": 4}}, "disaggregation": {"enabled": True, "kvTransferPort": 65534}},
+     "spec.disaggregation.kvTransferPort: 65534 \\+ 4 tensor ranks"),
 ])
 def test_invalid_combinations_name_the_field(spec, field):
     with pytest.raises(SpecError, match=field.replace("(", r"\(")):
         parse_spec(spec)
+
+
+def test_tensor_parallel_pools_declare_and_open_one_kv_port_per_rank():
+    """Both pools run spec.engine.parallelism, so prefill and decode have one tensor size; tensor
+    rank i listens on kvTransferPort + i (engine/kv_transfer/sharded.py)."""
+    from iterserve.operator.network_policy import NetworkPolicySettings, build_network_policy
+    from iterserve.operator.resources import Owner
+
+    spec = parse_spec({**SPEC, "engine": {"extraArgs": ["--fake-model"], "parallelism": {"tensor": 2}}})
+    kube = MemoryKube({**SPEC, "engine": {"extraArgs": ["--fake-model"], "parallelism": {"tensor": 2}}})
+    Reconciler(kube).reconcile("ns", "llm")
+    for name in ("llm", "llm-prefill"):
+        deployment = kube.objects[("Deployment", name)]
+        args = args_of(deployment)
+        assert args[args.index("--tensor-parallel-size") + 1] == "2"
+        ports = deployment["spec"]["template"]["spec"]["containers"][0]["ports"]
+        assert [(p["name"], p["containerPort"]) for p in ports] == [("http", 8000), ("kv-transfer", 8100),
+                                                                     ("kv-transfer-1", 8101)]
+    policy = build_network_policy(Owner("llm", "ns", "u"), spec, NetworkPolicySettings(enabled=True), {"r": "1"})
+    kv = policy["spec"]["ingress"][-1]
+    assert kv["ports"] == [{"protocol": "TCP", "port": 8100, "endPort": 8101}]
 
 
 def test_nothing_changes_without_disaggregation():
