@@ -74,7 +74,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--systems", default="llama.cpp,vllm,iterserve",
                         help="comma-separated, in run order (default %(default)s); iterserve variants: "
-                             "iterserve, iterserve-int8, iterserve-int4, iterserve-w8a8 (--quantization), each "
+                             "iterserve (the default), iterserve-none, iterserve-int8, iterserve-int4, iterserve-w8a8 "
+                             "(--quantization), each "
                              "optionally followed by @t<N> (N torch threads), @passive (OMP_WAIT_POLICY=PASSIVE), @spin "
                              "(GOMP_SPINCOUNT: a short spin before an idle OpenMP worker sleeps) "
                              "and/or @compile (--compile), e.g. iterserve-w8a8@compile; "
@@ -361,7 +362,8 @@ def server_for(system: str, args, tmp: Path, gguf: Path, max_len: int) -> tuple[
             command.append("--compile")
         return Server(system, command, port, log, env, ready_path="/ready"), {
             "command": command[1:], "env": thread_env,
-            "weights": {"": "fp32 (dequantized GGUF)", "int8": "int8 weight-only",
+            "weights": {"": "the default, --quantization auto: the GGUF's own block formats x block-quantized "
+                                "int8 activations", "none": "fp32 (dequantized GGUF)", "int8": "int8 weight-only",
                         "int4": "Q4_1 blocks as int4",
                         "w8a8": "int8 weights x per-row int8 activations (iterserve AVX2 kernel)"}.get(variant, variant)}
     raise SystemExit(f"unknown system {system!r}")
