@@ -234,11 +234,6 @@ class EngineConfig:
         _positive("--tensor-parallel-size", self.tensor_parallel_size)
         _positive("--pipeline-parallel-size", self.pipeline_parallel_size)
         self.validate_nodes()
-        if self.role != "both" and self.pipeline_parallel_size > 1:
-            raise ConfigError(f"--role {self.role} with --pipeline-parallel-size {self.pipeline_parallel_size}: KV "
-                              "transfer moves a tensor-parallel cache only (rank i's shard to rank i; each pipeline "
-                              "stage holds other layers' KV); use --pipeline-parallel-size 1 for prefill and decode "
-                              "pools (--tensor-parallel-size and --nnodes work)")
         if self.block_size > 256 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"--block-size must be a power of two up to 256, got {self.block_size}")
         for f in fields(self):  # the allowed values of every field with choices, as its flag declares

@@ -8,7 +8,8 @@ head (the sampled rows, then prompt-logprob rows). Every rank then runs the same
 collectives inside it (two all-reduces per layer, one for the embedding, one gather of the logits)
 meet in the same order on every rank. Only rank 0 samples.
 
-P/D disaggregation (engine/kv_transfer/sharded.py): every rank serves and pulls its own KV shard;
+P/D disaggregation (engine/kv_transfer/sharded.py): every rank serves and pulls its own KV shard
+(its heads of its stage's layers, from or to the same rank of a group of the same shape);
 rank 0's connector decides each transfer's outcome and the step plans carry it (kv_loads,
 kv_forget), over the same connection, which also carries the KV transfer messages between rank 0
 and the other ranks (read on a thread of its own at both ends, so a lease or a pull order does not
@@ -120,7 +121,9 @@ class ShardRunner(ModelRunner):
             config = replace(config, quantization="none")
         super().__init__(config, show_progress=show_progress)
         self.split = None  # two threads issuing collectives would interleave them differently per rank
-        self._kv_layout = replace(self._kv_layout, shard=f"{self.tp_rank}/{self.tp}")
+        # KV transfer pairs rank r with rank r of a group of the same shape (kv_transfer/sharded.py).
+        self._kv_layout = replace(self._kv_layout, shard=f"{self.tp_rank}/{self.tp}",
+                                  stage=f"{self.stage}/{self.stages}", first_layer=self.first_layer)
         self.kv_shards: ShardServer | None = None  # a worker's side of KV transfer (worker_main)
 
     def shard(self, loaded, config: EngineConfig) -> ModelConfig:
@@ -131,9 +134,11 @@ class ShardRunner(ModelRunner):
             raise ConfigError(f"{_sizes(config)} with a draft model (--speculative-config): the draft is not "
                               'sharded; use "method": "ngram"')
         full = local = loaded.config
+        self.first_layer = 0  # the model's number of this stage's first layer
         try:
             if self.stages > 1:
                 layers = parallel.stage_layers(full.num_layers, self.stage, self.stages)
+                self.first_layer = layers.start
                 parallel.stage_weights(loaded.weights, layers)
                 local = parallel.stage_config(full, layers)
             if self.tp > 1:

@@ -15,11 +15,13 @@ default), so a test's fake clock drives every one of them. Only what crosses mac
 expiry as written into kv_transfer_params, the MAC's expires_at) is in unix seconds, read from
 `wall_clock`: two pods' monotonic clocks cannot be compared.
 
-Tensor parallelism (kv_transfer/sharded.py): on an engine of N ranks this connector runs on rank 0
-and its transport reaches the others. The lease answer adds tensor_parallel_size and the other
-ranks' listeners (shards); a pull fetches every rank's shard, rank i's from the prefill engine's
-rank i, and finishes only when all have theirs: one outcome, decided here, for every rank. A pull
-from an engine of another tensor-parallel size is refused before any dial, naming both sizes.
+Tensor and pipeline parallelism (kv_transfer/sharded.py): on an engine of several ranks this
+connector runs on rank 0 and its transport reaches the others. The lease answer adds
+tensor_parallel_size, pipeline_parallel_size and the other ranks' listeners (shards); a pull
+fetches every rank's shard (its heads of its stage's layers), rank r's from the prefill engine's
+rank r, and finishes only when all have theirs: one outcome, decided here, for every rank. A pull
+from an engine of another tensor- or pipeline-parallel size is refused before any dial, naming
+both sizes.
 
 Trust: with a KV key (--kv-auth-key-file), `pin` signs the lease it answers (auth.py) and gives it
 a random secret that the transport asks for on PULL and RELEASE. Leases hold at most
@@ -148,8 +150,11 @@ class KVConnector:
             "block_ids": blocks, "num_tokens": num_tokens, "block_size": self.block_manager.block_size,
             "compat_hash": self.compat_hash, "lease_expires_at": round(expires_at, 3), "lease_secret": secret,
         }
-        if self.config.tensor_parallel_size > 1:
-            params["tensor_parallel_size"] = self.config.tensor_parallel_size
+        tp, pp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
+        if tp * pp > 1:
+            params["tensor_parallel_size"] = tp
+            if pp > 1:  # absent means 1, so a lease of one stage reads as it did before stages
+                params["pipeline_parallel_size"] = pp
             params["shards"] = [list(address) for address in self.transport.shard_addresses(self.host)]
         if self.auth_key is None:
             return params
@@ -269,6 +274,11 @@ class KVConnector:
             return (f"the prefill engine runs --tensor-parallel-size {remote.tensor_parallel_size}, this decode engine "
                     f"{self.config.tensor_parallel_size}: each rank holds the KV of its own heads, so a sharded cache "
                     "moves only between groups of one size; run both pools with the same --tensor-parallel-size")
+        if remote.pipeline_parallel_size != self.config.pipeline_parallel_size:
+            return (f"the prefill engine runs --pipeline-parallel-size {remote.pipeline_parallel_size}, this decode "
+                    f"engine {self.config.pipeline_parallel_size}: each rank holds the KV of its own stage's layers, "
+                    "so a staged cache moves only between groups of one stage split; run both pools with the same "
+                    "--pipeline-parallel-size")
         if remote.compat_hash != self.compat_hash:
             return (f"compat_hash {remote.compat_hash} differs from this engine's {self.compat_hash} (another model, "
                     "dtype or block size on the prefill engine)")

@@ -1,12 +1,14 @@
 """What a KV block holds, and whether two engines' blocks are interchangeable.
 
 Two engines can exchange blocks only if the model (and its quantization), the dtype, the layer
-count, the KV heads, the head size, the block size and the shard all match. A tensor-parallel
-engine's rank holds the KV of its heads only: its layout is that shard's (`shard` "i/N", N the
-tensor-parallel size), so rank i of a decode group can talk only to rank i of a prefill group of
-the same size. The compatibility hash names
-that tuple; the transport's handshake compares the fields themselves so a refusal can say which
-one differs.
+count, the KV heads, the head size, the block size, the shard and the stage all match. A
+tensor-parallel engine's rank holds the KV of its heads only: its layout is that shard's (`shard`
+"i/N", N the tensor-parallel size). A pipeline-parallel engine's rank holds the KV of its stage's
+layers only: `stage` "s/S" (S the pipeline-parallel size), `num_layers` that stage's layer count
+and `first_layer` the model's number of its first. So rank r of a decode group can talk only to
+rank r of a prefill group of the same tensor and pipeline sizes and the same split of the layers
+into stages. The compatibility hash names that tuple; the transport's handshake compares the
+fields themselves so a refusal can say which one differs.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from dataclasses import dataclass
 class KVLayout:
     model: str  # the model's identity, including a quantization that changes its KV
     dtype: str
-    num_layers: int
+    num_layers: int  # the layers these blocks hold (a pipeline stage's, else the model's)
     num_kv_heads: int
     head_size: int
     block_size: int
     itemsize: int
     shard: str = "0/1"  # tensor rank / tensor-parallel size of the engine holding these blocks
+    stage: str = "0/1"  # pipeline stage / pipeline-parallel size of the engine holding these blocks
+    first_layer: int = 0  # the model's layer held as this layout's layer 0 (its stage's first)
 
     @property
     def block_bytes_per_layer(self) -> int:

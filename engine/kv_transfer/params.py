@@ -8,9 +8,10 @@ In a request:
                                  (the decode call).
 In the prefill answer: transfer_id, engine_id, host, port, block_ids, num_tokens, block_size,
 compat_hash, lease_expires_at (unix seconds), lease_secret (presented on the KV connection's PULL
-and RELEASE), expires_at and mac; from a tensor-parallel prefill engine also tensor_parallel_size N
-and shards, the [host, port] of the KV listeners of its tensor ranks 1..N-1 (host, port: rank 0's).
-A missing tensor_parallel_size means 1.
+and RELEASE), expires_at and mac; from a prefill engine of several ranks also tensor_parallel_size
+T, pipeline_parallel_size P and shards, the [host, port] of the KV listeners of its ranks
+1..T x P - 1 (host, port: rank 0's; rank r is pipeline stage r // T, tensor rank r % T). A missing
+tensor_parallel_size or pipeline_parallel_size means 1.
 
 Trust (auth.py): engines of role both take no kv_transfer_params at all. Roles prefill and decode
 take them only signed with the InferenceService's KV key: do_remote_decode as the router signs
@@ -31,6 +32,7 @@ from iterserve.engine.sampling_params import InvalidRequestError
 PARAM = "kv_transfer_params"
 MAX_BLOCK_IDS = 1 << 16  # far above any prompt's blocks; bounds the work a request makes here
 MAX_TENSOR_PARALLEL = 64  # far above any tensor-parallel group; bounds the shard addresses a request names
+MAX_PIPELINE_PARALLEL = 64  # far above any model's useful stage count; the same bound
 MAX_HOST_CHARS = 253
 
 
@@ -48,8 +50,9 @@ class RemotePrefill:
     compat_hash: str
     lease_expires_at: float
     lease_secret: str
-    # A tensor-parallel prefill engine: its size, and where its ranks 1..N-1 serve their KV shards.
+    # A prefill engine of several ranks: its sizes, and where its ranks 1..T x P - 1 serve their KV shards.
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     shards: tuple[tuple[str, int], ...] = ()
     # The params carried a valid MAC: the KV comes from a peer of this InferenceService. Only such
     # KV may enter the shared prefix cache (BlockManager.cache_computed_blocks).
@@ -135,12 +138,9 @@ def _remote_prefill(raw: dict) -> RemotePrefill:
     port = need("port", int, "an integer port")
     if not 0 < port < 65536:
         raise InvalidRequestError(f"{PARAM}.port must be in 1..65535", f"{PARAM}.port")
-    tensor_parallel_size = raw.get("tensor_parallel_size", 1)
-    if (not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool)
-            or not 1 <= tensor_parallel_size <= MAX_TENSOR_PARALLEL):
-        raise InvalidRequestError(f"{PARAM}.tensor_parallel_size must be an integer in 1..{MAX_TENSOR_PARALLEL}",
-                                  f"{PARAM}.tensor_parallel_size")
-    shards = _shards(raw.get("shards", []), tensor_parallel_size)
+    tensor_parallel_size = _size(raw, "tensor_parallel_size", MAX_TENSOR_PARALLEL)
+    pipeline_parallel_size = _size(raw, "pipeline_parallel_size", MAX_PIPELINE_PARALLEL)
+    shards = _shards(raw.get("shards", []), tensor_parallel_size, pipeline_parallel_size)
     num_tokens = need("num_tokens", int, "a positive integer")
     block_size = need("block_size", int, "a positive integer")
     if num_tokens < 1 or block_size < 1:
@@ -157,16 +157,26 @@ def _remote_prefill(raw: dict) -> RemotePrefill:
         lease_expires_at=float(need("lease_expires_at", (int, float), "unix seconds")),
         lease_secret=need("lease_secret", str, "a string"),
         tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
         shards=shards,
     )
 
 
-def _shards(raw: Any, tensor_parallel_size: int) -> tuple[tuple[str, int], ...]:
-    """The [host, port] of each tensor rank 1..N-1's KV listener, checked as the leader's are."""
+def _size(raw: dict, name: str, limit: int) -> int:
+    value = raw.get(name, 1)
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
+        raise InvalidRequestError(f"{PARAM}.{name} must be an integer in 1..{limit}", f"{PARAM}.{name}")
+    return value
+
+
+def _shards(raw: Any, tensor_parallel_size: int, pipeline_parallel_size: int) -> tuple[tuple[str, int], ...]:
+    """The [host, port] of each rank 1..T x P - 1's KV listener, checked as the leader's are."""
     field = f"{PARAM}.shards"
-    if not isinstance(raw, list) or len(raw) != tensor_parallel_size - 1:
-        raise InvalidRequestError(f"{field} must list {tensor_parallel_size - 1} [host, port] pairs (one per tensor "
-                                  f"rank after the first, for tensor_parallel_size {tensor_parallel_size})", field)
+    others = tensor_parallel_size * pipeline_parallel_size - 1
+    if not isinstance(raw, list) or len(raw) != others:
+        raise InvalidRequestError(f"{field} must list {others} [host, port] pairs (one per rank after the first, for "
+                                  f"tensor_parallel_size {tensor_parallel_size} x pipeline_parallel_size "
+                                  f"{pipeline_parallel_size})", field)
     shards = []
     for entry in raw:
         if (not isinstance(entry, list) or len(entry) != 2 or not isinstance(entry[0], str)

@@ -1,6 +1,8 @@
-"""KV transfer of a tensor-parallel engine's sharded cache: rank i of a decode group pulls shard i
-(the KV of rank i's heads) from rank i of a prefill group of the same size, each over its own
-authenticated TCP connection, all ranks at once.
+"""KV transfer of a tensor- and pipeline-parallel engine's sharded cache: rank r of a decode group
+pulls shard r (the KV of rank r's heads in rank r's pipeline stage's layers) from rank r of a
+prefill group of the same tensor and pipeline sizes, each over its own authenticated TCP
+connection, all ranks at once. Rank r is pipeline stage r // T, tensor rank r % T (T the
+tensor-parallel size); with one stage the ranks are the tensor ranks.
 
 Rank 0 runs the engine and its connector; `ShardedTransport` is that connector's transport. It
 reaches the other ranks through `RankLinks` (engine/distributed/tensor_parallel.py: the local
@@ -16,7 +18,9 @@ Prefill: rank 0 listens on --kv-transfer-port, rank i on that port + i (0: any f
 and the lease answer names the other ranks' listeners (kv_transfer_params.shards: the leader's
 advertised host, or the address a rank of another node advertises for itself). Every rank
 serves a lease's block ids from its own pool (rank 0's scheduler gives every rank the same block
-tables), with the lease's secret. A rank's copy of a lease expires LEASE_MARGIN_S before rank 0's,
+tables), with the lease's secret. Under pipeline parallelism every stage has written its layers'
+KV of a prompt before rank 0 can lease it: rank 0 samples only once the last stage's logits have
+arrived, and a stage sends its output on only after its layers ran. A rank's copy of a lease expires LEASE_MARGIN_S before rank 0's,
 and rank 0 alone frees the blocks, so no rank serves a block that a later step writes.
 
 Decode: the pull on rank 0 orders every rank's pull, pulls its own shard, then waits for every
@@ -61,11 +65,20 @@ REPLY_TIMEOUT_S = 30.0  # the other ranks' answer to `listen`
 
 
 class RankLinks(Protocol):
-    """Rank 0's connections to the other ranks of its tensor-parallel group."""
+    """Rank 0's connections to the other ranks of its group (tp x stages ranks, rank 0 included)."""
 
-    tp: int  # ranks, rank 0 included
+    tp: int  # tensor-parallel size
+    stages: int  # pipeline-parallel size
 
     def send(self, rank: int, message: tuple) -> None: ...
+
+
+def rank_name(rank: int, tp: int, stages: int) -> str:
+    """How errors and logs name a rank: its tensor rank with one stage, else its stage and tensor rank too."""
+    if stages == 1:
+        return f"tensor rank {rank}"
+    stage, tensor_rank = divmod(rank, tp)
+    return f"rank {rank} (pipeline stage {stage}, tensor rank {tensor_rank})"
 
 
 class ShardedTransport(KVTransport):
@@ -86,7 +99,10 @@ class ShardedTransport(KVTransport):
 
     @property
     def ranks(self) -> range:
-        return range(1, self.links.tp)
+        return range(1, self.links.tp * self.links.stages)
+
+    def _name(self, rank: int) -> str:
+        return rank_name(rank, self.links.tp, self.links.stages)
 
     def deliver(self, rank: int, message: tuple) -> None:
         _, kind, body = message
@@ -120,9 +136,9 @@ class ShardedTransport(KVTransport):
         for rank in self.ranks:
             answer = replies.get(rank)
             if answer is None:
-                raise KVTransferError(f"tensor rank {rank} opened no KV transfer listener within {REPLY_TIMEOUT_S:.0f} s")
+                raise KVTransferError(f"{self._name(rank)} opened no KV transfer listener within {REPLY_TIMEOUT_S:.0f} s")
             if answer.get("error"):
-                raise KVTransferError(f"tensor rank {rank} (which listens on --kv-transfer-port + {rank}): "
+                raise KVTransferError(f"{self._name(rank)} (which listens on --kv-transfer-port + {rank}): "
                                       f"{answer['error']}")
             listeners.append((answer.get("host"), int(answer["port"])))
         self._listeners = listeners
@@ -151,7 +167,7 @@ class ShardedTransport(KVTransport):
     def pull(self, request: PullRequest, layout: KVLayout, engine_id: str) -> PulledKV:
         started = self.clock()
         if len(request.shards) != len(self.ranks):  # the connector compared the sizes already
-            raise KVTransferError(f"the lease names {len(request.shards)} other tensor ranks, this engine has "
+            raise KVTransferError(f"the lease names {len(request.shards)} other ranks, this engine has "
                                   f"{len(self.ranks)}")
         with self._cond:  # settled() cannot slip between the abort check and the orders
             if request.cancel.is_set():
@@ -172,9 +188,9 @@ class ShardedTransport(KVTransport):
             for rank in self.ranks:
                 answer = replies.get(rank)
                 if answer is None:
-                    raise KVTransferError(f"tensor rank {rank} had no KV shard within --kv-transfer-timeout")
+                    raise KVTransferError(f"{self._name(rank)} had no KV shard within --kv-transfer-timeout")
                 if answer.get("error"):
-                    raise KVTransferError(f"tensor rank {rank}: {answer['error']}")
+                    raise KVTransferError(f"{self._name(rank)}: {answer['error']}")
         except BaseException:
             with self._cond:
                 self._replies.pop(("pulled", key), None)
@@ -225,7 +241,7 @@ class ShardLoad:
 
 
 class ShardServer:
-    """Tensor rank i > 0's side: serves its shard of rank 0's leases, and pulls its shard of a decode
+    """Rank r > 0's side: serves its shard of rank 0's leases, and pulls its shard of a decode
     request's KV into staging. `handle` takes rank 0's messages (on the rank's thread reading them);
     `reply` sends an answer to rank 0; `forget` and `take` run on the rank's step thread."""
 
@@ -235,6 +251,8 @@ class ShardServer:
         self.rank = rank
         self.advertise = advertise  # a rank of another node: its own address (None: the leader's)
         self.layout = layout
+        # The layout names the group's shape ("tensor rank/size", "stage/stages").
+        self.name = rank_name(rank, int(layout.shard.split("/")[1]), int(layout.stage.split("/")[1]))
         self.engine_id = f"rank{rank}"
         self._read_layers = read_layers
         self.reply = reply
@@ -262,7 +280,7 @@ class ShardServer:
         elif kind == "pull":
             self._start_pull(body)
         else:
-            logger.warning("tensor rank %d: unknown KV transfer message %r", self.rank, kind)
+            logger.warning("%s: unknown KV transfer message %r", self.name, kind)
 
     def _listen(self, body: dict) -> None:
         self.engine_id = f"{body['engine_id']}/rank{self.rank}"
@@ -280,7 +298,7 @@ class ShardServer:
             except KVTransferError as error:
                 self.reply((KV, "listening", {"error": str(error)}))
                 return
-        logger.info("tensor rank %d: KV transfer listener on %s:%d (layout %s)", self.rank, host, port, self.layout)
+        logger.info("%s: KV transfer listener on %s:%d (layout %s)", self.name, host, port, self.layout)
         self.reply((KV, "listening", {"port": port, "host": self.advertise}))
 
     # KVSource: called on the transport's threads.
@@ -290,7 +308,7 @@ class ShardServer:
             while (lease := self._leases.get(transfer_id)) is None and self.clock() < deadline:
                 self._cond.wait(0.05)
             if lease is None or not hmac.compare_digest(lease.secret.encode(), secret.encode()):
-                raise KVTransferError(f"no lease {transfer_id[:64]} with that secret on tensor rank {self.rank} "
+                raise KVTransferError(f"no lease {transfer_id[:64]} with that secret on {self.name} "
                                       "(expired, released, or never made)")
             if self.clock() >= lease.expires_at:
                 raise KVTransferError(f"lease {transfer_id} expired")
@@ -327,7 +345,7 @@ class ShardServer:
         except KVTransferError as failure:
             error = str(failure)
         except Exception as failure:  # noqa: BLE001 - reported as this pull's failure
-            logger.exception("tensor rank %d: KV pull %s failed unexpectedly", self.rank, request.transfer_id)
+            logger.exception("%s: KV pull %s failed unexpectedly", self.name, request.transfer_id)
             error = f"{type(failure).__name__}: {failure}"
         with self._cond:
             if error is None and self._staged.get(request.key) is staged:
@@ -346,7 +364,7 @@ class ShardServer:
         with self._cond:
             staged = self._staged.pop(key, None)
         if staged is None or staged.layers is None:
-            raise RuntimeError(f"tensor rank {self.rank}: the step plan loads KV {key!r}, which this rank has not "
+            raise RuntimeError(f"{self.name}: the step plan loads KV {key!r}, which this rank has not "
                                "pulled")
         return ShardLoad(block_ids, staged.layers)
 

@@ -157,12 +157,13 @@ def check_server_args(args: argparse.Namespace) -> int:
         raise ConfigError("--drain-timeout must be >= 0 seconds")
     if not 0 <= args.kv_transfer_port < 65536:
         raise ConfigError("--kv-transfer-port must be in 0..65535 (0: any free port)")
-    ranks = getattr(args, "tensor_parallel_size", 1) or 1  # rank i listens on --kv-transfer-port + i
+    # rank i (of tensor x pipeline ranks) listens on --kv-transfer-port + i
+    ranks = (getattr(args, "tensor_parallel_size", 1) or 1) * (getattr(args, "pipeline_parallel_size", 1) or 1)
     if args.kv_transfer_port and args.kv_transfer_port + ranks - 1 > 65535:
-        raise ConfigError(f"--kv-transfer-port {args.kv_transfer_port} + {ranks} tensor ranks - 1 passes 65535 (rank "
+        raise ConfigError(f"--kv-transfer-port {args.kv_transfer_port} + {ranks} ranks - 1 passes 65535 (rank "
                           "i listens on --kv-transfer-port + i); pick a lower port")
     if args.kv_transfer_port and args.kv_transfer_port <= args.port < args.kv_transfer_port + ranks:
-        raise ConfigError(f"--kv-transfer-port {args.kv_transfer_port} (one port per tensor rank: up to "
+        raise ConfigError(f"--kv-transfer-port {args.kv_transfer_port} (one port per rank: up to "
                           f"{args.kv_transfer_port + ranks - 1}) takes the HTTP --port {args.port}; pick another")
     max_body = parse_size(args.max_request_body, "--max-request-body")
     if max_body < 1024:

@@ -63,7 +63,7 @@ class Leader:
 class Links:
     """Rank 0's links to rank 1, delivered by direct calls."""
 
-    tp = 2
+    tp, stages = 2, 1
 
     def __init__(self, make_server):
         self.transport = None
@@ -204,14 +204,14 @@ def test_a_malformed_tensor_parallel_lease_is_refused_naming_the_field(fields, p
     assert refused.value.param == param
 
 
-def test_prefill_and_decode_roles_take_tensor_parallelism_and_nodes_but_not_stages(tmp_path):
-    from iterserve.engine.config import ConfigError, EngineConfig
+def test_prefill_and_decode_roles_take_tensor_parallelism_stages_and_nodes(tmp_path):
+    from iterserve.engine.config import EngineConfig
     from tests.kv_auth_helpers import key_file
 
-    for options in ({"tensor_parallel_size": 2}, {"tensor_parallel_size": 2, "nnodes": 2}):
-        EngineConfig(model="fake", role="prefill", kv_auth_key_file=key_file(), **options).resolve()
-    with pytest.raises(ConfigError, match=r"--role decode with --pipeline-parallel-size 2: KV transfer moves"):
-        EngineConfig(model="fake", role="decode", kv_auth_key_file=key_file(), pipeline_parallel_size=2).resolve()
+    for options in ({"tensor_parallel_size": 2}, {"tensor_parallel_size": 2, "nnodes": 2},
+                    {"pipeline_parallel_size": 2}, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}):
+        for role in ("prefill", "decode"):
+            EngineConfig(model="fake", role=role, kv_auth_key_file=key_file(), **options).resolve()
 
 
 def test_a_step_plan_loads_the_shards_of_this_steps_loads_and_drops_every_other_settled_pull():
