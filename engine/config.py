@@ -112,6 +112,12 @@ class EngineConfig:
     pipeline_micro_batches: int | None = field(default=None, metadata=flag(
         MODEL, "micro-batches a pipeline step's batch is split into, so stage s works on one while stage s+1 "
                "works on the previous (default: --pipeline-parallel-size; 1: no overlap)"))
+    # 64: on a 2-core CPU over gloo a 256-token step gained 1.29x from two micro-batches and 4- and
+    # 16-row decode steps lost (0.76x, 0.83x); a linear fit of stage time puts the break-even at
+    # 25-45 tokens, and 64 stays clear of it on the side of not cutting (docs/parallelism.md#performance).
+    pipeline_micro_batch_min_tokens: int = field(default=64, metadata=flag(
+        MODEL, "a pipeline step of fewer query tokens runs as one micro-batch: a small (decode) step does not "
+               "earn back each micro-batch's extra sends and kernel launches (0: cut every step)"))
     # Several nodes (engine/distributed/multinode.py): each node's serve starts its share of the ranks.
     nnodes: int = field(default=1, metadata=flag(
         MODEL, "nodes the ranks span (tensor x pipeline divisible by it); node 0 is the leader (scheduler, HTTP "
@@ -282,9 +288,13 @@ class EngineConfig:
             raise ConfigError(f"watermark must be in [0, 0.5), got {self.watermark}")
 
     def validate_nodes(self) -> None:
-        """--pipeline-micro-batches and the multi-node options (engine/distributed/multinode.py)."""
+        """--pipeline-micro-batches, --pipeline-micro-batch-min-tokens and the multi-node options
+        (engine/distributed/multinode.py)."""
         if self.pipeline_micro_batches is not None:
             _positive("--pipeline-micro-batches", self.pipeline_micro_batches)
+        if not isinstance(self.pipeline_micro_batch_min_tokens, int) or self.pipeline_micro_batch_min_tokens < 0:
+            raise ConfigError("--pipeline-micro-batch-min-tokens must be a non-negative integer (0: cut every step), "
+                              f"got {self.pipeline_micro_batch_min_tokens!r}")
         _positive("--nnodes", self.nnodes)
         world = self.tensor_parallel_size * self.pipeline_parallel_size
         if self.nnodes > 1 and world == 1:

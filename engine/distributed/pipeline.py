@@ -2,11 +2,18 @@
 stages one after another, so stage s computes micro-batch i while stage s + 1 computes i - 1
 (GPipe's schedule within one step; --pipeline-micro-batches, default the number of stages).
 
+Only a step with enough work is cut (MicroBatchPolicy): each micro-batch pays its own sends and
+its own pass through every layer's fixed costs, which a step of a few decode rows does not earn
+back, so a step of fewer than --pipeline-micro-batch-min-tokens query tokens runs as one
+micro-batch. The rule counts tokens, not prefill: a prompt's last few tokens are no more work than
+as many decode rows, and a large decode batch gains like a prompt chunk of its size.
+
 The split is by rows (tokens), in the batch's order, into runs of near-equal size. A chunk that
 crosses a boundary is cut in two: its second part attends to the first part's KV, which the same
 stage wrote one micro-batch earlier (a stage runs the micro-batches in order), exactly as chunked
 prefill continues a prompt in the next step. Every rank derives the same split from the step plan,
-so the point-to-point transfers (hidden and residual per micro-batch, tagged with its index) meet.
+(the policy reads the plan's query lengths and the config every rank loads with), so the
+point-to-point transfers (hidden and residual per micro-batch, tagged with its index) meet.
 Sends are asynchronous: a stage starts its next micro-batch while the previous one's output travels.
 The last stage joins the micro-batches' hidden states, so the logits calls are those of one batch.
 """
@@ -28,6 +35,24 @@ class MicroBatch:
     chunks: list[int]  # the step's chunks (indices) it holds a part of
     query_lens: list[int]
     seq_lens: list[int]
+
+
+@dataclass(frozen=True)
+class MicroBatchPolicy:
+    """How many micro-batches a step is cut into: `count` when the step carries at least
+    `min_tokens` query tokens, else one (0: every step is cut). A function of the step plan alone."""
+
+    count: int
+    min_tokens: int
+
+    @classmethod
+    def from_config(cls, config) -> MicroBatchPolicy:
+        """--pipeline-micro-batches (default: one per stage) and --pipeline-micro-batch-min-tokens."""
+        return cls(config.pipeline_micro_batches or config.pipeline_parallel_size,
+                   config.pipeline_micro_batch_min_tokens)
+
+    def count_for(self, query_lens: list[int]) -> int:
+        return self.count if sum(query_lens) >= self.min_tokens else 1
 
 
 def micro_batches(query_lens: list[int], seq_lens: list[int], count: int) -> list[MicroBatch]:
@@ -53,7 +78,8 @@ def micro_batches(query_lens: list[int], seq_lens: list[int], count: int) -> lis
 
 
 def pipeline_forward(runner, model, input_ids: torch.Tensor, positions: torch.Tensor, query_lens: list[int],
-                     seq_lens: list[int], block_tables: list[list[int]], count: int) -> torch.Tensor | None:
+                     seq_lens: list[int], block_tables: list[list[int]],
+                     policy: MicroBatchPolicy) -> torch.Tensor | None:
     """This rank's stage over the step's micro-batches: receives each from the previous stage's rank
     of the same tensor-parallel share, computes, sends it on. Returns the final hidden states of the
     whole batch on the last stage, None on the others (once every send is delivered)."""
@@ -61,7 +87,7 @@ def pipeline_forward(runner, model, input_ids: torch.Tensor, positions: torch.Te
     stage, last = runner.stage, runner.stage == runner.stages - 1
     shape_width = runner.hidden_size
     sends, outputs = [], []
-    for index, batch in enumerate(micro_batches(query_lens, seq_lens, count)):
+    for index, batch in enumerate(micro_batches(query_lens, seq_lens, policy.count_for(query_lens))):
         meta = AttentionMetadata.build(batch.query_lens, batch.seq_lens, [block_tables[i] for i in batch.chunks],
                                        runner.block_size, runner.device)
         carry = None

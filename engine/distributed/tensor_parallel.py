@@ -114,7 +114,7 @@ class ShardRunner(ModelRunner):
         self.tp = config.tensor_parallel_size
         self.stages = config.pipeline_parallel_size
         self.stage, self.tp_rank = divmod(group.rank, self.tp)
-        self.micro_batches = config.pipeline_micro_batches or self.stages
+        self.micro_batches = pipeline.MicroBatchPolicy.from_config(config)
         if config.compile:
             raise ConfigError(f"{_sizes(config)} with --compile is not supported; drop --compile")
         if config.quantization == "auto":  # the default: the file's blocks are not sharded, so the dense model
