@@ -185,12 +185,13 @@ class ShardedTransport(KVTransport):
             replies = self._await("pulled", key, request.deadline, request.cancel)
             if request.cancel.is_set():
                 raise KVTransferError("the request was aborted while its KV was in flight")
-            for rank in self.ranks:
-                answer = replies.get(rank)
-                if answer is None:
-                    raise KVTransferError(f"{self._name(rank)} had no KV shard within --kv-transfer-timeout")
+            # A failure first: the wait ends at the first one, before the other ranks have answered.
+            for rank, answer in sorted(replies.items()):
                 if answer.get("error"):
                     raise KVTransferError(f"{self._name(rank)}: {answer['error']}")
+            for rank in self.ranks:
+                if rank not in replies:
+                    raise KVTransferError(f"{self._name(rank)} had no KV shard within --kv-transfer-timeout")
         except BaseException:
             with self._cond:
                 self._replies.pop(("pulled", key), None)
