@@ -33,6 +33,9 @@ from iterserve.operator.resources import (
 __all__ = ["DISAGGREGATION_INEFFECTIVE", "build_disaggregation", "ineffective_condition", "prefill_name"]
 
 
+PREFILL_COMPONENT = "engine-prefill"  # the prefill pods' app.kubernetes.io/component
+
+
 def prefill_name(name: str) -> str:
     return f"{name}-prefill"
 
@@ -43,7 +46,7 @@ def prefill_selector(name: str) -> dict[str, str]:
 
 def build_prefill_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
     template = pod_template(spec, owner.name, PREFILL)
-    template["metadata"]["labels"]["app.kubernetes.io/component"] = "engine-prefill"
+    template["metadata"]["labels"]["app.kubernetes.io/component"] = PREFILL_COMPONENT
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -59,8 +62,10 @@ def build_prefill_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[s
 
 
 def build_disaggregation(owner: Owner, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
-    """The objects disaggregation adds (the prefill pool), in write order; none when off."""
-    return [build_prefill_deployment(owner, spec)] if spec.disaggregation.enabled else []
+    """The objects disaggregation adds (the prefill pool), in write order; none when off, and none
+    with multi-node groups (operator/groups.py builds the prefill pool's groups)."""
+    one_node = spec.engine.parallelism.nodes == 1
+    return [build_prefill_deployment(owner, spec)] if spec.disaggregation.enabled and one_node else []
 
 
 def disaggregation_object_keys(name: str) -> list[tuple[str, str]]:

@@ -22,7 +22,15 @@ Built on Kubernetes' own workload APIs:
   workers' health port is the HTTP port (they serve nothing else there). Scaling adds or deletes
   whole StatefulSets, the highest index first; `groups_to_restart` says which groups the
   reconcile restarts (by deleting their pods): one whose member failed or restarted, and one of
-  an old revision when every other group is ready (a rolling update a group at a time).
+  an old revision when every other group of its pool is ready (a rolling update a group at a time).
+
+With prefill/decode disaggregation each pool is a set of groups (`GroupPool`): the engine pool
+(decode) as above, and the prefill pool named NAME-prefill (StatefulSets NAME-prefill-g<i>, or
+LeaderWorkerSet NAME-prefill) with spec.disaggregation.prefill's replicas. Every member of both
+runs its pool's --role and the KV transfer flags (rank r of a prefill group listens on
+kvTransferPort + r on its own node and advertises its pod IP); the router and the autoscaler
+reach the leaders of both. Both pools' StatefulSets share the headless Service, and their
+rendezvous ports interleave (decode group i on 29500 + 2i, prefill group i on 29500 + 2i + 1).
 
 In: the owner and the parsed spec (and live objects for the decisions). Out: manifests and
 names. No API calls here; reconcile.py applies and deletes.
@@ -32,10 +40,18 @@ from __future__ import annotations
 
 import copy
 import re
+from dataclasses import dataclass
 from typing import Any
 
-from iterserve.labels import GROUP_LABEL, LWS_WORKER_INDEX_LABEL, POD_INDEX_LABEL, selector_labels
+from iterserve.labels import (
+    GROUP_LABEL,
+    LWS_WORKER_INDEX_LABEL,
+    POD_INDEX_LABEL,
+    PREFILL,
+    selector_labels,
+)
 from iterserve.labels import is_leader as is_leader  # which pods take requests, re-exported
+from iterserve.operator.disaggregation import PREFILL_COMPONENT, prefill_name
 from iterserve.operator.models import InferenceServiceSpec
 from iterserve.operator.resources import (
     CONTAINER_NAME,
@@ -65,6 +81,33 @@ def is_group(spec: InferenceServiceSpec) -> bool:
     return spec.engine.parallelism.nodes > 1
 
 
+@dataclass(frozen=True)
+class GroupPool:
+    """One pool of groups: `base` names its StatefulSets (base-g<i>) or its LeaderWorkerSet (base);
+    `role` is PREFILL for the prefill pool, None for the engine pool (decode when disaggregated)."""
+
+    base: str
+    role: str | None
+    replicas: int
+    replicas_field: str  # the spec field that counts its groups (the Events' words)
+    # rendezvous port of group i: RENDEZVOUS_PORT + stride * i + offset (pools never share a port)
+    stride: int = 1
+    offset: int = 0
+
+    def rendezvous_port(self, index: int) -> int:
+        return RENDEZVOUS_PORT + self.stride * index + self.offset
+
+
+def group_pools(name: str, spec: InferenceServiceSpec) -> list[GroupPool]:
+    """The pools of groups a multi-node spec runs: the engine pool, and with disaggregation the
+    prefill pool (interleaved rendezvous ports)."""
+    if not spec.disaggregation.enabled:
+        return [GroupPool(name, None, spec.replicas, "spec.replicas")]
+    return [GroupPool(name, None, spec.replicas, "spec.replicas", stride=2),
+            GroupPool(prefill_name(name), PREFILL, spec.disaggregation.prefill.wanted_replicas,
+                      "spec.disaggregation.prefill.replicas", stride=2, offset=1)]
+
+
 def headless_service_name(name: str) -> str:
     return f"{name}-group"
 
@@ -79,9 +122,10 @@ def group_index(name: str, group: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def leader_address(owner: Owner, index: int) -> str:
-    """The leader's DNS name, as the namespace's search path resolves it (<pod>.<headless service>)."""
-    return f"{group_name(owner.name, index)}-0.{headless_service_name(owner.name)}"
+def leader_address(owner: Owner, index: int, base: str | None = None) -> str:
+    """The leader's DNS name, as the namespace's search path resolves it (<pod>.<headless service>);
+    `base`: the pool's (default: the engine pool's, the InferenceService's name)."""
+    return f"{group_name(base or owner.name, index)}-0.{headless_service_name(owner.name)}"
 
 
 def leader_selector(spec: InferenceServiceSpec, lws: bool) -> dict[str, str]:
@@ -115,9 +159,12 @@ def spread_members(name: str) -> dict[str, Any]:
 
 
 def _group_template(spec: InferenceServiceSpec, name: str, args: list[str], env: list[dict],
-                    labels: dict[str, str], master_port: int = RENDEZVOUS_PORT) -> dict[str, Any]:
-    template = copy.deepcopy(pod_template(spec, name))
+                    labels: dict[str, str], master_port: int = RENDEZVOUS_PORT,
+                    role: str | None = None) -> dict[str, Any]:
+    template = copy.deepcopy(pod_template(spec, name, role))
     template["metadata"]["labels"].update(labels)
+    if role == PREFILL:
+        template["metadata"]["labels"]["app.kubernetes.io/component"] = PREFILL_COMPONENT
     if GROUP_LABEL in labels and not spec.scheduling.affinity:
         template["spec"].setdefault("affinity", spread_members(name))
     for container in template["spec"]["containers"]:
@@ -144,11 +191,14 @@ def build_headless_service(owner: Owner) -> dict[str, Any]:
     }
 
 
-def build_statefulset(owner: Owner, spec: InferenceServiceSpec, index: int) -> dict[str, Any]:
-    group = group_name(owner.name, index)
+def build_statefulset(owner: Owner, spec: InferenceServiceSpec, index: int,
+                      pool: GroupPool | None = None) -> dict[str, Any]:
+    """Group `index` of `pool` (default: the engine pool)."""
+    pool = pool or group_pools(owner.name, spec)[0]
+    group = group_name(pool.base, index)
     rank_env = [{"name": NODE_RANK_ENV, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}}]
-    port = RENDEZVOUS_PORT + index
-    args = group_args(spec, leader_address(owner, index), f"$({NODE_RANK_ENV})", ENGINE_PORT, port)
+    port = pool.rendezvous_port(index)
+    args = group_args(spec, leader_address(owner, index, pool.base), f"$({NODE_RANK_ENV})", ENGINE_PORT, port)
     metadata = _metadata(owner, group)
     metadata["labels"] = {**metadata["labels"], GROUP_LABEL: group}
     return {
@@ -162,17 +212,19 @@ def build_statefulset(owner: Owner, spec: InferenceServiceSpec, index: int) -> d
             "updateStrategy": {"type": "OnDelete"},  # the reconcile restarts a whole group at a time
             "revisionHistoryLimit": 3,
             "selector": {"matchLabels": {**selector_labels(owner.name), GROUP_LABEL: group}},
-            "template": _group_template(spec, owner.name, args, rank_env, {GROUP_LABEL: group}, port),
+            "template": _group_template(spec, owner.name, args, rank_env, {GROUP_LABEL: group}, port, pool.role),
         },
     }
 
 
-def build_leader_worker_set(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+def build_leader_worker_set(owner: Owner, spec: InferenceServiceSpec, pool: GroupPool | None = None) -> dict[str, Any]:
+    """The LeaderWorkerSet of `pool` (default: the engine pool). Each group has a leader address of
+    its own, so both pools' groups rendezvous on RENDEZVOUS_PORT."""
+    pool = pool or group_pools(owner.name, spec)[0]
     rank = f"$({LWS_WORKER_INDEX_ENV})"
-    leader = _group_template(spec, owner.name, group_args(spec, f"$({LWS_LEADER_ADDRESS_ENV})", rank, WORKER_HEALTH_PORT),
-                             [], {})
-    worker = _group_template(spec, owner.name, group_args(spec, f"$({LWS_LEADER_ADDRESS_ENV})", rank, WORKER_HEALTH_PORT),
-                             [], {})
+    args = group_args(spec, f"$({LWS_LEADER_ADDRESS_ENV})", rank, WORKER_HEALTH_PORT)
+    leader = _group_template(spec, owner.name, args, [], {}, role=pool.role)
+    worker = _group_template(spec, owner.name, args, [], {}, role=pool.role)
     for container in worker["spec"]["containers"]:
         if container["name"] == CONTAINER_NAME:  # no HTTP port: /health and /ready on the worker port only
             container["ports"] = [{"name": "health", "containerPort": WORKER_HEALTH_PORT, "protocol": "TCP"},
@@ -184,9 +236,9 @@ def build_leader_worker_set(owner: Owner, spec: InferenceServiceSpec) -> dict[st
     return {
         "apiVersion": f"{LWS_GROUP}/{LWS_VERSION}",
         "kind": LEADER_WORKER_SET,
-        "metadata": _metadata(owner, owner.name),
+        "metadata": _metadata(owner, pool.base),
         "spec": {
-            "replicas": spec.replicas,
+            "replicas": pool.replicas,
             "startupPolicy": "LeaderCreated",
             "leaderWorkerTemplate": {
                 "size": spec.engine.parallelism.nodes,
@@ -201,42 +253,72 @@ def build_leader_worker_set(owner: Owner, spec: InferenceServiceSpec) -> dict[st
 def build_groups(owner: Owner, spec: InferenceServiceSpec, lws: bool) -> list[dict[str, Any]]:
     """The engine workload of a multi-node spec, in write order (`lws`: whether the API server
     serves LeaderWorkerSets)."""
+    pools = group_pools(owner.name, spec)
     if lws:
-        return [build_leader_worker_set(owner, spec)]
-    return [build_headless_service(owner), *(build_statefulset(owner, spec, i) for i in range(spec.replicas))]
+        return [build_leader_worker_set(owner, spec, pool) for pool in pools]
+    return [build_headless_service(owner),
+            *(build_statefulset(owner, spec, i, pool) for pool in pools for i in range(pool.replicas))]
 
 
 def leftover_keys(name: str) -> list[tuple[str, str]]:
     """(kind, name) of the fixed-name objects some workload shape makes: the Deployment (one node),
-    the headless Service (StatefulSet groups) and the LeaderWorkerSet. The StatefulSets are listed."""
-    return [("Deployment", name), ("Service", headless_service_name(name)), (LEADER_WORKER_SET, name)]
+    the headless Service (StatefulSet groups) and the LeaderWorkerSets (the engine pool's, the
+    prefill pool's). The StatefulSets are listed."""
+    return [("Deployment", name), ("Service", headless_service_name(name)), (LEADER_WORKER_SET, name),
+            (LEADER_WORKER_SET, prefill_name(name))]
 
 
-def leftover_reason(spec: InferenceServiceSpec, lws: bool) -> str:
-    """Why an engine workload of another shape goes (the Event's words)."""
+def leftover_reason(spec: InferenceServiceSpec, lws: bool, prefill_pool: bool = False) -> str:
+    """Why an engine workload of another shape goes (the Event's words); `prefill_pool`: it is the
+    prefill pool's."""
     nodes = spec.engine.parallelism.nodes
+    if prefill_pool and not spec.disaggregation.enabled:
+        return "spec.disaggregation.enabled is false"
     if nodes == 1:
         return "spec.engine.parallelism.nodes is 1: the engines are a Deployment"
     return (f"spec.engine.parallelism.nodes is {nodes} and the API server serves {LWS_PLURAL}.{LWS_GROUP}" if lws
             else f"spec.engine.parallelism.nodes is {nodes} and the API server does not serve {LWS_PLURAL}.{LWS_GROUP}")
 
 
-def surplus_reason(spec: InferenceServiceSpec, lws: bool) -> str:
-    if spec.engine.parallelism.nodes > 1 and not lws:
-        return f"spec.replicas is {spec.replicas} groups"
-    return leftover_reason(spec, lws)
+def pool_of(name: str, statefulset: str) -> tuple[str, int] | None:
+    """(the pool's base name, the group's index) of StatefulSet `statefulset` of InferenceService
+    `name`, for either pool (None: not a group's name)."""
+    for base in (name, prefill_name(name)):
+        index = group_index(base, statefulset)
+        if index is not None:
+            return base, index
+    return None
 
 
-def surplus_statefulsets(name: str, spec: InferenceServiceSpec, lws: bool, statefulsets: list[dict]) -> list[dict]:
-    """Group StatefulSets the spec no longer wants: past spec.replicas, or all of them when the
-    engines are a Deployment or a LeaderWorkerSet."""
-    keep = spec.replicas if is_group(spec) and not lws else 0
+def by_pool(name: str, statefulsets: list[dict]) -> dict[str, list[dict]]:
+    """The group StatefulSets by their pool's base name (both keys always present)."""
+    out: dict[str, list[dict]] = {name: [], prefill_name(name): []}
+    for sts in statefulsets:
+        found = pool_of(name, sts["metadata"]["name"])
+        if found is not None:
+            out[found[0]].append(sts)
+    return out
+
+
+def surplus_statefulsets(name: str, spec: InferenceServiceSpec, lws: bool,
+                         statefulsets: list[dict]) -> list[tuple[dict, str]]:
+    """(StatefulSet, why) of the group StatefulSets the spec no longer wants, highest index first:
+    past their pool's replicas, a whole pool the spec no longer runs (disaggregation off), or all of
+    them when the engines are a Deployment or LeaderWorkerSets."""
+    wanted = {pool.base: pool for pool in group_pools(name, spec)} if is_group(spec) and not lws else {}
     out = []
     for sts in statefulsets:
-        index = group_index(name, sts["metadata"]["name"])
-        if index is not None and index >= keep:
-            out.append(sts)
-    return sorted(out, key=lambda s: -(group_index(name, s["metadata"]["name"]) or 0))
+        found = pool_of(name, sts["metadata"]["name"])
+        if found is None:
+            continue
+        base, index = found
+        pool = wanted.get(base)
+        if pool is not None and index < pool.replicas:
+            continue
+        why = (f"{pool.replicas_field} is {pool.replicas} groups" if pool is not None
+               else leftover_reason(spec, lws, prefill_pool=base != name))
+        out.append((sts, why, index))
+    return [(sts, why) for sts, why, _ in sorted(out, key=lambda item: -item[2])]
 
 
 def _restarted(pod: dict) -> bool:
@@ -267,10 +349,11 @@ def members(sts: dict, pods: list[dict]) -> list[dict]:
 
 
 def groups_to_restart(statefulsets: list[dict], pods: list[dict]) -> list[tuple[dict, str]]:
-    """(StatefulSet, why) of the groups whose pods the reconcile deletes (the StatefulSet makes
-    them again, and the new members rendezvous afresh): every group with a member that failed or
-    restarted (the others are waiting on a peer that lost its state), and, when every other group
-    is ready, the first group of an old revision (a rolling update, one group at a time)."""
+    """(StatefulSet, why) of the groups of one pool whose pods the reconcile deletes (the
+    StatefulSet makes them again, and the new members rendezvous afresh): every group with a member
+    that failed or restarted (the others are waiting on a peer that lost its state), and, when
+    every other group is ready, the first group of an old revision (a rolling update, one group at
+    a time)."""
     out: list[tuple[dict, str]] = []
     outdated: list[dict] = []
     ready = 0

@@ -5,11 +5,13 @@ by it): who may reach which port of its engines. Pure builder; reconcile.py appl
   InferenceService's own router pods and from the peers the operator is given (its own pods, to
   read /metrics and set max_num_seqs, and Prometheus: chart values `networkPolicy.*`). In None and
   Gateway modes clients (or the gateway) reach the engines directly, so the port stays open.
-- The KV transfer port (disaggregation): only from pods of the same InferenceService (its
-  prefill and decode pods; the selector labels both carry).
-- Multi-node groups (spec.engine.parallelism.nodes > 1): every port from pods of the same
+- The KV transfer ports (disaggregation; tensor rank r listens on kvTransferPort + r): only from
+  the InferenceService's decode pods, the one pool that dials them (decode pulls each shard from
+  a prefill engine's rank; only prefill engines listen).
+- Multi-node groups (spec.engine.parallelism.nodes > 1): every other port from pods of the same
   InferenceService: the leader's rendezvous port, and the ports gloo and NCCL pick at random
-  between the members.
+  between the members. With disaggregation that rule leaves out the KV range, so a prefill pod
+  reaches no other prefill pod's KV listener.
 - Every other port of the engine pods: closed (the policy selects them with policyTypes Ingress).
 
 Whether it is enforced is the cluster's network plugin's business (Calico, Cilium, ...; kindnet
@@ -22,11 +24,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from iterserve.labels import selector_labels
+from iterserve.labels import DECODE, ROLE_LABEL, selector_labels
 from iterserve.operator.models import InferenceServiceSpec
 from iterserve.operator.resources import ENGINE_PORT, Owner, common_labels, owner_reference
 
 KIND = "NetworkPolicy"
+MAX_PORT = 65535
 PEER_KEYS = ("namespaceSelector", "podSelector")
 SELECTOR_KEYS = ("matchLabels", "matchExpressions")
 
@@ -81,13 +84,15 @@ def build_network_policy(owner: Owner, spec: InferenceServiceSpec, settings: Net
     if router_labels is not None:
         http["from"] = [{"podSelector": {"matchLabels": dict(router_labels)}}, *settings.peers]
     ingress = [http]
+    members = {"from": [{"podSelector": {"matchLabels": selector_labels(owner.name)}}]}
+    if spec.disaggregation.enabled:
+        first, last = kv_port_range(spec)
+        kv_port = {"protocol": "TCP", "port": first, **({"endPort": last} if last > first else {})}
+        decode = {**selector_labels(owner.name), ROLE_LABEL: DECODE}
+        ingress.append({"from": [{"podSelector": {"matchLabels": decode}}], "ports": [kv_port]})
+        members["ports"] = _every_port_but(first, last)
     if spec.engine.parallelism.nodes > 1:
-        ingress.append({"from": [{"podSelector": {"matchLabels": selector_labels(owner.name)}}]})
-    if spec.disaggregation.enabled:  # one KV listener per tensor rank: kvTransferPort .. + tensor - 1
-        kv_port = {"protocol": "TCP", "port": spec.disaggregation.kv_transfer_port}
-        if spec.engine.parallelism.tensor > 1:
-            kv_port["endPort"] = spec.disaggregation.kv_transfer_port + spec.engine.parallelism.tensor - 1
-        ingress.append({"from": [{"podSelector": {"matchLabels": selector_labels(owner.name)}}], "ports": [kv_port]})
+        ingress.append(members)
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": KIND,
@@ -96,3 +101,16 @@ def build_network_policy(owner: Owner, spec: InferenceServiceSpec, settings: Net
         "spec": {"podSelector": {"matchLabels": selector_labels(owner.name)},
                  "policyTypes": ["Ingress"], "ingress": ingress},
     }
+
+
+def kv_port_range(spec: InferenceServiceSpec) -> tuple[int, int]:
+    """The first and last KV transfer port: one per tensor rank of a group, whichever node runs it."""
+    first = spec.disaggregation.kv_transfer_port
+    return first, first + spec.engine.parallelism.tensor - 1
+
+
+def _every_port_but(first: int, last: int) -> list[dict[str, Any]]:
+    """Every TCP and UDP port outside first..last, as NetworkPolicy port ranges."""
+    ranges = [(low, high) for low, high in ((1, first - 1), (last + 1, MAX_PORT)) if low <= high]
+    return [{"protocol": protocol, "port": low, **({"endPort": high} if high > low else {})}
+            for protocol in ("TCP", "UDP") for low, high in ranges]

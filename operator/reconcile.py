@@ -235,16 +235,19 @@ class Reconciler:
             if change:
                 changes.append(change)
         engines = live.get(("Deployment", deployment_name(name)))
+        prefill = live.get(("Deployment", disaggregation.prefill_name(name)))
         if groups.is_group(spec) or leftovers.get(("Service", groups.headless_service_name(name))) is not None:
-            summary, group_changes = self._sync_groups(body, owner, spec, lws, live)
-            engines = summary if groups.is_group(spec) else engines
+            summaries, group_changes = self._sync_groups(body, owner, spec, lws, live)
+            if groups.is_group(spec):
+                engines, prefill = summaries[name], summaries[disaggregation.prefill_name(name)]
             changes += group_changes
         # Written after the Service stopped selecting them: a mode switch drops no request on the floor.
         for obj in leftovers.values():
             if obj is not None and controlled_by(obj, owner) and routing.may_delete_leftover(obj, name, service_before):
-                why = ("spec.disaggregation.enabled is false" if obj["metadata"]["name"] == disaggregation.prefill_name(name)
+                of_prefill = obj["metadata"]["name"] == disaggregation.prefill_name(name)
+                why = ("spec.disaggregation.enabled is false" if of_prefill and not spec.disaggregation.enabled
                        else "the operator runs with --no-network-policy" if obj["kind"] == network_policy.KIND
-                       else groups.leftover_reason(spec, lws) if _key(obj) in groups.leftover_keys(name)
+                       else groups.leftover_reason(spec, lws) if of_prefill or _key(obj) in groups.leftover_keys(name)
                        else f"spec.routing.mode is {mode}")
                 changes.append(self._delete(body, obj, why))
         deployment = engines
@@ -252,8 +255,7 @@ class Reconciler:
         routing_state = routing.routing_condition(name, spec, pool_served, router)
 
         seen = Observed(spec, name, generation, deployment, max_num_seqs, self.clock(), routing_state, router,
-                        live.get(("Deployment", disaggregation.prefill_name(name))), tick,
-                        groups.leader_pod_selector(name, spec, lws))
+                        prefill, tick, groups.leader_pod_selector(name, spec, lws))
         written, _ = self.write_status(body, lambda prev: {**service_status(prev, seen), **(
             {"adapters": adapters.status()} if adapters is not None else {})})
         if written is not None:
@@ -290,32 +292,38 @@ class Reconciler:
         return manifests, live, leftovers
 
     def _sync_groups(self, body: dict, owner: Owner, spec: InferenceServiceSpec, lws: bool,
-                     live: dict) -> tuple[dict, list[str]]:
-        """StatefulSet groups (operator/groups.py): deletes the groups past spec.replicas (or all,
-        when the engines are no longer StatefulSet groups), restarts the groups that need it by
-        deleting their pods, and returns the groups counted as a Deployment status counts pods."""
+                     live: dict) -> tuple[dict[str, dict], list[str]]:
+        """StatefulSet groups (operator/groups.py): deletes the groups past their pool's replicas (or
+        all, when the engines are no longer StatefulSet groups), restarts the groups that need it by
+        deleting their pods, and returns each pool's groups (by the pool's base name) counted as a
+        Deployment status counts pods."""
         namespace, name = owner.namespace, owner.name
         selector = selector_string(name)
         # list items carry no kind; delete() needs it
         listed = [{**s, "kind": "StatefulSet"} for s in self.kube.list_stateful_sets(namespace, selector)
                   if controlled_by(s, owner)]
         changes = []
-        for sts in groups.surplus_statefulsets(name, spec, lws, listed):
-            changes.append(self._delete(body, sts, groups.surplus_reason(spec, lws)))
-        kept = [s for s in listed if s not in groups.surplus_statefulsets(name, spec, lws, listed)]
+        surplus = groups.surplus_statefulsets(name, spec, lws, listed)
+        for sts, why in surplus:
+            changes.append(self._delete(body, sts, why))
+        gone = {sts["metadata"]["name"] for sts, _ in surplus}
+        kept = [s for s in listed if s["metadata"]["name"] not in gone]
         kept = [live.get(("StatefulSet", s["metadata"]["name"])) or s for s in kept]
         if lws:
-            return groups.groups_summary(spec, [], [], live.get((groups.LEADER_WORKER_SET, name)) or {}), changes
+            return {base: groups.groups_summary(spec, [], [], live.get((groups.LEADER_WORKER_SET, base)) or {})
+                    for base in groups.by_pool(name, [])}, changes
         pods = [{**p, "kind": "Pod"} for p in self.kube.list_pods(namespace, selector)] if kept else []
-        for sts, why in groups.groups_to_restart(kept, pods):
-            for pod in groups.members(sts, pods):
-                if not pod["metadata"].get("deletionTimestamp"):
-                    self.kube.delete(pod)
-            metrics.OBJECT_WRITES.labels(kind="Pod", action="deleted").inc()
-            message = f"Restarted group {sts['metadata']['name']}: {why}"
-            self._event(body, "Normal", "GroupRestarted", message)
-            changes.append(message)
-        return groups.groups_summary(spec, kept, pods), changes
+        pools = groups.by_pool(name, kept)
+        for pool in pools.values():  # a rolling update goes a group at a time within each pool
+            for sts, why in groups.groups_to_restart(pool, pods):
+                for pod in groups.members(sts, pods):
+                    if not pod["metadata"].get("deletionTimestamp"):
+                        self.kube.delete(pod)
+                metrics.OBJECT_WRITES.labels(kind="Pod", action="deleted").inc()
+                message = f"Restarted group {sts['metadata']['name']}: {why}"
+                self._event(body, "Normal", "GroupRestarted", message)
+                changes.append(message)
+        return {base: groups.groups_summary(spec, pool, pods) for base, pool in pools.items()}, changes
 
     def _delete(self, owner_body: dict, obj: dict, why: str) -> str:
         kind, obj_name = obj["kind"], obj["metadata"]["name"]

@@ -113,7 +113,7 @@ def router_args(owner: Owner, spec: InferenceServiceSpec | None = None) -> list[
 def build_router_rbac(owner: Owner) -> list[dict[str, Any]]:
     """A ServiceAccount, and a Role + RoleBinding granting it get/list/watch on pods here only, and
     the reads of its engines' controller chain (ReplicaSets, its two engine Deployments; for
-    multi-node groups StatefulSets, their ControllerRevisions and its LeaderWorkerSet)."""
+    multi-node groups StatefulSets, their ControllerRevisions and its two LeaderWorkerSets)."""
     name, labels = router_name(owner.name), router_labels(owner.name)
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(owner, name, labels),
@@ -126,7 +126,7 @@ def build_router_rbac(owner: Owner) -> list[dict[str, Any]]:
                     "resourceNames": [owner.name, f"{owner.name}-prefill"]},
                    {"apiGroups": ["apps"], "resources": ["statefulsets", "controllerrevisions"], "verbs": ["list"]},
                    {"apiGroups": ["leaderworkerset.x-k8s.io"], "resources": ["leaderworkersets"], "verbs": ["get"],
-                    "resourceNames": [owner.name]}]},
+                    "resourceNames": [owner.name, f"{owner.name}-prefill"]}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _metadata(owner, name, labels),
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
          "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}]},

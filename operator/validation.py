@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from iterserve.engine.server.cli import serve_flags, served_model_name
+from iterserve.operator import groups
 from iterserve.operator.models import InferenceServiceSpec
 from iterserve.operator.podsecurity import violations
 from iterserve.operator.resources import ENGINE_PORT, MANAGED_FLAGS, RESERVED_ENV
@@ -64,10 +65,8 @@ def check_semantics(spec: InferenceServiceSpec) -> None:
             raise SpecError(f"spec.engine.env[{i}]", "set value or valueFrom, not both")
     _check_adapter_names(spec)
     # Both pools run spec.engine.parallelism (extraArgs cannot set it), so prefill and decode have one
-    # tensor-parallel size, which KV transfer of a sharded cache needs (rank i's shard goes to rank i).
-    if spec.engine.parallelism.nodes > 1 and spec.disaggregation.enabled:
-        raise SpecError("spec.engine.parallelism.nodes", "multi-node groups do not run prefill/decode disaggregation "
-                                                         "yet: set nodes to 1 or spec.disaggregation.enabled to false")
+    # tensor-parallel size and one number of nodes per group, which KV transfer of a sharded cache
+    # needs (rank i's shard goes to rank i): the spec cannot express pools that differ.
     if spec.engine.parallelism.pipeline > 1 and spec.disaggregation.enabled:
         raise SpecError("spec.engine.parallelism.pipeline", "prefill/decode disaggregation moves a tensor-parallel KV "
                                                             "cache only (each stage holds other layers' KV): set "
@@ -91,6 +90,16 @@ def _check_kv_ports(spec: InferenceServiceSpec) -> None:
     if first <= ENGINE_PORT <= last:
         raise SpecError("spec.disaggregation.kvTransferPort", f"the KV ports {first}..{last} (one per tensor rank) hold "
                                                               f"the engine's HTTP port {ENGINE_PORT}: pick another")
+    if spec.engine.parallelism.nodes > 1:
+        # a prefill group's leader binds its rendezvous port (operator/groups.py) beside its KV ports
+        prefill = groups.group_pools("", spec)[-1]
+        rendezvous = [prefill.rendezvous_port(i) for i in range(spec.disaggregation.prefill.max_replicas)]
+        taken = [port for port in rendezvous if first <= port <= last]
+        if taken:
+            raise SpecError("spec.disaggregation.kvTransferPort", f"the KV ports {first}..{last} (one per tensor rank) "
+                                                                  f"hold prefill group rendezvous port {taken[0]} "
+                                                                  f"(ports {rendezvous[0]}, {rendezvous[0] + 2}, ... "
+                                                                  "one per group): pick another")
 
 
 def _check_adapter_names(spec: InferenceServiceSpec) -> None:

@@ -159,15 +159,18 @@ class ChainReader:
             self.namespace, label_selector=self.selector, _preload_content=False).data)["items"]
         if not listing:
             return [], []
-        lws = None
+        owned = controller_chain.stateful_sets_owned(listing, self.infsvc)
         if any((controller_chain.controller(s) or {}).get("kind") == "LeaderWorkerSet" for s in listing):
-            try:
-                lws = client.CustomObjectsApi(self.api).get_namespaced_custom_object(
-                    "leaderworkerset.x-k8s.io", "v1", self.namespace, "leaderworkersets", self.infsvc)
-            except ApiException as error:
-                if error.status not in (403, 404):
-                    raise
-        owned = controller_chain.stateful_sets_owned(listing, self.infsvc, leader_worker_set=lws)
+            for name in (self.infsvc, f"{self.infsvc}-prefill"):  # each pool's LeaderWorkerSet
+                try:
+                    lws = client.CustomObjectsApi(self.api).get_namespaced_custom_object(
+                        "leaderworkerset.x-k8s.io", "v1", self.namespace, "leaderworkersets", name)
+                except ApiException as error:
+                    if error.status not in (403, 404):
+                        raise
+                    continue
+                owned += [s for s in controller_chain.stateful_sets_owned(listing, self.infsvc, leader_worker_set=lws)
+                          if s not in owned]
         revisions = json.loads(apps.list_namespaced_controller_revision(
             self.namespace, label_selector=self.selector, _preload_content=False).data)["items"] if owned else []
         return owned, revisions

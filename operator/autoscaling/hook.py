@@ -75,10 +75,15 @@ class AutoscalerHook:
         Deployment is the decode pool, NAME-prefill the prefill pool; each pool's pods are trusted
         only through their own Deployment."""
         selector = selector_string(name)
-        if groups.is_group(spec):
-            return {DECODE: PoolPods(spec.replicas, self._group_leaders(kube, namespace, name, owner, selector))}
-        listed, replica_sets = kube.list_pods(namespace, selector), kube.list_replica_sets(namespace, selector)
         disaggregated = spec.disaggregation.enabled
+        if groups.is_group(spec):
+            leaders = self._group_leaders(kube, namespace, name, owner, selector)
+            pools = {DECODE: PoolPods(spec.replicas, [p for p in leaders if _role(p) != PREFILL])}
+            if disaggregated:
+                pools[PREFILL] = PoolPods(spec.disaggregation.prefill.wanted_replicas,
+                                          [p for p in leaders if _role(p) == PREFILL])
+            return pools
+        listed, replica_sets = kube.list_pods(namespace, selector), kube.list_replica_sets(namespace, selector)
         pods, strangers = self._trusted(kube, namespace, deployment_name(name), owner,
                                         [p for p in listed if not disaggregated or _role(p) != PREFILL], replica_sets)
         pools = {DECODE: PoolPods(spec.replicas, pods)}
@@ -91,11 +96,16 @@ class AutoscalerHook:
         return pools
 
     def _group_leaders(self, kube, namespace: str, name: str, owner: Owner, selector: str) -> list[dict]:
-        """Multi-node groups: the leaders (index 0) of the InferenceService's StatefulSets, each
-        verified through its StatefulSet and ControllerRevision; a group is one replica, and its
-        metrics and max_num_seqs are its leader's."""
-        lws = kube.get(groups.LEADER_WORKER_SET, namespace, name)
-        sets = controller_chain.stateful_sets_owned(kube.list_stateful_sets(namespace, selector), name, owner.uid, lws)
+        """Multi-node groups: the leaders (index 0) of the InferenceService's StatefulSets (both
+        pools' when disaggregated), each verified through its StatefulSet and ControllerRevision; a
+        group is one replica, and its metrics and max_num_seqs are its leader's."""
+        listed = kube.list_stateful_sets(namespace, selector)
+        sets_by_uid = {}
+        for base in (name, prefill_name(name)):  # each pool's LeaderWorkerSet, where there is one
+            lws = kube.get(groups.LEADER_WORKER_SET, namespace, base)
+            for sts in controller_chain.stateful_sets_owned(listed, name, owner.uid, lws):
+                sets_by_uid[sts["metadata"]["uid"]] = sts
+        sets = list(sets_by_uid.values())
         pods = kube.list_pods(namespace, selector)
         verified, refused = controller_chain.verify(pods, [], [], sets, kube.list_controller_revisions(namespace, selector)
                                                     if sets else [])

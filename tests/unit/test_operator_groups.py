@@ -241,8 +241,6 @@ def test_statefulset_pods_are_verified_through_their_controller_revision():
     ({"engine": {"parallelism": {"tensor": 3, "nodes": 2}}}, "spec.engine.parallelism.nodes"),
     ({"engine": {"extraArgs": ["--master-addr", "elsewhere"]}}, "spec.engine.extraArgs[0]"),
     ({"engine": {"extraArgs": ["--nnodes", "4"]}}, "spec.engine.extraArgs[0]"),
-    ({"engine": {"parallelism": {"tensor": 2, "nodes": 2}}, "routing": {"mode": "Router"},
-      "disaggregation": {"enabled": True}}, "spec.engine.parallelism.nodes"),
 ])
 def test_specs_groups_cannot_serve_are_refused_naming_the_field(raw, field):
     with pytest.raises(SpecError) as error:

@@ -1,6 +1,6 @@
 """The engines' NetworkPolicy (operator/network_policy.py) as built and as the reconcile applies
 it: in Router mode the HTTP port only from the router pods and the configured peers, the KV port
-only from the same InferenceService's pods, other ports closed; open HTTP where clients reach the
+only from the same InferenceService's decode pods, other ports closed; open HTTP where clients reach the
 engines directly; none (and the old one deleted) with --no-network-policy; peers parsed strictly."""
 
 from __future__ import annotations
@@ -45,10 +45,11 @@ def test_where_clients_reach_the_engines_directly_http_stays_open(mode):
     assert "from" not in http and http["ports"] == [{"protocol": "TCP", "port": 8000}]
 
 
-def test_the_kv_port_is_open_only_to_pods_of_the_same_service():
+def test_the_kv_port_is_open_only_to_the_decode_pods_of_the_same_service():
     [policy] = _build(disaggregation={"enabled": True, "kvTransferPort": 8100})
     kv = policy["spec"]["ingress"][1]
-    assert kv == {"from": [{"podSelector": {"matchLabels": ENGINES}}], "ports": [{"protocol": "TCP", "port": 8100}]}
+    assert kv == {"from": [{"podSelector": {"matchLabels": {**ENGINES, "iterserve.dev/role": "decode"}}}],
+                  "ports": [{"protocol": "TCP", "port": 8100}]}
 
 
 def test_the_reconcile_applies_it_once_and_deletes_it_when_turned_off():

@@ -49,7 +49,7 @@ def test_router_mode_deploys_the_router_and_the_service_moves_to_it_once_it_is_r
         {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get"], "resourceNames": ["llm", "llm-prefill"]},
         {"apiGroups": ["apps"], "resources": ["statefulsets", "controllerrevisions"], "verbs": ["list"]},
         {"apiGroups": ["leaderworkerset.x-k8s.io"], "resources": ["leaderworkersets"], "verbs": ["get"],
-         "resourceNames": ["llm"]}]
+         "resourceNames": ["llm", "llm-prefill"]}]
 
     reconciler.reconcile("ns", "llm")  # MemoryKube's Deployments are ready at once
     assert kube.objects[("Service", "llm")]["spec"]["selector"] == routing.router_labels("llm")

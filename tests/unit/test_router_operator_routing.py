@@ -31,10 +31,10 @@ def test_router_is_the_default_and_gets_pod_reading_rights_in_its_namespace_only
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
         {"apiGroups": ["apps"], "resources": ["replicasets"], "verbs": ["list"]},  # the controller chain
         {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get"], "resourceNames": ["chat", "chat-prefill"]},
-        # multi-node groups' chain: StatefulSets, their ControllerRevisions, the LeaderWorkerSet
+        # multi-node groups' chain: StatefulSets, their ControllerRevisions, the LeaderWorkerSets
         {"apiGroups": ["apps"], "resources": ["statefulsets", "controllerrevisions"], "verbs": ["list"]},
         {"apiGroups": ["leaderworkerset.x-k8s.io"], "resources": ["leaderworkersets"], "verbs": ["get"],
-         "resourceNames": ["chat"]}]
+         "resourceNames": ["chat", "chat-prefill"]}]
     assert all(o["metadata"]["namespace"] == "team-a" for o in objects.values())
     assert objects["RoleBinding"]["subjects"] == [{"kind": "ServiceAccount", "name": "chat-router", "namespace": "team-a"}]
     deployment = objects["Deployment"]
