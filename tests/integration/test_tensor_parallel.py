@@ -51,9 +51,12 @@ def checkpoints(tmp_path_factory):
 
 
 def greedy(model: str, prompts, tp: int, new_tokens: int = NEW_TOKENS, pp: int = 1, **options) -> list[list[int]]:
-    # 10 blocks x 16 = 160 tokens of KV for four sequences of up to 107 tokens: preemption.
+    # 10 blocks x 16 = 160 tokens of KV for four sequences of up to 107 tokens: preemption. Steps of at
+    # most 16 tokens are under the default --pipeline-micro-batch-min-tokens: 0 cuts every one, so
+    # that PP runs here still go through micro-batches.
     options = dict(num_kv_blocks=10, num_cpu_blocks=32, max_model_len=144, max_num_seqs=4, max_num_batched_tokens=16,
-                   enable_prefix_caching=True, device="cpu", attention_backend="torch", dtype="float32") | options
+                   enable_prefix_caching=True, device="cpu", attention_backend="torch", dtype="float32",
+                   pipeline_micro_batch_min_tokens=0) | options
     llm = LLM(model=model, tensor_parallel_size=tp, pipeline_parallel_size=pp, **options)
     try:
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
