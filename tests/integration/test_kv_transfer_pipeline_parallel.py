@@ -16,7 +16,8 @@ processes over gloo on 127.0.0.1), behind `iterserve router`, on a small random 
   re-signed with the InferenceService's key) fails the whole pull on both stages: the prompt is
   recomputed, the answer is unchanged, the lease is released, and the next pull works;
 - tensor x pipeline 2 x 2 on both sides: rank r (stage r // 2, tensor rank r % 2) pulls from rank r,
-  the lease names the listeners of ranks 1..3, and the completion equals one process's."""
+  the lease names the listeners of ranks 1..3, and the completion equals one process's;
+- two stages over two nodes on both sides: stage 1's messages go through the rendezvous store."""
 
 from __future__ import annotations
 
@@ -286,3 +287,41 @@ def test_tensor_by_pipeline_groups_move_each_ranks_shard_of_its_stage(model, pro
         assert metric(decode, names.KV_TRANSFER_SECONDS + "_count") == 1
         assert metric(decode, names.KV_TRANSFER_FAILURES_TOTAL) == 0
         wait_unpinned(prefill)
+
+
+def test_groups_of_two_nodes_move_each_stages_kv_from_its_own_node(model, prompts, expected, tmp_path):
+    """--pipeline-parallel-size 2 --nnodes 2 on both sides (two `iterserve serve` processes each, the
+    store on 127.0.0.1): stage 1 runs on node 1, the prefill leader's lease names its listener as
+    node 1 advertises it, and the decode group's stage 1 gets its pull order and its load through
+    the store."""
+    kv_port = free_port_run(2)
+    common = ["--model", model, "--pipeline-parallel-size", "2", "--kv-auth-key-file", key_file(), "--device", "cpu",
+              "--dtype", "float32", "--attention-backend", "torch", "--num-kv-blocks", str(NUM_BLOCKS),
+              "--max-model-len", "256", "--kv-transfer-timeout", "20", "--nnodes", "2", "--master-addr", "127.0.0.1",
+              "--rendezvous-timeout", "240"]
+    groups, nodes = [], []
+    try:
+        for role, extra in (("prefill", ["--kv-transfer-port", str(kv_port)]), ("decode", [])):
+            master = ["--master-port", str(free_port())]
+            nodes.append(subprocess.Popen(
+                [*iterserve_command(), "serve", *common, *master, "--role", role, "--node-rank", "1",
+                 "--worker-health-port", str(free_port())], cwd=tmp_path,
+                stdout=(tmp_path / f"{role}-node1.log").open("wb"), stderr=subprocess.STDOUT))
+            groups.append(ServerProcess([*common, *master, "--role", role, "--node-rank", "0", *extra],
+                                        {"OMP_NUM_THREADS": "1"}, tmp_path / f"{role}.log"))
+        for server in groups:
+            server.wait_ready(300)
+        prefill, decode = groups
+        params = lease(prefill, prompts[33])
+        assert params["pipeline_parallel_size"] == 2 and params["shards"] == [["127.0.0.1", kv_port + 1]]
+        answer = complete(decode.url, prompts[33], kv_transfer_params={**params, "do_remote_prefill": True})
+        assert answer["choices"][0]["text"] == expected[33]
+        assert metric(decode, names.KV_TRANSFER_SECONDS + "_count") == 1
+        assert metric(decode, names.KV_TRANSFER_FAILURES_TOTAL) == 0
+        wait_unpinned(prefill)
+    finally:
+        for server in groups:
+            server.stop()
+        for node in nodes:
+            node.terminate()
+            node.wait(30)
