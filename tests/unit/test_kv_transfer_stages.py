@@ -4,7 +4,9 @@ r % 2) as objects of this process joined by direct calls: rank r of the decode s
 rank r's bytes of the prefill side (its heads of its stage's layers); one outcome for every rank
 when a later stage's pull fails, which the error names by stage and tensor rank; the handshake
 refuses a rank of another stage or of another split of the layers, naming the field; and a lease's
-pipeline_parallel_size and its listeners (one per rank after the first) are bounded and checked."""
+pipeline_parallel_size and its listeners (one per rank after the first) are bounded and checked;
+`iterserve serve` refuses a --kv-transfer-port whose run of one port per rank passes 65535 or
+takes the HTTP port."""
 
 from __future__ import annotations
 
@@ -166,3 +168,17 @@ def test_a_malformed_staged_lease_is_refused_naming_the_field(fields, param):
     with pytest.raises(InvalidRequestError) as refused:
         kv_params.parse_request({**LEASE, **fields})
     assert refused.value.param == param
+
+
+def test_serve_refuses_a_kv_port_whose_run_for_every_rank_of_tensor_x_pipeline_passes_65535():
+    from iterserve.engine.config import ConfigError
+    from iterserve.engine.server.cli import check_server_args, serve_parser
+
+    def check(*flags: str) -> None:
+        check_server_args(serve_parser().parse_args(["--role", "prefill", *flags]))
+
+    check("--kv-transfer-port", "65532", "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2")
+    with pytest.raises(ConfigError, match="--kv-transfer-port 65533 \\+ 4 ranks - 1 passes 65535"):
+        check("--kv-transfer-port", "65533", "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2")
+    with pytest.raises(ConfigError, match="takes the HTTP --port 8001"):
+        check("--kv-transfer-port", "8000", "--pipeline-parallel-size", "2", "--port", "8001")
