@@ -10,9 +10,12 @@ shards dense weights only). Rank 0's collective time includes waiting for the
 slower rank, so it measures communication plus imbalance. On a machine shared with other work the
 figures are provisional: the JSON records the load average at the start and the end.
 
-The pipeline arm (`pipeline` in the JSON): PP=2 (two ranks of 15 layers, one thread each) with one
-micro-batch per step (the stages take turns) against two (stage 0 computes the second half of the
-batch while stage 1 computes the first: engine/distributed/pipeline.py), same sizes, interleaved.
+The pipeline arm (`pipeline` in the JSON): PP=2 (two ranks of 15 layers, one thread each) in three
+arms, interleaved at each size: `unsplit`, one micro-batch per step (the stages take turns);
+`always split`, two per step (stage 0 computes the second half of the batch while stage 1 computes
+the first: engine/distributed/pipeline.py); `policy`, two only for a step of at least
+--pipeline-micro-batch-min-tokens query tokens (default EngineConfig's), else one. Its decode
+sizes (--pipeline-batches) bracket the default threshold; its prefill step is PREFILL_LEN tokens.
 
     python -m bench.engine.tp_step --json docs/perf/tp_step.json --plot docs/perf/tp_step.png
 """
@@ -31,9 +34,12 @@ from bench import common
 from iterserve.engine.config import EngineConfig
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.sampling_params import SamplingParams
+from iterserve.engine.step_log import as_record
 
 PROMPT_LEN = 32
 PREFILL_LEN = 256
+# PP=2 arms: (name, --pipeline-micro-batches, --pipeline-micro-batch-min-tokens; None: the flag's default)
+PIPELINE_ARMS = (("unsplit", 1, 0), ("always split", 2, 0), ("policy", 2, None))
 # SmolLM2-135M's shape (hidden 576, MLP 1536, 30 layers, its vocabulary) with 8 heads of 64 and 4 KV
 # heads, so that 2 ranks divide them (SmolLM2's own 9 heads and 3 KV heads split only by 3).
 SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=8,
@@ -61,14 +67,18 @@ def random_llama(directory: Path) -> Path:
     return directory
 
 
-def measure(tp: int, batch: int, steps: int, model: str, threads: int, pp: int = 1, micro: int | None = None) -> dict:
+def measure(tp: int, batch: int, steps: int, model: str, threads: int, pp: int = 1, micro: int | None = None,
+            min_tokens: int | None = 0) -> dict:
     """Median model time per decode step with `batch` running sequences, and of one prefill step."""
     import torch
 
     if tp * pp == 1:
         torch.set_num_threads(threads)
+    if min_tokens is None:
+        min_tokens = EngineConfig.pipeline_micro_batch_min_tokens
     config = EngineConfig(model=model, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                          pipeline_micro_batches=micro, quantization="none", dtype="float32", device="cpu",
+                          pipeline_micro_batches=micro, pipeline_micro_batch_min_tokens=min_tokens,
+                          quantization="none", dtype="float32", device="cpu",
                           attention_backend="torch", max_num_seqs=max(batch, 1), num_kv_blocks=batch * 8 + 40,
                           max_model_len=512, max_num_batched_tokens=PREFILL_LEN, enable_prefix_caching=False)
     engine = LLMEngine.from_config(config)
@@ -86,7 +96,10 @@ def measure(tp: int, batch: int, steps: int, model: str, threads: int, pp: int =
         params = SamplingParams(temperature=0, max_tokens=steps + PROMPT_LEN + 8, ignore_eos=True)
         for i in range(batch):
             engine.add_request(None, params, [100 + (i * 7 + j) % 150 for j in range(PROMPT_LEN)])
-        for _ in range(4):  # the prompts, then a few warm decodes
+        engine.step()
+        while last_record(engine)["prefill_tokens"]:  # the prompts (several steps above 8 sequences)
+            engine.step()
+        for _ in range(3):  # a few warm decodes
             engine.step()
         times, comm = [], []
         for _ in range(steps):
@@ -94,7 +107,8 @@ def measure(tp: int, batch: int, steps: int, model: str, threads: int, pp: int =
             engine.step()
             times.append(engine.last_timing.model_s)
             comm.append((group.seconds - before) if group else 0.0)
-        return {"tp": tp, "pp": pp, "micro_batches": micro or pp, "batch": batch, "decode_step_ms": 1000 * statistics.median(times),
+        return {"tp": tp, "pp": pp, "micro_batches": micro or pp, "micro_batch_min_tokens": min_tokens, "batch": batch,
+                "decode_step_ms": 1000 * statistics.median(times),
                 "decode_collective_share": statistics.median(c / t for c, t in zip(comm, times, strict=True)),
                 "prefill_tokens": PREFILL_LEN, "prefill_step_ms": 1000 * prefill_s,
                 "prefill_collective_share": prefill_comm / prefill_s}
@@ -102,13 +116,20 @@ def measure(tp: int, batch: int, steps: int, model: str, threads: int, pp: int =
         engine.close()
 
 
+def last_record(engine: LLMEngine) -> dict:
+    records, _, _ = engine.step_records.after(engine.step_records.last_seq - 1, 1)
+    return as_record(records[0])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_common_args(parser)
     parser.add_argument("--batches", default="1,4,16", help="running sequences per decode step")
     parser.add_argument("--steps", type=int, default=20, help="measured decode steps per point")
+    parser.add_argument("--pipeline-batches", default="4,16,32,64",
+                        help="running sequences per decode step in the PP=2 arm (around the policy's threshold)")
     parser.add_argument("--no-pipeline", dest="pipeline", action="store_false",
-                        help="skip the PP=2 arm (micro-batches 1 against 2)")
+                        help="skip the PP=2 arm (unsplit, always split, policy)")
     parser.add_argument("--model", help="a model whose heads 2 divides (default: a random Llama of SmolLM2-135M's "
                                             "shape with 8 heads and 4 KV heads, built in a temporary folder)")
     args = parser.parse_args(argv)
@@ -119,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         label = args.model
     batches = [1, 4] if args.quick else [int(b) for b in args.batches.split(",")]
+    pipeline_batches = [4] if args.quick else [int(b) for b in args.pipeline_batches.split(",")]
     steps = 6 if args.quick else args.steps
     info = common.machine(args.threads)
     info["tp2_threads_per_rank"] = max(1, (os.cpu_count() or 1) // 2)
@@ -128,9 +150,10 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(measure(tp, batch, steps, args.model, args.threads))
             print(rows[-1], file=sys.stderr, flush=True)
     pipeline_rows = []
-    for batch in batches if args.pipeline else []:
-        for micro in (1, 2):
-            pipeline_rows.append(measure(1, batch, steps, args.model, args.threads, pp=2, micro=micro))
+    for batch in pipeline_batches if args.pipeline else []:
+        for arm, micro, min_tokens in PIPELINE_ARMS:
+            row = measure(1, batch, steps, args.model, args.threads, pp=2, micro=micro, min_tokens=min_tokens)
+            pipeline_rows.append({"arm": arm} | row)
             print(pipeline_rows[-1], file=sys.stderr, flush=True)
     by = {(r["tp"], r["batch"]): r for r in rows}
     table = [[b, by[1, b]["decode_step_ms"], by[2, b]["decode_step_ms"],
@@ -140,14 +163,17 @@ def main(argv: list[str] | None = None) -> None:
     prefill = [by[1, batches[0]]["prefill_step_ms"], by[2, batches[0]]["prefill_step_ms"]]
     print(f"prefill of {PREFILL_LEN} tokens: TP=1 {prefill[0]:.0f} ms, TP=2 {prefill[1]:.0f} ms "
           f"({by[2, batches[0]]['prefill_collective_share']:.0%} in collectives)")
-    pipe = {(r["micro_batches"], r["batch"]): r for r in pipeline_rows}
+    pipe = {(r["arm"], r["batch"]): r for r in pipeline_rows}
     if pipeline_rows:
+        names = [arm for arm, _, _ in PIPELINE_ARMS]
         print(common.format_table(
-            ["batch", "PP=2 1 micro-batch ms", "PP=2 2 micro-batches ms", "speed-up"],
-            [[b, pipe[1, b]["decode_step_ms"], pipe[2, b]["decode_step_ms"],
-              pipe[1, b]["decode_step_ms"] / pipe[2, b]["decode_step_ms"]] for b in batches]))
-        print(f"prefill of {PREFILL_LEN} tokens at PP=2: {pipe[1, batches[0]]['prefill_step_ms']:.0f} ms in one "
-              f"micro-batch, {pipe[2, batches[0]]['prefill_step_ms']:.0f} ms in two")
+            ["batch"] + [f"PP=2 {name} ms" for name in names] + [f"{name} speed-up" for name in names[1:]],
+            [[b] + [pipe[name, b]["decode_step_ms"] for name in names]
+             + [pipe["unsplit", b]["decode_step_ms"] / pipe[name, b]["decode_step_ms"] for name in names[1:]]
+             for b in pipeline_batches]))
+        first = pipeline_batches[0]
+        print(f"prefill of {PREFILL_LEN} tokens at PP=2: "
+              + ", ".join(f"{name} {pipe[name, first]['prefill_step_ms']:.0f} ms" for name in names))
     machine = common.finish_machine(info)
     # Busier than the benchmark's own two ranks at either end: other work shared the cores.
     shared = max(machine["load_average_at_start"][0], machine["load_average_at_end"][0]) > info["cpus"] + 1
