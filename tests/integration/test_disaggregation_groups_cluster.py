@@ -34,7 +34,11 @@ def disaggregated_groups(name: str) -> dict:
             "spec": {"model": {"uri": "smollm2-135m"}, "replicas": 1,
                      "engine": {"parallelism": {"tensor": 3, "nodes": 3}, "maxNumSeqs": 4, "maxModelLen": 256,
                                 "kvCacheMemory": "16MiB", "startupSeconds": 300, "drainSeconds": 2,
-                                "extraArgs": ["--dtype", "float32"]},  # one dtype on every node
+                                # one dtype on every node; KV listeners on every interface, as the
+                                # operator's --host 0.0.0.0 makes them in a cluster (the local runtime
+                                # rewrites --host to the pod IP, and every pod shares one loopback, so a
+                                # worker rank could bind the leader's address but not be reached at its own)
+                                "extraArgs": ["--dtype", "float32", "--kv-transfer-host", "0.0.0.0"]},
                      "disaggregation": {"enabled": True, "thresholdTokens": 8,
                                         "prefill": {"replicas": 1, "minReplicas": 1, "maxReplicas": 1}},
                      "scheduling": local_runtime_scheduling(),
