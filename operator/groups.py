@@ -27,10 +27,11 @@ Built on Kubernetes' own workload APIs:
 With prefill/decode disaggregation each pool is a set of groups (`GroupPool`): the engine pool
 (decode) as above, and the prefill pool named NAME-prefill (StatefulSets NAME-prefill-g<i>, or
 LeaderWorkerSet NAME-prefill) with spec.disaggregation.prefill's replicas. Every member of both
-runs its pool's --role and the KV transfer flags (rank r of a prefill group listens on
-kvTransferPort + r on its own node and advertises its pod IP); the router and the autoscaler
-reach the leaders of both. Both pools' StatefulSets share the headless Service, and their
-rendezvous ports interleave (decode group i on 29500 + 2i, prefill group i on 29500 + 2i + 1).
+runs its pool's --role and the KV transfer flags (rank r of tensor x pipeline of a prefill
+group listens on kvTransferPort + r on the node that runs it and advertises that pod's IP; every
+member declares the whole range); the router and the autoscaler reach the leaders of both.
+Both pools' StatefulSets share the headless Service, and their rendezvous ports interleave
+(decode group i on 29500 + 2i, prefill group i on 29500 + 2i + 1).
 
 In: the owner and the parsed spec (and live objects for the decisions). Out: manifests and
 names. No API calls here; reconcile.py applies and deletes.

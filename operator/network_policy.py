@@ -5,9 +5,10 @@ by it): who may reach which port of its engines. Pure builder; reconcile.py appl
   InferenceService's own router pods and from the peers the operator is given (its own pods, to
   read /metrics and set max_num_seqs, and Prometheus: chart values `networkPolicy.*`). In None and
   Gateway modes clients (or the gateway) reach the engines directly, so the port stays open.
-- The KV transfer ports (disaggregation; tensor rank r listens on kvTransferPort + r): only from
-  the InferenceService's decode pods, the one pool that dials them (decode pulls each shard from
-  a prefill engine's rank; only prefill engines listen).
+- The KV transfer ports (disaggregation; rank r of tensor x pipeline listens on kvTransferPort + r,
+  on whichever node of a group runs it): the whole range on every engine pod, only from the
+  InferenceService's decode pods, the one pool that dials them (decode pulls each shard from a
+  prefill engine's rank; only prefill engines listen).
 - Multi-node groups (spec.engine.parallelism.nodes > 1): every other port from pods of the same
   InferenceService: the leader's rendezvous port, and the ports gloo and NCCL pick at random
   between the members. With disaggregation that rule leaves out the KV range, so a prefill pod
@@ -26,7 +27,13 @@ from typing import Any
 
 from iterserve.labels import DECODE, ROLE_LABEL, selector_labels
 from iterserve.operator.models import InferenceServiceSpec
-from iterserve.operator.resources import ENGINE_PORT, Owner, common_labels, owner_reference
+from iterserve.operator.resources import (
+    ENGINE_PORT,
+    Owner,
+    common_labels,
+    kv_port_range,
+    owner_reference,
+)
 
 KIND = "NetworkPolicy"
 MAX_PORT = 65535
@@ -101,12 +108,6 @@ def build_network_policy(owner: Owner, spec: InferenceServiceSpec, settings: Net
         "spec": {"podSelector": {"matchLabels": selector_labels(owner.name)},
                  "policyTypes": ["Ingress"], "ingress": ingress},
     }
-
-
-def kv_port_range(spec: InferenceServiceSpec) -> tuple[int, int]:
-    """The first and last KV transfer port: one per tensor rank of a group, whichever node runs it."""
-    first = spec.disaggregation.kv_transfer_port
-    return first, first + spec.engine.parallelism.tensor - 1
 
 
 def _every_port_but(first: int, last: int) -> list[dict[str, Any]]:

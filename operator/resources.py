@@ -200,12 +200,25 @@ def engine_args(spec: InferenceServiceSpec, role: str | None = None) -> list[str
     return args + lora_args(spec) + list(engine.extra_args) + role_args(spec, role_of(spec, role))
 
 
+def kv_port_range(spec: InferenceServiceSpec) -> tuple[int, int]:
+    """The first and last KV transfer port of a disaggregated group: rank r of tensor x pipeline
+    listens on kvTransferPort + r (engine/kv_transfer/sharded.py), whichever node runs it."""
+    first = spec.disaggregation.kv_transfer_port
+    return first, first + spec.engine.parallelism.tensor * spec.engine.parallelism.pipeline - 1
+
+
 def kv_transfer_ports(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
-    """A disaggregated pod's KV transfer listeners: tensor rank i listens on kvTransferPort + i
-    (engine/kv_transfer/sharded.py)."""
-    port = spec.disaggregation.kv_transfer_port
-    return [{"name": "kv-transfer" + (f"-{rank}" if rank else ""), "containerPort": port + rank, "protocol": "TCP"}
-            for rank in range(spec.engine.parallelism.tensor)]
+    """A disaggregated pod's KV transfer listeners: the whole range, on every pod. A one-node pod runs
+    every rank; a group's members share one template (a StatefulSet's, or LWS's worker template),
+    and the NetworkPolicy opens the range to every decode pod anyway, so a member declares the ports
+    of the other nodes' ranks too."""
+    first, last = kv_port_range(spec)
+    ports = []
+    for rank, port in enumerate(range(first, last + 1)):
+        name = "kv-transfer" + (f"-{rank}" if rank else "")
+        # A port name has at most 15 characters (IANA_SVC_NAME): ranks from 1000 on go unnamed.
+        ports.append({**({"name": name} if len(name) <= 15 else {}), "containerPort": port, "protocol": "TCP"})
+    return ports
 
 
 def gpu_count(spec: InferenceServiceSpec) -> int:

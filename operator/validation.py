@@ -15,7 +15,7 @@ from iterserve.engine.server.cli import serve_flags, served_model_name
 from iterserve.operator import groups
 from iterserve.operator.models import InferenceServiceSpec
 from iterserve.operator.podsecurity import violations
-from iterserve.operator.resources import ENGINE_PORT, MANAGED_FLAGS, RESERVED_ENV
+from iterserve.operator.resources import ENGINE_PORT, MANAGED_FLAGS, RESERVED_ENV, kv_port_range
 
 
 class SpecError(ValueError):
@@ -65,12 +65,9 @@ def check_semantics(spec: InferenceServiceSpec) -> None:
             raise SpecError(f"spec.engine.env[{i}]", "set value or valueFrom, not both")
     _check_adapter_names(spec)
     # Both pools run spec.engine.parallelism (extraArgs cannot set it), so prefill and decode have one
-    # tensor-parallel size and one number of nodes per group, which KV transfer of a sharded cache
-    # needs (rank i's shard goes to rank i): the spec cannot express pools that differ.
-    if spec.engine.parallelism.pipeline > 1 and spec.disaggregation.enabled:
-        raise SpecError("spec.engine.parallelism.pipeline", "prefill/decode disaggregation moves a tensor-parallel KV "
-                                                            "cache only (each stage holds other layers' KV): set "
-                                                            "pipeline to 1 or spec.disaggregation.enabled to false")
+    # tensor size, one pipeline size and one number of nodes per group, which KV transfer of a sharded
+    # cache needs (rank r's shard, its heads of its stage's layers, goes to rank r): the spec cannot
+    # express pools that differ.
     _check_kv_ports(spec)
     patch = spec.pod_template_patch or {}
     unknown = sorted(set(patch) - {"metadata", "spec"})
@@ -79,27 +76,31 @@ def check_semantics(spec: InferenceServiceSpec) -> None:
 
 
 def _check_kv_ports(spec: InferenceServiceSpec) -> None:
-    """Tensor rank i of a disaggregated pod listens for KV transfers on kvTransferPort + i."""
-    first, tensor = spec.disaggregation.kv_transfer_port, spec.engine.parallelism.tensor
-    last = first + tensor - 1
+    """Rank r of a disaggregated group (of tensor x pipeline ranks) listens for KV transfers on
+    kvTransferPort + r, on whichever node runs it."""
     if not spec.disaggregation.enabled:
         return
+    first, last = kv_port_range(spec)
+    ranks = last - first + 1
+    field = "spec.disaggregation.kvTransferPort"
     if last > 65535:
-        raise SpecError("spec.disaggregation.kvTransferPort", f"{first} + {tensor} tensor ranks - 1 passes 65535 (rank "
-                                                              "i listens on kvTransferPort + i): pick a lower port")
+        raise SpecError(field, f"{first} + {ranks} ranks (tensor x pipeline) - 1 passes 65535 (rank r listens on "
+                               "kvTransferPort + r): pick a lower port")
     if first <= ENGINE_PORT <= last:
-        raise SpecError("spec.disaggregation.kvTransferPort", f"the KV ports {first}..{last} (one per tensor rank) hold "
-                                                              f"the engine's HTTP port {ENGINE_PORT}: pick another")
+        raise SpecError(field, f"the KV ports {first}..{last} (one per rank of tensor x pipeline) hold the engine's "
+                               f"HTTP port {ENGINE_PORT}: pick another")
     if spec.engine.parallelism.nodes > 1:
-        # a prefill group's leader binds its rendezvous port (operator/groups.py) beside its KV ports
+        # A prefill group's leader binds its rendezvous port beside its KV ports: StatefulSet group i's
+        # own port (operator/groups.py), or RENDEZVOUS_PORT for every LeaderWorkerSet group (which
+        # shape runs depends on the cluster, so both are kept clear).
         prefill = groups.group_pools("", spec)[-1]
-        rendezvous = [prefill.rendezvous_port(i) for i in range(spec.disaggregation.prefill.max_replicas)]
-        taken = [port for port in rendezvous if first <= port <= last]
+        statefulsets = [prefill.rendezvous_port(i) for i in range(spec.disaggregation.prefill.max_replicas)]
+        taken = [port for port in [groups.RENDEZVOUS_PORT, *statefulsets] if first <= port <= last]
         if taken:
-            raise SpecError("spec.disaggregation.kvTransferPort", f"the KV ports {first}..{last} (one per tensor rank) "
-                                                                  f"hold prefill group rendezvous port {taken[0]} "
-                                                                  f"(ports {rendezvous[0]}, {rendezvous[0] + 2}, ... "
-                                                                  "one per group): pick another")
+            raise SpecError(field, f"the KV ports {first}..{last} (one per rank of tensor x pipeline) hold prefill "
+                                   f"group rendezvous port {taken[0]} (StatefulSet groups: {statefulsets[0]}, "
+                                   f"{statefulsets[0] + 2}, ... one per group; LeaderWorkerSet groups: "
+                                   f"{groups.RENDEZVOUS_PORT}): pick another")
 
 
 def _check_adapter_names(spec: InferenceServiceSpec) -> None:
