@@ -122,11 +122,16 @@ def test_turning_it_off_deletes_the_prefill_pool_and_the_roles():
     ({**SPEC, "engine": {"extraArgs": ["--role", "prefill"]}}, "--role is set by the operator"),
     ({**SPEC, "disaggregation": {"enabled": True, "decode": {"extraArgs": ["--tensor-parallel-size", "4"]}}},
      "spec.disaggregation.decode.extraArgs.0.: --tensor-parallel-size is set by the operator"),
-    ({**SPEC, "engine": {"parallelism": {"pipeline": 2}}}, "spec.engine.parallelism.pipeline: prefill/decode"),
     ({**SPEC, "engine": {"parallelism": {"tensor": 4}}, "disaggregation": {"enabled": True, "kvTransferPort": 7998}},
      "spec.disaggregation.kvTransferPort: the KV ports 7998..8001"),
     ({**SPEC, "engine": {"parallelism": {"tensor": 4}}, "disaggregation": {"enabled": True, "kvTransferPort": 65534}},
-     "spec.disaggregation.kvTransferPort: 65534 \\+ 4 tensor ranks"),
+     "spec.disaggregation.kvTransferPort: 65534 \\+ 4 ranks"),
+    # TP=2 x PP=2 is four ranks: 7997..8000 holds the HTTP port (two tensor ranks alone would not)
+    ({**SPEC, "engine": {"parallelism": {"tensor": 2, "pipeline": 2}},
+      "disaggregation": {"enabled": True, "kvTransferPort": 7997}},
+     "spec.disaggregation.kvTransferPort: the KV ports 7997..8000"),
+    ({**SPEC, "engine": {"parallelism": {"pipeline": 4}}, "disaggregation": {"enabled": True, "kvTransferPort": 65533}},
+     "spec.disaggregation.kvTransferPort: 65533 \\+ 4 ranks"),
 ])
 def test_invalid_combinations_name_the_field(spec, field):
     with pytest.raises(SpecError, match=field.replace("(", r"\(")):
@@ -152,6 +157,41 @@ def test_tensor_parallel_pools_declare_and_open_one_kv_port_per_rank():
     policy = build_network_policy(Owner("llm", "ns", "u"), spec, NetworkPolicySettings(enabled=True), {"r": "1"})
     kv = policy["spec"]["ingress"][-1]
     assert kv["ports"] == [{"protocol": "TCP", "port": 8100, "endPort": 8101}]
+
+
+def test_pipeline_parallel_pools_declare_and_open_one_kv_port_per_rank_of_tensor_x_pipeline():
+    """Rank r of TP=2 x PP=2 (stage r // 2, tensor rank r % 2) listens on kvTransferPort + r
+    (engine/kv_transfer/sharded.py): both pools run the one parallelism, four ranks each."""
+    from iterserve.operator.network_policy import NetworkPolicySettings, build_network_policy
+    from iterserve.operator.resources import Owner
+
+    raw = {**SPEC, "engine": {"extraArgs": ["--fake-model"], "parallelism": {"tensor": 2, "pipeline": 2}}}
+    kube = MemoryKube(copy.deepcopy(raw))
+    Reconciler(kube).reconcile("ns", "llm")
+    for name, role in (("llm", "decode"), ("llm-prefill", "prefill")):
+        deployment = kube.objects[("Deployment", name)]
+        args = args_of(deployment)
+        assert args[args.index("--role") + 1] == role
+        assert args[args.index("--tensor-parallel-size") + 1] == "2"
+        assert args[args.index("--pipeline-parallel-size") + 1] == "2"
+        ports = deployment["spec"]["template"]["spec"]["containers"][0]["ports"]
+        assert [(p["name"], p["containerPort"]) for p in ports] == [
+            ("http", 8000), ("kv-transfer", 8100), ("kv-transfer-1", 8101), ("kv-transfer-2", 8102),
+            ("kv-transfer-3", 8103)]
+    policy = build_network_policy(Owner("llm", "ns", "u"), parse_spec(raw), NetworkPolicySettings(enabled=True),
+                                  {"r": "1"})
+    assert policy["spec"]["ingress"][-1]["ports"] == [{"protocol": "TCP", "port": 8100, "endPort": 8103}]
+
+
+def test_port_names_stay_within_kubernetes_fifteen_characters():
+    from iterserve.operator.resources import kv_transfer_ports
+
+    spec = parse_spec({**SPEC, "engine": {"parallelism": {"tensor": 64, "pipeline": 16}},
+                       "disaggregation": {"enabled": True, "kvTransferPort": 10000}})
+    ports = kv_transfer_ports(spec)
+    assert [p["containerPort"] for p in ports] == list(range(10000, 11024))
+    assert ports[999]["name"] == "kv-transfer-999" and "name" not in ports[1000]  # "kv-transfer-1000" is 16
+    assert all(len(p.get("name", "")) <= 15 for p in ports)
 
 
 def test_nothing_changes_without_disaggregation():

@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation with multi-node groups (spec.engine.parallelism.nodes 2): each
 pool a set of groups of its own (StatefulSets NAME-g<i> and NAME-prefill-g<i>, or two
 LeaderWorkerSets), every member started with its pool's role and the KV transfer flags, one KV
-port per tensor rank declared and opened to the decode pods only, the pools' own replica counts
+port per rank of tensor x pipeline declared and opened to the decode pods only, the pools' own replica counts
 and scale paths, and the router and the autoscaler reaching the leaders of both pools."""
 
 from __future__ import annotations
@@ -276,7 +276,9 @@ def test_the_router_reaches_the_leaders_of_both_pools_only():
 
 @pytest.mark.parametrize("changes, field", [
     ({"disaggregation": {"enabled": True, "kvTransferPort": 29499}}, "spec.disaggregation.kvTransferPort"),
-    ({"engine": {"parallelism": {"tensor": 2, "pipeline": 2, "nodes": 2}}}, "spec.engine.parallelism.pipeline"),
+    # TP=2 x PP=2 is four ranks: 29497..29500 holds 29500, a LeaderWorkerSet prefill leader's port
+    ({"engine": {"parallelism": {"tensor": 2, "pipeline": 2, "nodes": 2}},
+      "disaggregation": {"enabled": True, "kvTransferPort": 29497}}, "spec.disaggregation.kvTransferPort"),
     ({"disaggregation": {"enabled": True, "prefill": {"extraArgs": ["--tensor-parallel-size", "2"]}}},
      "spec.disaggregation.prefill.extraArgs[0]"),
     ({"disaggregation": {"enabled": True, "decode": {"extraArgs": ["--nnodes", "1"]}}},
@@ -286,6 +288,48 @@ def test_what_groups_cannot_disaggregate_is_refused_naming_the_field(changes, fi
     with pytest.raises(SpecError) as error:
         parse_spec(_raw(**changes))
     assert error.value.field == field
+
+
+def test_a_pipeline_group_s_kv_range_is_every_rank_of_tensor_x_pipeline_declared_by_every_member():
+    """TP=2 x PP=2 over two nodes: node 0 runs ranks 0-1 (stage 0), node 1 ranks 2-3 (stage 1),
+    rank r listening on kvTransferPort + r; one template serves every member of a StatefulSet group
+    (and every LWS worker), so each declares the whole range, which the policy opens to decode."""
+    raw = _raw(engine={"parallelism": {"tensor": 2, "pipeline": 2, "nodes": 2}})
+    spec = parse_spec(raw)
+    for lws in (False, True):
+        for workload in groups.build_groups(OWNER, spec, lws=lws):
+            if workload["kind"] == "StatefulSet":
+                templates = [workload["spec"]["template"]]
+            elif workload["kind"] == groups.LEADER_WORKER_SET:
+                templates = [workload["spec"]["leaderWorkerTemplate"][k] for k in ("leaderTemplate", "workerTemplate")]
+            else:
+                continue
+            for template in templates:
+                engine = _engine(template)
+                assert _arg(engine["args"], "--pipeline-parallel-size") == "2"
+                assert [p["containerPort"] for p in engine["ports"] if p["name"].startswith("kv")] == [
+                    8100, 8101, 8102, 8103]
+    [policy] = np.build_for(OWNER, spec, np.DEFAULT_SETTINGS)
+    http, kv, members = policy["spec"]["ingress"]
+    assert kv["ports"] == [{"protocol": "TCP", "port": 8100, "endPort": 8103}]
+    assert members["ports"][:2] == [{"protocol": "TCP", "port": 1, "endPort": 8099},
+                                    {"protocol": "TCP", "port": 8104, "endPort": 65535}]
+
+
+def test_the_rendezvous_clash_check_counts_every_rank_of_tensor_x_pipeline():
+    parallel = {"tensor": 2, "pipeline": 2, "nodes": 2}
+    # 29498..29501 holds LeaderWorkerSet groups' 29500 and StatefulSet prefill group 0's 29501 (a
+    # tensor-only range, 29498..29499, would hold neither)
+    with pytest.raises(SpecError, match="rendezvous port 29500"):
+        parse_spec(_raw(engine={"parallelism": parallel}, disaggregation={"enabled": True, "kvTransferPort": 29498}))
+    # 29502..29505 holds prefill group 1's 29503 with maxReplicas 2
+    with pytest.raises(SpecError, match="rendezvous port 29503"):
+        parse_spec(_raw(engine={"parallelism": parallel},
+                        disaggregation={"enabled": True, "kvTransferPort": 29502, "prefill": {"maxReplicas": 2}}))
+    # with one prefill group, 29502..29505 is clear
+    spec = parse_spec(_raw(engine={"parallelism": parallel},
+                           disaggregation={"enabled": True, "kvTransferPort": 29502, "prefill": {"maxReplicas": 1}}))
+    assert spec.disaggregation.kv_transfer_port == 29502
 
 
 def test_a_kv_range_clear_of_the_prefill_rendezvous_ports_is_accepted():

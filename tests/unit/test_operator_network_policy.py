@@ -1,6 +1,6 @@
 """The engines' NetworkPolicy (operator/network_policy.py) as built and as the reconcile applies
-it: in Router mode the HTTP port only from the router pods and the configured peers, the KV port
-only from the same InferenceService's decode pods, other ports closed; open HTTP where clients reach the
+it: in Router mode the HTTP port only from the router pods and the configured peers, the KV ports
+(one per rank of tensor x pipeline) only from the same InferenceService's decode pods, other ports closed; open HTTP where clients reach the
 engines directly; none (and the old one deleted) with --no-network-policy; peers parsed strictly."""
 
 from __future__ import annotations
@@ -50,6 +50,15 @@ def test_the_kv_port_is_open_only_to_the_decode_pods_of_the_same_service():
     kv = policy["spec"]["ingress"][1]
     assert kv == {"from": [{"podSelector": {"matchLabels": {**ENGINES, "iterserve.dev/role": "decode"}}}],
                   "ports": [{"protocol": "TCP", "port": 8100}]}
+
+
+def test_the_kv_range_is_one_port_per_rank_of_tensor_x_pipeline():
+    """Rank r of a TP=2 x PP=3 engine (six ranks, whichever stage) listens on kvTransferPort + r."""
+    [policy] = _build(engine={"parallelism": {"tensor": 2, "pipeline": 3}},
+                      disaggregation={"enabled": True, "kvTransferPort": 8100})
+    kv = policy["spec"]["ingress"][1]
+    assert kv["ports"] == [{"protocol": "TCP", "port": 8100, "endPort": 8105}]
+    assert len(policy["spec"]["ingress"]) == 2  # one pod per replica: no members' rule
 
 
 def test_the_reconcile_applies_it_once_and_deletes_it_when_turned_off():
