@@ -22,8 +22,10 @@ tensor <= local).
 - KV transfer (--role prefill|decode; engine/kv_transfer/sharded.py): rank 0 and the other nodes'
   ranks exchange its messages through the store too (`Mailbox`: `kv/RANK/N` to a rank, `kvr/RANK/N`
   back, JSON, each read once and deleted), on store connections of their own; a prefill rank
-  listens on --kv-transfer-port + rank and advertises its own address (the route's source towards
-  the leader: its pod IP), which the lease answer names.
+  listens on --kv-transfer-port + rank and advertises its node's address (`kv_address`: the
+  route's source towards the leader, its pod IP; the node's --host where that route is the
+  loopback), which the lease answer names. It binds that address, or every interface when the
+  leader's KV listener does.
 - Failure: a worker node whose rank exits, or that loses the store (the leader is gone), logs why,
   answers /health 503, stops its ranks and exits 1 (the pod restarts). The leader ends the group
   when a node writes `failed` or its heartbeat stops for HEARTBEAT_TIMEOUT_S: /health turns 503
@@ -94,6 +96,20 @@ def own_address(master_ip: str, port: int) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect((master_ip, port))  # UDP: no packet is sent
         return probe.getsockname()[0]
+
+
+def kv_address(host: str, master_ip: str, port: int) -> str:
+    """The address a worker node's prefill ranks advertise for their KV listeners (and bind, unless
+    the leader binds every interface): the source address of the route to the leader, as its gloo
+    binds. But when that route is the loopback (the leader runs on this machine), the node's own
+    --host if it names one address of this machine: where pods share one machine's loopback, each on
+    a 127.x pod IP of its own (the local pod runtime), 127.0.0.1 would be every pod's, and two
+    prefill groups' rank r would both bind kvTransferPort + r on it."""
+    route = own_address(master_ip, port)
+    if route.startswith("127.") or route == "::1":
+        if host not in ("0.0.0.0", "::", "") and _bindable(host):
+            return host
+    return route
 
 
 def _bindable(address: str) -> bool:
@@ -301,8 +317,9 @@ class Mailbox:
 # -- a worker rank's process on node R > 0 -----------------------------------------------------------
 
 
-def rank_main(rank: int, master_ip: str, port: int, deadline_s: float, parent: int) -> int:
-    """Rank `rank` of the group, spawned by its node's run_worker_node (pid `parent`)."""
+def rank_main(rank: int, master_ip: str, port: int, deadline_s: float, parent: int, node_host: str) -> int:
+    """Rank `rank` of the group, spawned by its node's run_worker_node (pid `parent`, started with
+    --host `node_host`)."""
     from iterserve.engine.distributed.group import Group
     from iterserve.engine.distributed.tensor_parallel import ShardRunner, _cpu_threads, _tp_group
     from iterserve.engine.model_runner import pick_device
@@ -347,7 +364,7 @@ def rank_main(rank: int, master_ip: str, port: int, deadline_s: float, parent: i
         mailbox = Mailbox(master_ip, port, config.rendezvous_timeout)
         runner.kv_shards = ShardServer(rank, runner.kv_layout(), runner.read_kv,
                                        lambda message: mailbox.send(f"kvr/{rank}", message),
-                                       advertise=own_address(master_ip, port))
+                                       advertise=kv_address(node_host, master_ip, port))
         threading.Thread(target=mailbox.read_forever, args=(f"kv/{rank}", runner.kv_shards.handle),
                          name="iterserve-kv-mailbox", daemon=True).start()
     store.set(f"at/{rank}", "-1")
@@ -436,7 +453,7 @@ def run_worker_node(config: EngineConfig, host: str) -> int:
     for rank in ranks:
         processes[rank] = subprocess.Popen(
             [sys.executable, "-m", "iterserve.engine.distributed.multinode", str(rank), master_ip,
-             str(config.master_port), str(max(1.0, deadline - time.monotonic())), str(os.getpid())],
+             str(config.master_port), str(max(1.0, deadline - time.monotonic())), str(os.getpid()), host],
             env={**os.environ, "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")})  # an idle
         # rank's one-second waits on the next plan would each log a c10d timeout warning
 
@@ -497,4 +514,5 @@ def _stop(processes: dict[int, subprocess.Popen]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(rank_main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])))
+    sys.exit(rank_main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]),
+                       sys.argv[6]))

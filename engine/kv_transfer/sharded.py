@@ -16,7 +16,8 @@ other nodes, engine/distributed/multinode.py), and each other rank runs a `Shard
 
 Prefill: rank 0 listens on --kv-transfer-port, rank i on that port + i (0: any free port each),
 and the lease answer names the other ranks' listeners (kv_transfer_params.shards: the leader's
-advertised host, or the address a rank of another node advertises for itself). Every rank
+advertised host, or the address a rank of another node advertises for itself, which is also the
+address it binds unless the leader binds every interface: `listen_host`). Every rank
 serves a lease's block ids from its own pool (rank 0's scheduler gives every rank the same block
 tables), with the lease's secret. Under pipeline parallelism every stage has written its layers'
 KV of a prompt before rank 0 can lease it: rank 0 samples only once the last stage's logits have
@@ -79,6 +80,21 @@ def rank_name(rank: int, tp: int, stages: int) -> str:
         return f"tensor rank {rank}"
     stage, tensor_rank = divmod(rank, tp)
     return f"rank {rank} (pipeline stage {stage}, tensor rank {tensor_rank})"
+
+
+def listen_host(leader_host: str, advertise: str | None) -> str:
+    """Where a rank binds its KV listener, given the leader's bind address: a rank of the leader's
+    node binds it too (advertise None: the lease names the leader's advertised host). A rank of
+    another node binds the address it advertises, because the leader's address may be bindable
+    there and still be the wrong machine's: where nodes share one loopback (the local pod runtime,
+    each pod on its own 127.x address) binding it succeeds, and the decode rank dialing the
+    advertised address is refused. A wildcard stays a wildcard (of the advertised family): the
+    listener is reachable at the advertised address, as the leader's is at its advertised one."""
+    if advertise is None:
+        return leader_host
+    if leader_host in ("0.0.0.0", "::", ""):
+        return "::" if ":" in advertise else "0.0.0.0"
+    return advertise
 
 
 class ShardedTransport(KVTransport):
@@ -285,20 +301,12 @@ class ShardServer:
 
     def _listen(self, body: dict) -> None:
         self.engine_id = f"{body['engine_id']}/rank{self.rank}"
-        host = body["host"]
+        host = listen_host(body["host"], self.advertise)
         try:
             port = self.transport.listen(self, host, body["port"])
         except KVTransferError as error:
-            if self.advertise is None:
-                self.reply((KV, "listening", {"error": str(error)}))
-                return
-            # Another node: the leader's bind address may not be this machine's; bind every interface.
-            host = "::" if ":" in self.advertise else "0.0.0.0"
-            try:
-                port = self.transport.listen(self, host, body["port"])
-            except KVTransferError as error:
-                self.reply((KV, "listening", {"error": str(error)}))
-                return
+            self.reply((KV, "listening", {"error": str(error)}))
+            return
         logger.info("%s: KV transfer listener on %s:%d (layout %s)", self.name, host, port, self.layout)
         self.reply((KV, "listening", {"port": port, "host": self.advertise}))
 
