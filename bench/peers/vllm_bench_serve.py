@@ -45,13 +45,13 @@ KEPT = ("completed", "failed", "duration", "output_throughput", "request_through
         "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms")
 
 
-def server(system: str, tmp: Path, threads: int) -> tuple[Server, dict]:
+def server(system: str, tmp: Path, threads: int, extra: list[str]) -> tuple[Server, dict]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     log = tmp / f"{system}.log"
-    if system == "iterserve":
+    if system.split("@")[0] == "iterserve":
         command = [str(Path(sys.executable).parent / "iterserve"), "serve", "--host", "127.0.0.1",
-                   "--port", str(port), "--served-model-name", SERVED_NAME]
+                   "--port", str(port), "--served-model-name", SERVED_NAME, *extra]
         return Server(system, command, port, log, env, ready_path="/ready"), {"command": command[1:]}
     if system == "vllm":
         env.update({"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
@@ -87,8 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--systems", default="iterserve,vllm", help="run order (default %(default)s)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="vLLM's bound cores")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                        help="an iterserve variant for --systems: iterserve@NAME runs `iterserve serve ARGS` "
+                             "(e.g. --variant 'b2k=--max-num-batched-tokens 2048'); repeatable")
+    parser.add_argument("--num-prompts", type=int, default=LOAD["num_prompts"],
+                        help="default %(default)s; fewer only for a smoke run")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
     args = parser.parse_args(argv)
+    LOAD["num_prompts"] = args.num_prompts
+    args.variant = {f"iterserve@{name}": value.split() for name, _, value in (v.partition("=") for v in args.variant)}
     if not (VLLM_VENV / "bin" / "vllm").exists():
         raise SystemExit(f"{VLLM_VENV / 'bin' / 'vllm'} not found: run `python -m bench.peers.compare --install-vllm`")
     info, results = machine_info(), {}
@@ -96,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp_name)
         for system in args.systems.split(","):
             print(f"{system} ...", file=sys.stderr, flush=True)
-            srv, entry = server(system, tmp, args.threads)
+            srv, entry = server(system, tmp, args.threads, args.variant.get(system, []))
             try:
                 with srv:
                     entry["startup_s"] = srv.startup_s
