@@ -34,11 +34,7 @@ def disaggregated_groups(name: str) -> dict:
             "spec": {"model": {"uri": "smollm2-135m"}, "replicas": 1,
                      "engine": {"parallelism": {"tensor": 3, "nodes": 3}, "maxNumSeqs": 4, "maxModelLen": 256,
                                 "kvCacheMemory": "16MiB", "startupSeconds": 300, "drainSeconds": 2,
-                                # one dtype on every node; KV listeners on every interface, as the
-                                # operator's --host 0.0.0.0 makes them in a cluster (the local runtime
-                                # rewrites --host to the pod IP, and every pod shares one loopback, so a
-                                # worker rank could bind the leader's address but not be reached at its own)
-                                "extraArgs": ["--dtype", "float32", "--kv-transfer-host", "0.0.0.0"]},
+                                "extraArgs": ["--dtype", "float32"]},  # one dtype on every node
                      "disaggregation": {"enabled": True, "thresholdTokens": 8,
                                         "prefill": {"replicas": 1, "minReplicas": 1, "maxReplicas": 1}},
                      "scheduling": local_runtime_scheduling(),
@@ -107,9 +103,9 @@ def test_a_prefill_group_and_a_decode_group_serve_a_chat_completion_through_the_
 
 
 def test_both_pools_groups_and_the_network_policy_are_accepted_by_the_api_server(k8s_cluster):
-    """Server-side dry runs of what the operator writes for nodes 2 (no pod runs): both pools'
-    StatefulSets, the headless Service, and the NetworkPolicy's port ranges (endPort) around the
-    KV range."""
+    """Server-side dry runs of what the operator writes for TP=2 x PP=2 over nodes 2 (no pod runs):
+    both pools' StatefulSets (every member declaring the four KV ports), the headless Service, and
+    the NetworkPolicy's port ranges (endPort) around the KV range."""
     import json
     import uuid
 
@@ -122,7 +118,7 @@ def test_both_pools_groups_and_the_network_policy_are_accepted_by_the_api_server
     try:
         owner = Owner("chat", namespace, "uid-1")
         spec = parse_spec({"model": {"uri": "smollm2-135m"}, "replicas": 2,
-                           "engine": {"parallelism": {"tensor": 2, "nodes": 2}},
+                           "engine": {"parallelism": {"tensor": 2, "pipeline": 2, "nodes": 2}},
                            "disaggregation": {"enabled": True, "prefill": {"replicas": 1}}})
         objects = [*groups.build_groups(owner, spec, lws=False),
                    *network_policy.build_for(owner, spec, network_policy.DEFAULT_SETTINGS)]
