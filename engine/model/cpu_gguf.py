@@ -731,13 +731,14 @@ int gguf_dequantize(int type, const uint8_t* w, int64_t row_bytes, int64_t n, in
 """
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache  # read once: every linear call asks (load()), and reading /proc/cpuinfo took ~0.1 ms
+def _cpu_flags() -> frozenset[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     match = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
-    return set(match.group(1).split()) if match else set()
+    return frozenset(match.group(1).split()) if match else frozenset()
 
 
 def isa_path() -> str:
@@ -788,15 +789,21 @@ def build(isa: str) -> ctypes.CDLL | None:
 
 # The activation row count from which linear() multiplies by the dequantized weight (torch's fp32 GEMM, tile by
 # tile) instead of computing on the blocks, per isa_path(); 0: never.
-# avx2: DENSE_AVX2_FIGURES
+# avx2: 48. On this EPYC (AVX2, no VNNI), one thread, the real model's steps (bench/kernels/gguf_step_time.py,
+# CPU clock; blocks / dense / none) at 32 rows 201 / 213 / 235 ms, 48 rows 285 / 274 / 313, 64 rows
+# 374 / 348 / 402, a 256-token prefill 1095 / 813 / 904; one Q4_1 linear (gguf_linear.py) at 256 rows
+# 1.17-1.29x faster dense than on the blocks, at 48-64 rows within 0.9-1.2x of them.
 # avx512-vnni: the panels measured 1.03-1.79x fp32 from 64 to 512 rows on every shape (Q8_0 and Q4_1; Q4_K and
 # Q6_K 1.03-1.40x; docs/perf/gguf_linear.json, one thread), so those steps stay on the blocks. avx-vnni (the
 # same 8-column panels as avx2 with avx2's vpmaddubsw + vpmaddwd + vpaddd as one vpdpbusd) is unmeasured and
 # keeps the blocks too.
-DENSE_ROWS = {"avx2": 0, "avx-vnni": 0, "avx512-vnni": 0}
+DENSE_ROWS = {"avx2": 48, "avx-vnni": 0, "avx512-vnni": 0}
 DENSE_ROWS_ENV = "ITERSERVE_GGUF_DENSE_ROWS"  # overrides DENSE_ROWS (benchmarks; 0: always the blocks)
-# fp32 bytes of one dequantized tile: with the GEMM's own packed copy of it, a share of this CPU's L2
-TILE_BYTES = 256 << 10
+# Most fp32 bytes of one dequantized tile. Each tile is a GEMM call that packs x again (a 256-row prefill
+# of K = 576 is 590 KB), so the tiles are as large as stays in cache: on this EPYC (512 KiB L2, 32 MiB L3)
+# 1 MiB tiles beat 256 KiB ones by 1.1-1.2x at 64 and 256 rows (down 576x1536 at 256 rows: 6.6 ms
+# against 8.0; torch's GEMM on the whole weight 5.3), 64 KiB ones were 2x slower.
+TILE_BYTES = 1 << 20
 
 
 @functools.cache
@@ -910,9 +917,14 @@ def dequantize_into(out: torch.Tensor, blocks: torch.Tensor, type_id: int, threa
     return out
 
 
-def tile_rows(k: int) -> int:
-    """Weight rows per dequantized tile of dense_linear: about TILE_BYTES of fp32, in whole 16s."""
-    return max(16, TILE_BYTES // (4 * k) // 16 * 16)
+def tile_rows(k: int, n: int) -> int:
+    """Weight rows per dequantized tile of dense_linear for a weight [n, k]: all n where they fit TILE_BYTES
+    of fp32, else the fewest tiles that do, of equal whole 16s (the last overlaps the one before)."""
+    most = max(16, TILE_BYTES // (4 * k) // 16 * 16)
+    if n <= most:
+        return n
+    per_tile = -(-n // -(-n // most))
+    return -(-per_tile // 16) * 16
 
 
 def dense_linear(x: torch.Tensor, blocks: torch.Tensor, type_id: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
@@ -924,7 +936,7 @@ def dense_linear(x: torch.Tensor, blocks: torch.Tensor, type_id: int, lib: ctype
 
     rows, k = x.shape
     n = blocks.shape[0]
-    step = min(tile_rows(k), n)
+    step = tile_rows(k, n)
     tile = _dense_scratch(step * k)
     with native.profiled("cpu_gguf::dense_linear"):
         if step == n:

@@ -62,6 +62,13 @@ def test_unpack_gives_gguf_s_own_weights(name):
 needs_kernel = pytest.mark.skipif(cpu_gguf.load() is None, reason="needs AVX2 and a C compiler")
 
 
+@pytest.fixture(autouse=True)
+def blocks_at_every_row_count(monkeypatch):
+    """These tests are of the block kernel: no call here goes to the dense path of many rows
+    (test_cpu_gguf_dense.py)."""
+    monkeypatch.setenv(cpu_gguf.DENSE_ROWS_ENV, "0")
+
+
 @needs_kernel
 @pytest.mark.parametrize("name", SMALL + K_QUANTS)
 def test_the_kernel_matches_its_torch_reference_bit_for_bit(name):
