@@ -932,7 +932,8 @@ def dense_linear(x: torch.Tensor, blocks: torch.Tensor, type_id: int, lib: ctype
     dequantized into this thread's scratch and multiplied by the none mode's own dense linear (layers.linear:
     torch's fp32 GEMM), so no fp32 copy of the weight is kept and each output column gets the same GEMM on
     the same fp32 values (the tests check that the tiling leaves the bits alone)."""
-    from iterserve.engine.model.layers import linear as dense  # imported here: layers imports quant, which imports this
+    # imported here: layers imports quant, which imports this module
+    from iterserve.engine.model.layers import linear as dense
 
     rows, k = x.shape
     n = blocks.shape[0]
