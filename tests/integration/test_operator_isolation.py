@@ -365,6 +365,8 @@ def test_the_network_policy_is_stored_by_the_api_server_and_removed_when_turned_
     http, kv = stored["spec"]["ingress"]
     assert http["from"][1] == peer and http["ports"] == [{"protocol": "TCP", "port": ENGINE_PORT}]
     assert kv["ports"] == [{"protocol": "TCP", "port": 8100}]
-    assert kv["from"] == [{"podSelector": {"matchLabels": stored["spec"]["podSelector"]["matchLabels"]}}]
+    # the KV port is open to the service's decode pods only: they are the pool that pulls
+    decode = {**stored["spec"]["podSelector"]["matchLabels"], network_policy.ROLE_LABEL: network_policy.DECODE}
+    assert kv["from"] == [{"podSelector": {"matchLabels": decode}}]
     Reconciler(kube, network=network_policy.NetworkPolicySettings(enabled=False)).reconcile(namespace, name)
     assert kube.get("NetworkPolicy", namespace, network_policy.policy_name(name)) is None
