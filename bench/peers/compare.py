@@ -326,7 +326,9 @@ def server_for(system: str, args, tmp: Path, gguf: Path, max_len: int) -> tuple[
                    "-tb", str(threads), "-np", str(args.slots), "-c", str(ctx), "-cb", "--no-webui",
                    "-a", "smollm2-135m"]
         return Server(system, command, port, log, env, ready_path="/health"), {
-            "binary": str(binary), "found": how, "command": command[1:], "weights": "Q4_1 GGUF (the same file)"}
+            "binary": str(binary), "found": how, "weights": "Q4_1 GGUF (the same file)",
+            # the model by its file name: the JSON is committed, the checkout's path is this machine's
+            "command": [gguf.name if part == str(gguf) else part for part in command[1:]]}
     if base == "vllm":
         vllm = VLLM_VENV / "bin" / "vllm"
         if not vllm.exists():
