@@ -29,9 +29,14 @@ def test_slo_mode_scales_up_on_a_load_step_and_reports_predicted_and_measured_p9
     ups = [d for d in result["decisions"] if d["action"] == "ScaleUp"]
     assert ups, f"no scale-up during the step: {summary} {where}"
     first = ups[0]
-    # SLO mode's own plan (not its fallback to the queue signal): a predicted miss, or even
-    # maxReplicas predicted to miss (the lengths read while the pod fills run high: docs/autoscaling.md).
-    assert first["reason"] in ("slo_predicted_miss", "slo_unreachable") and first["signal"] == "SLO", (first, where)
+    # SLO mode's own plan: a predicted miss, or even maxReplicas predicted to miss (the lengths read
+    # while the pod fills run high: docs/autoscaling.md). Or its documented fallback: where this
+    # machine's steps are too noisy for the online fit (status.slo.stepProfileReason
+    # fit_error_above_bound), the given profile can be far off at the step's first tick, and SLO mode
+    # then scales on the queue signal and says so in the decision.
+    own_plan = first["reason"] in ("slo_predicted_miss", "slo_unreachable")
+    fell_back = first["reason"] == "waiting_above_target" and "prediction off by" in first["message"]
+    assert first["signal"] == "SLO" and (own_plan or fell_back), (first, where)
     assert (first["fromReplicas"], first["toReplicas"]) == (1, 2), first
     # The decision came from the step's load, not before it.
     from e2e.wholeloop.timeline import epoch
