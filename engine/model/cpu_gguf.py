@@ -797,7 +797,11 @@ def build(isa: str) -> ctypes.CDLL | None:
 # Q6_K 1.03-1.40x; docs/perf/gguf_linear.json, one thread), so those steps stay on the blocks. avx-vnni (the
 # same 8-column panels as avx2 with avx2's vpmaddubsw + vpmaddwd + vpaddd as one vpdpbusd) is unmeasured and
 # keeps the blocks too.
-DENSE_ROWS = {"avx2": 48, "avx-vnni": 0, "avx512-vnni": 0}
+# Every default is 0 (never dense) for now, avx2 included although 48 rows measured faster: the switch makes a
+# step's row count decide a row's arithmetic, so a request's tokens would depend on what else shares its steps
+# (the server's tests compare a batched request's tokens with the same request alone), and a fuzzed request met
+# a non-finite probability with it on. ITERSERVE_GGUF_DENSE_ROWS=48 turns it on for benchmarks.
+DENSE_ROWS = {"avx2": 0, "avx-vnni": 0, "avx512-vnni": 0}
 DENSE_ROWS_ENV = "ITERSERVE_GGUF_DENSE_ROWS"  # overrides DENSE_ROWS (benchmarks; 0: always the blocks)
 # Most fp32 bytes of one dequantized tile. Each tile is a GEMM call that packs x again (a 256-row prefill
 # of K = 576 is 590 KB), so the tiles are as large as stays in cache: on this EPYC (512 KiB L2, 32 MiB L3)

@@ -113,8 +113,12 @@ def test_the_default_threshold_is_this_instruction_set_s(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     threshold = cpu_gguf.dense_threshold()
     assert threshold == cpu_gguf.DENSE_ROWS[cpu_gguf.isa_path()]
-    # the VNNI paths keep the blocks, whose panels measured faster than fp32 from 64 rows on
-    assert cpu_gguf.DENSE_ROWS["avx512-vnni"] == 0 and cpu_gguf.DENSE_ROWS["avx-vnni"] == 0
+    # no path switches by default: a row's arithmetic must not depend on how many rows share its step
+    assert set(cpu_gguf.DENSE_ROWS.values()) == {0}
+    type_id = cpu_gguf.BY_NAME["Q8_0"]
+    blocks = blocks_for("Q8_0", 40, 576, seed=1)
+    x = activations(64, 576, seed=5)
+    assert torch.equal(cpu_gguf.linear(x, blocks, type_id, 1)[:1], cpu_gguf.linear(x[:1], blocks, type_id, 1))
     if threshold:
         type_id = cpu_gguf.BY_NAME["Q8_0"]
         blocks = blocks_for("Q8_0", 40, 576, seed=1)
