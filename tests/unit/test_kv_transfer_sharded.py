@@ -18,6 +18,7 @@ from iterserve.engine.kv_transfer.sharded import ShardedTransport, ShardServer
 from iterserve.engine.kv_transfer.transport import LeaseRead, PullRequest, TcpTransport
 from iterserve.engine.kv_transfer.wire import KVTransferError
 from iterserve.engine.sampling_params import InvalidRequestError
+from tests.kv_shard_helpers import shard_blocks
 
 LAYERS, BLOCK_BYTES = 2, 64
 
@@ -28,12 +29,7 @@ def layout(rank: int) -> KVLayout:
 
 
 def blocks_of(rank: int):
-    """A rank's KV: every byte of block b in layer l on rank r is (r * 64 + l * 16 + b) % 256."""
-    def read(block_ids):
-        for layer in range(LAYERS):
-            data = b"".join(bytes([(rank * 64 + layer * 16 + b) % 256]) * (BLOCK_BYTES // 2) for b in block_ids)
-            yield memoryview(data), memoryview(data)
-    return read
+    return shard_blocks(rank, LAYERS, BLOCK_BYTES)
 
 
 class Leader:

@@ -21,6 +21,7 @@ from iterserve.engine.kv_transfer.sharded import ShardedTransport, ShardServer
 from iterserve.engine.kv_transfer.transport import LeaseRead, PullRequest, TcpTransport
 from iterserve.engine.kv_transfer.wire import KVTransferError
 from iterserve.engine.sampling_params import InvalidRequestError
+from tests.kv_shard_helpers import shard_blocks
 
 TP, STAGES, LAYERS, BLOCK_BYTES = 2, 2, 3, 64  # LAYERS: each stage's
 
@@ -33,12 +34,7 @@ def layout(rank: int, first_layer: int | None = None) -> KVLayout:
 
 
 def blocks_of(rank: int):
-    """A rank's KV: every byte of block b in layer l on rank r is (r * 64 + l * 16 + b) % 256."""
-    def read(block_ids):
-        for layer in range(LAYERS):
-            data = b"".join(bytes([(rank * 64 + layer * 16 + b) % 256]) * (BLOCK_BYTES // 2) for b in block_ids)
-            yield memoryview(data), memoryview(data)
-    return read
+    return shard_blocks(rank, LAYERS, BLOCK_BYTES)
 
 
 class Leader:
