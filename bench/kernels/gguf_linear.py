@@ -183,7 +183,7 @@ def main() -> None:
                 variants[name] = (lambda x=x, b=blocks, t=cpu_gguf.BY_NAME[name]:
                                   cpu_gguf.linear(x, b, t, args.threads, dense_rows=0), blocks.numel())
             for name in ("Q4_1", "Q8_0"):  # the file's formats on the row tiles, where the panels serve
-                if name in formats and rows >= cpu_gguf.panel_rows():
+                if name in formats and rows >= cpu_gguf.panel_rows(cpu_gguf.BY_NAME[name]):
                     variants[f"{name} row tiles"] = (
                         lambda x=x, b=formats[name], t=cpu_gguf.BY_NAME[name]:
                         cpu_gguf.linear(x, b, t, args.threads, panel_rows=1 << 30, dense_rows=0),

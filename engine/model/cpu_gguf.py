@@ -11,33 +11,36 @@ so those steps give the none mode's bits and no fp32 copy of the weight is kept.
 
 Activations: each row is cut into blocks of 32; a block's scale is dx = amax / 127 (amax = max |x|
 of the block; a block with amax below MIN_AMAX is all zeros, one with NaN or inf has dx = NaN),
-qx = round(x * (1 / dx)) (half to even) in -127..127, and the block's integer lane sums are kept.
+qx = round(x * (1 / dx)) (half to even) in -127..127, and the integer sums of qx over elements 0-15 and
+16-31 are kept.
 
-Weights, per block of 32 (a K-quant's sub-blocks of 32; Q6_K's, Q3_K's and Q2_K's two scales of 16
-weights each go to lanes 0-3 and 4-7): unsigned q (2-bit, 3-bit, nibbles, 5-bit or 6-bit values; Q8_0's
-int8 through |w| and sign(x, w)), a scale per lane wd, and either an integer offset (Q4_0 8, Q5_0 16,
-Q6_K 32, Q3_K 4: w = wd * (q - offset)) or a float minimum (Q4_1, Q5_1 m; Q4_K, Q5_K -dmin * min;
+Weights, per block of 32 (a K-quant's sub-blocks of 32): unsigned q (2-bit, 3-bit, nibbles, 5-bit or
+6-bit values; Q8_0's int8 through |w| and sign(x, w)), one scale wd per scale group (the whole block, or
+Q6_K's, Q3_K's and Q2_K's two groups of 16 weights), and either an integer offset (Q4_0 8, Q5_0 16, Q6_K
+32, Q3_K 4: w = wd * (q - offset)) or a float minimum per group (Q4_1, Q5_1 m; Q4_K, Q5_K -dmin * min;
 Q2_K one per 16 weights: w = wd * q + wmin).
 
-Arithmetic (what `reference()` repeats in torch ops, bit for bit): per block, 8 int32 lanes, lane l
-the exact dot of elements 4l..4l+3 (vpmaddubsw + vpmaddwd on AVX2, vpdpbusd with AVX-512 VNNI:
-the same integers; signed weights, Q8_0's and q - offset, as |w| x sign(x, w)); then, in fp32 with no
-fused multiply-adds, acc[l] = acc[l] + float(P[l]) * (dx * wd[l]) and, for formats with a minimum,
-acc[l] = acc[l] + float(S[l]) * (dx * wmin); blocks in order, and y = ((a0 + a4) + (a2 + a6)) +
-((a1 + a5) + (a3 + a7)). A row's result never depends on the other rows of its call, the tiling or
-the thread count.
+Arithmetic (what `reference()` repeats in torch ops, bit for bit): per block and scale group h, the exact
+integer dot P = sum (q - offset) * qx over the group (int32: vpmaddubsw + vpmaddwd on AVX2, vpdpbusd with
+VNNI; the offset as -offset x the group's sum of qx), then, in fp32 with no fused multiply-adds,
+acc = acc + float(P) * (dx * wd) and, for formats with a minimum, acc = acc + xs * wmin with
+xs = float(S) * dx (S the group's sum of qx); blocks and groups in order, y = acc. One float step per
+group where llama.cpp and the earlier per-lane arithmetic scale 8 lanes each: the integers are summed
+first (exact), so fewer roundings and a quarter to an eighth of the float work. A row's result never
+depends on the other rows of its call, the tiling or the thread count.
 
-Tiling: below panel_rows() activation rows (8 with AVX-512 VNNI, 16 on plain AVX2, where the 8-row
-panels measured no faster than the row tiles at 8 rows), 4 activation rows x 2 weight rows per register tile (a
-weight block decoded once for 4 rows, an activation block loaded once for 2 weight rows), and the weight
-rows of ~160 KiB (an L2 share) passed by every activation row before the next ones. From there on
-(prefill chunks, large batches), panels: 16 weight rows (AVX-512 VNNI; 8 with AVX2) decoded once per
-call into int8 vectors whose 32-bit lane c holds weight row c's 4 values of one block lane (8 x 8
-transposes), beside the rows' scales as float vectors, so one broadcast activation word times one
-vector gives that lane for 16 output columns and each scaling multiply serves 16 columns (the per-row
-tiles re-decode each block for every 4 rows and scale one column per multiply); ~160 KiB of panels
-pass every activation row, 2 at a time with AVX-512's 32 registers, 1 with AVX2's 16. The panels are per-thread scratch (the weights stay
-in the file's layout: no second copy). Same lanes, same float steps, same bits as the row tiles.
+Tiling: below panel_rows(type) activation rows (plain AVX2: 3, Q8_0 12; AVX-512 VNNI: 8), register
+tiles of 8 (activation row, weight row) pairs (4 x 2, 3 x 2, 2 x 4, 1 x 8; Q8_0 one weight row at 1-2
+rows): each weight block decoded once for the tile's rows, the pairs' 8 integer lanes summed into one
+vector of 8 pair totals (a vphaddd tree), scaled by one float multiply per group; the weight rows of
+~160 KiB (an L2 share) pass every activation row before the next ones. From there on (batches, prefill
+chunks), panels: 16 weight rows (AVX-512 VNNI; 8 with AVX2) decoded once per call into int8 vectors
+whose 32-bit lane c holds weight row c's 4 values of one block lane (8 x 8 transposes), beside the rows'
+scales as float vectors, so one broadcast activation word times one vector gives 4 products of 16 (8)
+columns; a group's 8 (4) words add up in 16 bits before one vpmaddwd (AVX2: bounded below 2^15 per
+format) or in int32 through vpdpbusd, and one float multiply-add scales 16 (8) columns. The panels are
+per-thread scratch (the weights stay in the file's layout: no second copy); 4 activation rows pass
+~160 KiB of panels at a time. Same integers, same float steps, same bits as the row tiles.
 
 Threads: the output rows (weight rows) are split between the caller and a pool of workers, the
 same spin-then-sleep pool as the w8a8 kernel's (cpu_w8a8.py). Where the kernel cannot be built (no
@@ -227,74 +230,134 @@ static inline __attribute__((always_inline)) void decode(const int type, const u
 
 typedef struct {
     int type; const uint8_t* w; int64_t row_bytes; int64_t k;
-    const int8_t* xq; const float* xd; const float* xs; int64_t m_rows;
+    const int8_t* xq; const float* xd; int64_t m_rows;
     float* y; int64_t ldy; int64_t n_begin, n_end;
-    const int32_t* xi; /* the panel path's -offset x lane sum per block and lane (formats with an offset) */
+    const float* xs; /* per block and scale group: float(the group's sum of x) x dx (formats with a minimum) */
+    const int32_t* xi; /* per block and scale group: -offset x the group's sum of x (formats with an offset) */
     int panels; /* 1: the panel path (many rows), 0: the row tiles */
     int dequantize; /* 1: write rows n_begin..n_end of W as fp32 to y (gguf_dequantize) */
 } share_t;
 
-/* Register tile: MR activation rows x NR weight rows (each weight block decoded once for MR rows, each
-   activation block loaded once for NR weight rows). Cache tile: the weight rows of about CHUNK_BYTES stay
-   in L2 while every activation row passes them, MR rows at a time (those stay in L1). */
+static inline int has_min_of(const int type) {
+    return type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K || type == Q2_K;
+}
+/* two scale groups of 16 weights per block (lanes 0-3 and 4-7), else one of 32 */
+static inline int per16_of(const int type) { return type == Q6_K || type == Q3_K || type == Q2_K; }
+/* w = wd * (q - offset); the row tiles take Q8_0's signed bytes as |w| x sign(x, w) (offset 0) */
+static inline int offset_of(const int type) {
+    return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q6_K ? 32 : type == Q3_K ? 4 : 0;
+}
+
+/* Register tile: mr activation rows x nr weight rows, mr x nr <= 8 pairs (4 x 2, 3 x 2, 2 x 4, 1 x 8): each
+   weight block decoded once for mr rows, each activation block loaded once for nr weight rows. Pair k (lane k
+   of the tile's vectors) is activation row k % mr with weight row k / mr. Cache tile: the weight rows of about
+   CHUNK_BYTES stay in L2 while every activation row passes them. */
 #define MR 4
-#define NR 2
 #define CHUNK_BYTES (160 * 1024)
+
+/* lane k: the total of p[k]'s lanes 0-3 (*g0) and 4-7 (*g1) */
+static inline void pair_totals(const __m256i* p, __m256i* g0, __m256i* g1) {
+    const __m256i t0 = _mm256_hadd_epi32(p[0], p[1]), t1 = _mm256_hadd_epi32(p[2], p[3]);
+    const __m256i t2 = _mm256_hadd_epi32(p[4], p[5]), t3 = _mm256_hadd_epi32(p[6], p[7]);
+    const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+    *g0 = _mm256_permute2x128_si256(u0, u1, 0x20);
+    *g1 = _mm256_permute2x128_si256(u0, u1, 0x31);
+}
+
+/* Per-pair vectors built in registers (a vector assembled from scalar stores stalls the load that follows).
+   by_row: lane k = v[k % mr], v the pair rows' values of one block (the activation arrays are block-major:
+   rows m.. side by side); lanes past the pairs hold whatever is cheapest (never stored). */
+static inline __attribute__((always_inline)) __m256 by_row(const float* v, int mr) {
+    if (mr == 4) return _mm256_broadcast_ps((const __m128*)v);
+    if (mr == 2) return _mm256_castpd_ps(_mm256_broadcast_sd((const double*)v));
+    if (mr == 1) return _mm256_broadcast_ss(v);
+    return _mm256_setr_ps(v[0], v[1], v[2], v[0], v[1], v[2], v[0], v[0]);
+}
+static inline __attribute__((always_inline)) __m256i by_row_i(const int32_t* v, int mr) {
+    return _mm256_castps_si256(by_row((const float*)v, mr));
+}
+/* lanes k with k / mr == j (weight row j's pairs), as a blend mask */
+static inline __attribute__((always_inline)) __m256 col_mask(int j, int mr) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i lo = _mm256_set1_epi32(j * mr - 1), hi = _mm256_set1_epi32((j + 1) * mr);
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(lane, lo), _mm256_cmpgt_epi32(hi, lane)));
+}
 
 /* mr activation rows from m x nr weight rows from n, the whole K */
 static inline __attribute__((always_inline)) void tile(const int type, const int mr, const int nr, const share_t* s,
                                                        int64_t m, int64_t n) {
-    const int64_t nb = s->k / 32;
-    const int offset = type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q6_K ? 32 : type == Q3_K ? 4 : 0;
-    const int has_min = type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K || type == Q2_K;
-    /* signed weights (Q8_0, and q - offset) as |w| x sign(x, w): u8 x s8 for maddubs / dpbusd, the same
-       integers as (q - offset) . x */
-    const int is_signed = type == Q8_0 || offset;
+    const int64_t nb = s->k / 32, rows_all = s->m_rows;
+    const int pairs = mr * nr;
+    const int offset = offset_of(type), has_min = has_min_of(type), per16 = per16_of(type);
     const int64_t block_bytes = s->row_bytes / nb; /* average bytes per 32 weights, for the prefetch */
-    const uint8_t* rows[NR];
+    const uint8_t* rows[8];
     for (int j = 0; j < nr; j++) rows[j] = s->w + (n + j) * s->row_bytes;
-    __m256 acc[MR][NR];
-    for (int r = 0; r < mr; r++)
-        for (int j = 0; j < nr; j++) acc[r][j] = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps();
     for (int64_t g = 0; g < nb; g++) {
-        __m256i q[NR], qabs[NR];
-        __m256 wd[NR], wmin[NR];
+        __m256i x[MR], p[8];
+        for (int r = 0; r < mr; r++) x[r] = _mm256_loadu_si256((const __m256i*)(s->xq + ((m + r) * nb + g) * 32));
+        /* the pairs' weight scales and minimums per group: lane k holds weight row k / mr's */
+        __m256 wd[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, wm[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int j = 0; j < nr; j++) {
-            wmin[j] = _mm256_setzero_ps();
-            decode(type, rows[j], g, &q[j], &wd[j], &wmin[j]);
-            if (offset) q[j] = _mm256_sub_epi8(q[j], _mm256_set1_epi8((char)offset));
-            qabs[j] = is_signed ? _mm256_abs_epi8(q[j]) : q[j];
+            __m256i q;
+            __m256 d, mn = _mm256_setzero_ps();
+            decode(type, rows[j], g, &q, &d, &mn);
             if ((g & 3) == 0) _mm_prefetch((const char*)rows[j] + g * block_bytes + 512, _MM_HINT_T0);
-        }
-        for (int r = 0; r < mr; r++) {
-            const int64_t mb = (m + r) * nb + g;
-            const __m256i x = _mm256_loadu_si256((const __m256i*)(s->xq + mb * 32));
-            const __m256 dx = _mm256_set1_ps(s->xd[mb]);
-            const __m256 sums = has_min ? _mm256_loadu_ps(s->xs + mb * 8) : _mm256_setzero_ps();
-            for (int j = 0; j < nr; j++) {
-                const __m256i p = dot_lanes(qabs[j], is_signed ? _mm256_sign_epi8(x, q[j]) : x);
-                acc[r][j] = _mm256_add_ps(acc[r][j], _mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dx, wd[j])));
-                if (has_min) acc[r][j] = _mm256_add_ps(acc[r][j], _mm256_mul_ps(sums, _mm256_mul_ps(dx, wmin[j])));
+            const __m256i qabs = type == Q8_0 ? _mm256_abs_epi8(q) : q;
+            for (int r = 0; r < mr; r++)
+                p[j * mr + r] = dot_lanes(qabs, type == Q8_0 ? _mm256_sign_epi8(x[r], q) : x[r]);
+            const __m256 mask = col_mask(j, mr);
+            for (int h = 0; h < 1 + per16; h++) {
+                /* lane 4h: group h's value (decode's vectors hold group 0 in lanes 0-3, group 1 in 4-7) */
+                const __m256i at = _mm256_set1_epi32(4 * h);
+                wd[h] = _mm256_blendv_ps(wd[h], per16 ? _mm256_permutevar8x32_ps(d, at) : d, mask);
+                if (has_min) wm[h] = _mm256_blendv_ps(wm[h], per16 ? _mm256_permutevar8x32_ps(mn, at) : mn, mask);
             }
         }
+        for (int k = pairs; k < 8; k++) p[k] = _mm256_setzero_si256();
+        __m256i P[2];
+        if (pairs == 1) { /* one pair: each half summed in all its lanes */
+            __m128i h0 = _mm256_castsi256_si128(p[0]), h1 = _mm256_extracti128_si256(p[0], 1);
+            h0 = _mm_add_epi32(h0, _mm_shuffle_epi32(h0, 0x4E));
+            h1 = _mm_add_epi32(h1, _mm_shuffle_epi32(h1, 0x4E));
+            h0 = _mm_add_epi32(h0, _mm_shuffle_epi32(h0, 0xB1));
+            h1 = _mm_add_epi32(h1, _mm_shuffle_epi32(h1, 0xB1));
+            P[0] = _mm256_castsi128_si256(h0);
+            P[1] = _mm256_castsi128_si256(h1);
+        } else {
+            pair_totals(p, &P[0], &P[1]);
+        }
+        if (!per16) P[0] = _mm256_add_epi32(P[0], P[1]);
+        const __m256 dx = by_row(s->xd + g * rows_all + m, mr);
+        for (int h = 0; h < 1 + per16; h++) {
+            const int64_t at = (g * 2 + h) * rows_all + m;
+            if (offset) P[h] = _mm256_add_epi32(P[h], by_row_i(s->xi + at, mr));
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(P[h]), _mm256_mul_ps(dx, wd[h])));
+            if (has_min) acc = _mm256_add_ps(acc, _mm256_mul_ps(by_row(s->xs + at, mr), wm[h]));
+        }
     }
-    for (int r = 0; r < mr; r++)
-        for (int j = 0; j < nr; j++) s->y[(m + r) * s->ldy + n + j] = hsum(acc[r][j]);
+    float out[8];
+    _mm256_storeu_ps(out, acc);
+    for (int k = 0; k < pairs; k++) s->y[(m + k % mr) * s->ldy + n + k / mr] = out[k];
 }
 
-/* mr activation rows from m x the weight rows n0..n1 */
+/* mr activation rows from m x the weight rows n0..n1: nr = 8 / mr weight rows a tile, then the rest */
 static inline __attribute__((always_inline)) void cols(const int type, const int mr, const share_t* s, int64_t m,
                                                        int64_t n0, int64_t n1) {
+    /* Q8_0 (32 bytes a block, nothing to decode once for several rows) measured fastest one weight row at a
+       time for 1-2 activation rows */
+    const int nr = type == Q8_0 && mr <= 2 ? 1 : 8 / mr;
     int64_t n = n0;
-    /* Q8_0 (32 bytes a block, no decode to share) measured slower with 2 weight rows at 1-8 rows */
-    if (type != Q8_0)
-        for (; n + NR <= n1; n += NR) tile(type, mr, NR, s, m, n);
-    for (; n < n1; n++) tile(type, mr, 1, s, m, n);
+    for (; n + nr <= n1; n += nr) tile(type, mr, nr, s, m, n);
+    /* the rest, fewer than nr weight rows (a count of c only where mr x c <= 8: the others never occur) */
+#define TAIL(c) case c: tile(type, mr, mr * c <= 8 ? c : 1, s, m, n); break;
+    switch (n1 - n) { TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7) }
+#undef TAIL
 }
 
 static inline __attribute__((always_inline)) void run_type(const int type, const share_t* s) {
-    int64_t chunk = CHUNK_BYTES / s->row_bytes / NR * NR;
-    if (chunk < NR) chunk = NR;
+    int64_t chunk = CHUNK_BYTES / s->row_bytes / 8 * 8;
+    if (chunk < 8) chunk = 8;
     for (int64_t n0 = s->n_begin; n0 < s->n_end; n0 += chunk) {
         const int64_t n1 = n0 + chunk < s->n_end ? n0 + chunk : s->n_end;
         int64_t m = 0;
@@ -307,18 +370,14 @@ static inline __attribute__((always_inline)) void run_type(const int type, const
     }
 }
 
-/* ---- Many activation rows (prefill, large batches): weight panels ----
-   From panel_rows activation rows on (gguf_panel_rows()), PW weight rows (output columns; 16 with
-   AVX-512 VNNI, 8 otherwise) are decoded once per call into a panel: per block, 8 vectors of PW int32
-   lanes, vector l holding bytes 4l..4l+3 of each row (8 x 8 transposes of int32), and the rows'
-   scales (lane 0-3 and lane 4-7 values of wd and wmin) as vectors of PW floats. One dot of a
-   broadcast activation word against vector l gives lane l of PW columns at once, and each scaling
-   multiply serves PW columns (16 columns a vector: half the instructions of 8, measured 1.09-1.59x
-   faster on this EPYC, whose float pipes are 256 bits wide: the instruction count, not the float
-   work, bounded 8). The same lanes, the same float steps in the same order as the per-row tiles
-   above, so the same bits.
-   Formats with an offset keep q unsigned and start the dot at -offset x lane sum (Q8_0 with VNNI:
-   q + 128, offset 128; on plain AVX2, whose vpmaddubsw would saturate there, |q| x sign(x, q)). */
+/* ---- Many activation rows (batches, prefill chunks): weight panels ----
+   From gguf_panel_rows(type) activation rows on, PW weight rows (output columns; 16 with AVX-512 VNNI, 8
+   otherwise) are decoded once per call into a panel: per block, 8 vectors of PW int32 lanes, vector l
+   holding bytes 4l..4l+3 of each row (8 x 8 transposes of int32), and the rows' group scales and minimums
+   as vectors of PW floats. One dot of a broadcast activation word against vector l gives 4 products of PW
+   columns at once; a group's words add up before one conversion, and each scaling multiply serves PW
+   columns. Formats with an offset keep q unsigned and start the dot at -offset x the group's sum (Q8_0
+   with VNNI: q + 128, offset 128; on plain AVX2, whose vpmaddubsw would saturate there, |q| x sign(x, q)). */
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #define HAS_VNNI 1
 #else
@@ -353,11 +412,7 @@ typedef __m256i vpi_t;
 #define V_LOAD_SI(p) _mm256_loadu_si256((const __m256i*)(p))
 #endif
 #define PANEL_BLOCK_BYTES (48 * PW) /* per block of 32: 32 bytes of q per row, 4 scales (floats) per row */
-#if defined(__AVX512VL__)
-#define PMR 2 /* 32 vector registers: 2 activation rows x 8 lanes of accumulators */
-#else
-#define PMR 1
-#endif
+#define PMR 4 /* activation rows a panel tile: one accumulator each */
 
 static inline int panel_offset(const int type) {
     if (type == Q8_0) return HAS_VNNI ? 128 : 0;
@@ -413,75 +468,93 @@ static inline __attribute__((always_inline)) void pack_panel(const int type, con
     }
 }
 
-/* mr activation rows from m x the panel's PW columns from n (nc of them stored), the whole K */
+/* mr activation rows from m x the panel's PW columns from n (nc of them stored), the whole K. Per block and
+   scale group, each row's exact integer dot for PW columns at once: one broadcast activation word (4 values)
+   times vector l of the panel gives lane l's 4 products of every column; with plain AVX2 the vpmaddubsw pairs
+   of up to sum16_words() words add up in 16 bits (bounded below 2^15: no saturation) before one vpmaddwd;
+   with VNNI one vpdpbusd a word. Then one float multiply-add per row, group and PW columns. */
+static inline int sum16_words(const int type) {
+    /* |pair| <= 2 x 127 x the largest q: Q4 15, Q5 31, Q6_K 63, Q2_K 3, Q3_K 7 */
+    if (type == Q8_0) return 1;
+    if (type == Q5_0 || type == Q5_1 || type == Q5_K) return 4;
+    if (type == Q6_K) return 2;
+    return 8;
+}
+
 static inline __attribute__((always_inline)) void panel_tile(const int type, const int mr, const share_t* s,
                                                              const uint8_t* panel, int64_t m, int64_t n, int nc) {
     const int64_t nb = s->k / 32;
-    const int has_min = type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K || type == Q2_K;
-    const int per16 = type == Q6_K || type == Q3_K || type == Q2_K;
+    const int has_min = has_min_of(type), per16 = per16_of(type);
     const int offset = panel_offset(type);
     const float* scales = (const float*)(panel + nb * 32 * PW);
-    vps_t acc[PMR][8];
-    for (int r = 0; r < mr; r++)
-        for (int l = 0; l < 8; l++) acc[r][l] = V_ZERO_PS();
+    vps_t acc[PMR];
+    for (int r = 0; r < mr; r++) acc[r] = V_ZERO_PS();
     for (int64_t g = 0; g < nb; g++) {
         const float* sc = scales + g * 4 * PW;
         const uint8_t* qp = panel + g * 32 * PW;
-        const vps_t wd0 = V_LOAD_PS(sc), wd1 = per16 ? V_LOAD_PS(sc + PW) : wd0;
-        const vps_t wm0 = has_min ? V_LOAD_PS(sc + 2 * PW) : V_ZERO_PS();
-        const vps_t wm1 = has_min && per16 ? V_LOAD_PS(sc + 3 * PW) : wm0;
-        for (int r = 0; r < mr; r++) {
-            const int64_t mb = (m + r) * nb + g;
-            const int8_t* xb = s->xq + mb * 32;
-            const vps_t dx = V_SET1_PS(s->xd[mb]);
-            const vps_t s0 = V_MUL(dx, wd0), s1 = per16 ? V_MUL(dx, wd1) : s0;
+        vpi_t P[PMR][2];
+        for (int r = 0; r < mr; r++)
+            for (int h = 0; h < 1 + per16; h++)
+                P[r][h] = offset ? V_SET1_EPI32(s->xi[(g * 2 + h) * s->m_rows + m + r]) : V_ZERO_SI();
+#if HAS_VNNI
 #pragma GCC unroll 8
-            for (int l = 0; l < 8; l++) {
+        for (int l = 0; l < 8; l++) {
+            const vpi_t w = V_LOAD_SI(qp + 4 * PW * l);
+            const int h = per16 && l >= 4;
+            for (int r = 0; r < mr; r++) {
                 int32_t word;
-                memcpy(&word, xb + 4 * l, 4);
-                const vpi_t x = V_SET1_EPI32(word);
-                const vpi_t w = V_LOAD_SI(qp + 4 * PW * l);
-                const vpi_t init = offset ? V_SET1_EPI32(s->xi[mb * 8 + l]) : V_ZERO_SI();
-                vpi_t p;
+                memcpy(&word, s->xq + ((m + r) * nb + g) * 32 + 4 * l, 4);
 #if PW == 16
-                p = _mm512_dpbusd_epi32(init, w, x);
-#elif HAS_VNNI
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-                p = _mm256_dpbusd_epi32(init, w, x);
+                P[r][h] = _mm512_dpbusd_epi32(P[r][h], w, V_SET1_EPI32(word));
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                P[r][h] = _mm256_dpbusd_epi32(P[r][h], w, V_SET1_EPI32(word));
 #else
-                p = _mm256_dpbusd_avx_epi32(init, w, x);
+                P[r][h] = _mm256_dpbusd_avx_epi32(P[r][h], w, V_SET1_EPI32(word));
 #endif
-#else
-                if (type == Q8_0)
-                    p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)),
-                                          _mm256_set1_epi16(1));
-                else
-                    p = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)), init);
-#endif
-                acc[r][l] = V_ADD(acc[r][l], V_MUL(V_CVT(p), l < 4 ? s0 : s1));
             }
-            if (has_min) {
-                const vps_t m0 = V_MUL(dx, wm0), m1 = per16 ? V_MUL(dx, wm1) : m0;
+        }
+#else
+        const int words16 = sum16_words(type);
+        const __m256i ones = _mm256_set1_epi16(1);
+        __m256i s16[PMR];
+        for (int r = 0; r < mr; r++) s16[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-                for (int l = 0; l < 8; l++) {
-                    const vps_t sums = V_SET1_PS(s->xs[mb * 8 + l]);
-                    acc[r][l] = V_ADD(acc[r][l], V_MUL(sums, l < 4 ? m0 : m1));
+        for (int l = 0; l < 8; l++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i*)(qp + 4 * PW * l));
+            const __m256i wabs = type == Q8_0 ? _mm256_abs_epi8(w) : w;
+            const int h = per16 && l >= 4;
+            for (int r = 0; r < mr; r++) {
+                int32_t word;
+                memcpy(&word, s->xq + ((m + r) * nb + g) * 32 + 4 * l, 4);
+                const __m256i x = _mm256_set1_epi32(word);
+                s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(wabs, type == Q8_0 ? _mm256_sign_epi8(x, w) : x));
+            }
+            if ((l + 1) % words16 == 0 || l == 7 || (per16 && l == 3))
+                for (int r = 0; r < mr; r++) {
+                    P[r][h] = _mm256_add_epi32(P[r][h], _mm256_madd_epi16(s16[r], ones));
+                    s16[r] = _mm256_setzero_si256();
                 }
+        }
+#endif
+        for (int h = 0; h < 1 + per16; h++) {
+            const vps_t wd = V_LOAD_PS(sc + h * PW);
+            const vps_t wm = has_min ? V_LOAD_PS(sc + (2 + h) * PW) : V_ZERO_PS();
+            for (int r = 0; r < mr; r++) {
+                acc[r] = V_ADD(acc[r], V_MUL(V_CVT(P[r][h]), V_MUL(V_SET1_PS(s->xd[g * s->m_rows + m + r]), wd)));
+                if (has_min) acc[r] = V_ADD(acc[r], V_MUL(V_SET1_PS(s->xs[(g * 2 + h) * s->m_rows + m + r]), wm));
             }
         }
     }
     for (int r = 0; r < mr; r++) {
-        const vps_t* a = acc[r];
-        const vps_t y = V_ADD(V_ADD(V_ADD(a[0], a[4]), V_ADD(a[2], a[6])), V_ADD(V_ADD(a[1], a[5]), V_ADD(a[3], a[7])));
         float* out = s->y + (m + r) * s->ldy + n;
 #if PW == 16
-        _mm512_mask_storeu_ps(out, (__mmask16)((1u << nc) - 1), y);
+        _mm512_mask_storeu_ps(out, (__mmask16)((1u << nc) - 1), acc[r]);
 #else
         if (nc == 8) {
-            _mm256_storeu_ps(out, y);
+            _mm256_storeu_ps(out, acc[r]);
         } else {
             float lanes[8];
-            _mm256_storeu_ps(lanes, y);
+            _mm256_storeu_ps(lanes, acc[r]);
             memcpy(out, lanes, sizeof(float) * nc);
         }
 #endif
@@ -497,13 +570,17 @@ static inline __attribute__((always_inline)) void run_panels(const int type, con
         const int64_t n1 = n0 + PW * groups < s->n_end ? n0 + PW * groups : s->n_end;
         for (int64_t n = n0; n < n1; n += PW)
             pack_panel(type, s, n, n1 - n < PW ? (int)(n1 - n) : PW, panel + (n - n0) / PW * panel_bytes);
+#define PANELS(mr)                                                                                          \
+        for (int64_t n = n0; n < n1; n += PW)                                                               \
+            panel_tile(type, mr, s, panel + (n - n0) / PW * panel_bytes, m, n, n1 - n < PW ? (int)(n1 - n) : PW);
         int64_t m = 0;
-        for (; m + PMR <= s->m_rows; m += PMR)
-            for (int64_t n = n0; n < n1; n += PW)
-                panel_tile(type, PMR, s, panel + (n - n0) / PW * panel_bytes, m, n, n1 - n < PW ? (int)(n1 - n) : PW);
-        for (; m < s->m_rows; m++)
-            for (int64_t n = n0; n < n1; n += PW)
-                panel_tile(type, 1, s, panel + (n - n0) / PW * panel_bytes, m, n, n1 - n < PW ? (int)(n1 - n) : PW);
+        for (; m + PMR <= s->m_rows; m += PMR) { PANELS(PMR) }
+        switch (s->m_rows - m) {
+            case 3: PANELS(3) break;
+            case 2: PANELS(2) break;
+            case 1: PANELS(1) break;
+        }
+#undef PANELS
     }
 }
 
@@ -603,9 +680,10 @@ static void run_share(const share_t* s) {
     }
 }
 
-/* Blocks of 32: q = round(x / dx) with dx = amax / 127, and the 8 lane sums of q (as floats: exact). */
+/* Blocks of 32: q = round(x / dx) with dx = amax / 127 (q row-major: [m][block][32]), dx block-major
+   (d[g * m_rows + m]) and the sums of q over elements 0-15 and 16-31 (sums[(2g + h) * m_rows + m]). */
 static void quantize_rows(const float* x, int64_t ldx, int64_t m_rows, int64_t k, int8_t* q, float* d,
-                          float* sums) {
+                          int32_t* sums) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const int64_t nb = k / 32;
@@ -625,14 +703,14 @@ static void quantize_rows(const float* x, int64_t ldx, int64_t m_rows, int64_t k
             for (int i = 1; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
             int8_t* out = q + mb * 32;
             if (_mm256_movemask_ps(bad) || amax > 3.4028234663852886e38f || amax < 1e-30f) {
-                d[mb] = amax < 1e-30f && !_mm256_movemask_ps(bad) ? 0.0f : NAN;
+                d[g * m_rows + m] = amax < 1e-30f && !_mm256_movemask_ps(bad) ? 0.0f : NAN;
                 memset(out, 0, 32);
-                memset(sums + mb * 8, 0, 32);
+                sums[2 * g * m_rows + m] = sums[(2 * g + 1) * m_rows + m] = 0;
                 continue;
             }
             const float dx = amax / 127.0f;
             const __m256 inv = _mm256_set1_ps(1.0f / dx);
-            d[mb] = dx;
+            d[g * m_rows + m] = dx;
             __m256i a[4];
             for (int j = 0; j < 4; j++)
                 a[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(part[j], inv),
@@ -641,9 +719,11 @@ static void quantize_rows(const float* x, int64_t ldx, int64_t m_rows, int64_t k
             packed = _mm256_permutevar8x32_epi32(packed, order);
             packed = _mm256_max_epi8(packed, _mm256_set1_epi8(-127));
             _mm256_storeu_si256((__m256i*)out, packed);
-            const __m256i lane_sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), packed),
-                                                        _mm256_set1_epi16(1));
-            _mm256_storeu_ps(sums + mb * 8, _mm256_cvtepi32_ps(lane_sums));
+            int32_t lane_sums[8];
+            _mm256_storeu_si256((__m256i*)lane_sums, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), packed),
+                                                                       _mm256_set1_epi16(1)));
+            sums[2 * g * m_rows + m] = lane_sums[0] + lane_sums[1] + lane_sums[2] + lane_sums[3];
+            sums[(2 * g + 1) * m_rows + m] = lane_sums[4] + lane_sums[5] + lane_sums[6] + lane_sums[7];
         }
     }
 }
@@ -684,15 +764,24 @@ static int check_format(int type, int64_t k) {
     return k % (super ? 256 : 32) ? 1 : 0;
 }
 
-/* The row count from which gguf_linear computes on panels by default: 8 with 16-row panels; the
-   8-row panels of plain AVX2 measured slower than the row tiles at 8 rows for Q8_0, faster at 16. */
-int gguf_panel_rows(void) { return PW == 16 ? 8 : 16; }
+/* The row count from which gguf_linear computes on panels by default, per format. On plain AVX2 (this EPYC,
+   one thread, 3072 x 768) the panels were 1.2-1.8x faster than the row tiles from 3 rows on in every format
+   but Q8_0, whose 32 bytes a block leave nothing to decode once for several rows: its panels were 0.55x at 4
+   rows, 0.81x at 8 and 1.01x at 12 on the LM head (49152 x 576), 1.23x at 16. With VNNI (unmeasured since
+   the integer-first arithmetic) 8, where the earlier per-lane panels already paid. */
+int gguf_panel_rows(int type) {
+    if (PW == 16) return 8;
+    return type == Q8_0 ? 12 : 3;
+}
 
-/* Scratch bytes gguf_linear needs for m_rows x k activations. */
+/* Scratch bytes gguf_linear needs for m_rows x k activations: per block 32 bytes of q, dx, and two group
+   sums, two xs and two xi. */
 int64_t gguf_scratch_bytes(int64_t m_rows, int64_t k) {
     const int64_t blocks = m_rows * (k / 32);
-    return blocks * (32 + 4 + 32 + 32) + 128;
+    return blocks * (32 + 4 + 3 * 8) + 6 * 64;
 }
+
+static inline void* align64(void* p) { return (void*)(((uintptr_t)p + 63) & ~(uintptr_t)63); }
 
 /* y [m_rows, n] (row stride ldy) = x [m_rows, k] (row stride ldx) . W^T, W's n rows of row_bytes in
    ggml type `type`. Returns 0, 1 when k is not a multiple of the format's block, 2 for an unknown type. */
@@ -701,18 +790,34 @@ int gguf_linear(int type, const float* x, int64_t ldx, int64_t m_rows, int64_t k
     const int status = check_format(type, k);
     if (status) return status;
     const int64_t blocks = m_rows * (k / 32);
-    float* sums = (float*)(((uintptr_t)scratch + 31) & ~(uintptr_t)31);
-    int8_t* q = (int8_t*)(sums + blocks * 8);
-    float* d = (float*)(q + blocks * 32);
+    int8_t* q = (int8_t*)align64(scratch);
+    float* d = (float*)align64(q + blocks * 32);
+    int32_t* sums = (int32_t*)align64(d + blocks);
     quantize_rows(x, ldx, m_rows, k, q, d, sums);
-    int32_t* xi = NULL; /* the panel path's dot start per block and lane: -offset x lane sum */
-    const int offset = panel_offset(type);
     const int panels = m_rows >= panel_rows;
-    if (panels && offset) {
-        xi = (int32_t*)(((uintptr_t)(d + blocks) + 31) & ~(uintptr_t)31);
-        for (int64_t i = 0; i < blocks * 8; i++) xi[i] = -offset * (int32_t)sums[i];
-    }
-    share_t all = {type, w, row_bytes, k, q, d, sums, m_rows, y, ldy, 0, n, xi, panels, 0};
+    const int per16 = per16_of(type);
+    /* per block and scale group, block-major as d ((2g + h) * m_rows + m; one group of 32: its sum as h = 0) */
+    const int64_t nb = k / 32;
+    float* xs = NULL;
+    int32_t* xi = NULL;
+    const int offset = panels ? panel_offset(type) : offset_of(type);
+    if (has_min_of(type)) xs = (float*)align64(sums + blocks * 2);
+    if (offset) xi = (int32_t*)align64((float*)align64(sums + blocks * 2) + blocks * 2);
+    for (int64_t g = 0; g < nb; g++)
+        for (int64_t m = 0; m < m_rows; m++) {
+            const int64_t i0 = 2 * g * m_rows + m, i1 = (2 * g + 1) * m_rows + m;
+            const int32_t s0 = per16 ? sums[i0] : sums[i0] + sums[i1], s1 = sums[i1];
+            const float dx = d[g * m_rows + m];
+            if (xs) {
+                xs[i0] = (float)s0 * dx;
+                if (per16) xs[i1] = (float)s1 * dx;
+            }
+            if (xi) {
+                xi[i0] = -offset * s0;
+                if (per16) xi[i1] = -offset * s1;
+            }
+        }
+    share_t all = {type, w, row_bytes, k, q, d, m_rows, y, ldy, 0, n, xs, xi, panels, 0};
     run_split(&all, threads);
     return 0;
 }
@@ -723,7 +828,7 @@ int gguf_dequantize(int type, const uint8_t* w, int64_t row_bytes, int64_t n, in
                     int threads) {
     const int status = check_format(type, k);
     if (status) return status;
-    share_t all = {type, w, row_bytes, k, NULL, NULL, NULL, 0, y, ldy, 0, n, NULL, 0, 1};
+    share_t all = {type, w, row_bytes, k, NULL, NULL, 0, y, ldy, 0, n, NULL, NULL, 0, 1};
     run_split(&all, threads);
     return 0;
 }
@@ -778,7 +883,7 @@ def build(isa: str) -> ctypes.CDLL | None:
     lib.gguf_linear.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int,
                                 ctypes.c_int]
     lib.gguf_linear.restype = ctypes.c_int
-    lib.gguf_panel_rows.argtypes = []
+    lib.gguf_panel_rows.argtypes = [ctypes.c_int]
     lib.gguf_panel_rows.restype = ctypes.c_int
     lib.gguf_scratch_bytes.argtypes = [i64, i64]
     lib.gguf_scratch_bytes.restype = i64
@@ -831,9 +936,10 @@ def dense_threshold() -> int:
     return rows
 
 
-def panel_rows(lib: ctypes.CDLL | None = None) -> int:
-    """The activation row count from which the kernel (lib, else this CPU's) computes on weight panels."""
-    return (lib or load()).gguf_panel_rows()
+def panel_rows(type_id: int, lib: ctypes.CDLL | None = None) -> int:
+    """The activation row count from which the kernel (lib, else this CPU's) computes on type_id's weight
+    panels."""
+    return (lib or load()).gguf_panel_rows(type_id)
 
 
 def block_shape(type_id: int) -> tuple[int, int]:
@@ -904,7 +1010,7 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, type_id: int, threads: int,
     with native.profiled("cpu_gguf::linear"):
         status = lib.gguf_linear(type_id, x.data_ptr(), x.stride(0), rows, k, blocks.data_ptr(), blocks.stride(0),
                                  n, y.data_ptr(), n, scratch.data_ptr(), threads,
-                                 lib.gguf_panel_rows() if panel_rows is None else panel_rows)
+                                 lib.gguf_panel_rows(type_id) if panel_rows is None else panel_rows)
     _check(status, "gguf_linear", type_id, k)
     return y
 
@@ -1078,7 +1184,8 @@ def dequantize(blocks: torch.Tensor | np.ndarray, type_id: int) -> torch.Tensor:
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q [M, K/32, 32] int64, dx [M, K/32] fp32, lane sums [M, K/32, 8] int64): the kernel's blocks."""
+    """(q [M, K/32, 32] int64, dx [M, K/32] fp32, sums [M, K/32, 2] int64 of q over elements 0-15 and
+    16-31): the kernel's blocks."""
     rows, k = x.shape
     v = x.float().reshape(rows, k // BLOCK, BLOCK)
     amax = v.abs().amax(-1)
@@ -1090,7 +1197,12 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     zero = (bad | tiny)[..., None]
     q = torch.where(zero, torch.zeros_like(q), q).to(torch.int64)
     dx = torch.where(bad, torch.full_like(dx, float("nan")), torch.where(tiny, torch.zeros_like(dx), dx))
-    return q, dx, q.view(rows, k // BLOCK, 8, 4).sum(-1)
+    return q, dx, q.view(rows, k // BLOCK, 2, 16).sum(-1)
+
+
+def scale_groups(type_id: int) -> int:
+    """Scale groups per block of 32: 2 (16 weights each) for Q6_K, Q3_K and Q2_K, else 1."""
+    return 2 if FORMATS[type_id][0] in ("Q6_K", "Q3_K", "Q2_K") else 1
 
 
 def reference(x: torch.Tensor, blocks: torch.Tensor, type_id: int) -> torch.Tensor:
@@ -1098,24 +1210,26 @@ def reference(x: torch.Tensor, blocks: torch.Tensor, type_id: int) -> torch.Tens
     q_w, wd, wmin, offset = unpack(blocks, type_id)
     rows, k = x.shape
     n, nb = q_w.shape[0], k // BLOCK
-    qx, dx, sums = quantize_activations(x)
-    # exact integer lanes through float64: [K/32 * 8, M, 4] @ [K/32 * 8, 4, N] -> lanes [K/32, M, N, 8]
-    lanes_x = qx.view(rows, nb * 8, 4).transpose(0, 1).double()
-    lanes_w = q_w.view(n, nb * 8, 4).permute(1, 2, 0).double()
-    dots = torch.bmm(lanes_x, lanes_w).view(nb, 8, rows, n).permute(0, 2, 3, 1)
+    groups = scale_groups(type_id)
+    width = BLOCK // groups
+    qx, dx, halves = quantize_activations(x)
+    sums = halves if groups == 2 else halves.sum(-1, keepdim=True)  # [M, K/32, groups]
+    # exact integer group dots through float64: [K/32 * groups, M, width] @ [K/32 * groups, width, N]
+    group_x = qx.view(rows, nb * groups, width).transpose(0, 1).double()
+    group_w = q_w.view(n, nb * groups, width).permute(1, 2, 0).double()
+    dots = torch.bmm(group_x, group_w).view(nb, groups, rows, n)
     if offset:
-        dots = dots - offset * sums.transpose(0, 1)[:, :, None, :].double()
+        dots = dots - offset * sums.permute(1, 2, 0)[..., None].double()
     dots = dots.float()  # exact: |dot| < 2^24
-    acc = torch.zeros(rows, n, 8)
+    xs = sums.float() * dx[..., None]  # the minimum's activation factor, per block and group
+    acc = torch.zeros(rows, n)
     for g in range(nb):
-        p = dots[g]
-        scale = dx[:, g, None, None] * wd[None, :, g, :]
-        acc = acc + p * scale
-        if wmin is not None:
-            lane_min = wmin[None, :, g, :] if wmin.dim() == 3 else wmin[None, :, g, None]
-            acc = acc + sums[:, g, None, :].float() * (dx[:, g, None, None] * lane_min)
-    lanes = [acc[..., i] for i in range(8)]
-    return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))
+        for h in range(groups):
+            acc = acc + dots[g, h] * (dx[:, g, None] * wd[None, :, g, 4 * h])
+            if wmin is not None:
+                group_min = wmin[:, g, 4 * h] if wmin.dim() == 3 else wmin[:, g]
+                acc = acc + xs[:, g, h, None] * group_min[None, :]
+    return acc
 
 
 # -- embedding tables in their file format ------------------------------------------------------------
