@@ -113,7 +113,8 @@ class LLMEngine:
         self._step_log = StepLog(config.step_log) if config.step_log else None
         self.step_records = StepRecords()  # the newest steps' figures (GET /admin/steps)
         self._load_1m, self._load_read_at = 0.0, -1.0  # os.getloadavg(), read at most once a second
-        self._errors: dict[str, str] = {}  # request id -> why it failed, until its output is made
+        # request id -> (why it failed, the request field at fault or None), until its output is made
+        self._errors: dict[str, tuple[str, str | None]] = {}
         self.num_steps = 0
         self.last_step_was_idle = False
         self.num_request_failures = 0
@@ -424,17 +425,22 @@ class LLMEngine:
         tokens: list[int | None] = []
         for chunk, token in zip(out.chunks, sampled, strict=True):
             if isinstance(token, RequestFailed):
-                self._fail_request(chunk.seq, token.message, finished_now)
+                self._fail_request(chunk.seq, token.message, finished_now, token.param)
                 token = None
             tokens.append(token)
         return tokens
 
-    def _fail_request(self, seq: Sequence, message: str, finished_now: list[Sequence]) -> None:
-        """One request failed: it finishes with an error and frees its KV; the others go on."""
+    def _fail_request(self, seq: Sequence, message: str, finished_now: list[Sequence],
+                      param: str | None = None) -> None:
+        """One request failed: it finishes with an error and frees its KV; the others go on. param: the
+        request field at fault where its own input made it fail."""
         if seq.finish_reason in ("error", "abort"):
             return
-        logger.error("request %s failed and was finished with an error: %s", seq.request_id, message)
-        self._errors[seq.request_id] = message
+        if param is None:
+            logger.error("request %s failed and was finished with an error: %s", seq.request_id, message)
+        else:
+            logger.warning("request %s was finished with an error in its %s: %s", seq.request_id, param, message)
+        self._errors[seq.request_id] = (message, param)
         self.num_request_failures += 1
         if not seq.is_finished:
             self.scheduler.finish(seq, "error")
@@ -512,6 +518,7 @@ class LLMEngine:
             new_text=new_text,
             logprobs=seq.logprobs,
         )
+        error, error_param = self._errors.pop(seq.request_id, (None, None))
         return RequestOutput(
             request_id=seq.request_id,
             prompt=seq.prompt,
@@ -519,7 +526,8 @@ class LLMEngine:
             outputs=[completion],
             finished=seq.is_finished,
             metrics=seq.metrics,
-            error=self._errors.pop(seq.request_id, None),
+            error=error,
+            error_param=error_param,
             prompt_logprobs=seq.prompt_logprobs,
             kv_transfer_params=seq.kv_transfer.params_out if seq.kv_transfer is not None and seq.is_finished
             else None,

@@ -36,6 +36,8 @@ class RequestOutput:
     metrics: RequestMetrics
     # Set when the request failed on its own (finish_reason "error"); the engine carried on.
     error: str | None = None
+    # The request field at fault when its own input made it fail (a 400), else None (a 500).
+    error_param: str | None = None
     # Per prompt token (None for the first), when the request asked for prompt_logprobs.
     prompt_logprobs: list | None = None
     # Prefill role: the lease on the prompt's KV blocks, for a decode engine to pull (kv_transfer).

@@ -27,7 +27,7 @@ from iterserve.engine.penalties import apply_min_p, process_logits
 from iterserve.engine.sequence import Sequence
 from iterserve.engine.spec_decode.rejection import sample_position, verify_position
 from iterserve.engine.step_result import RequestFailed
-from iterserve.engine.structured import GrammarMatchers, Grammars
+from iterserve.engine.structured import GrammarDeadEnd, GrammarMatchers, Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,8 @@ class Sampler:
         for row, seq in enumerate(seqs):
             try:
                 results.append(self.sample_batch(logits[row : row + 1], [seq])[0])
+            except GrammarDeadEnd as error:  # the request's own grammar: a 400 naming its field
+                results.append(RequestFailed(str(error), error.field))
             except Exception as error:  # noqa: BLE001 - this request fails, the batch goes on
                 logger.exception("sampling failed for request %s (%s)", seq.request_id, seq.params)
                 results.append(RequestFailed(f"sampling failed: {type(error).__name__}: {error}"))
@@ -118,6 +120,8 @@ class Sampler:
             if processed is logits:
                 processed = logits.clone()  # the raw logits stay for logprobs
             self._matchers.mask(processed, constrained, seqs)
+        if processed is not logits:
+            _check_some_token_left(processed, seqs)
         return processed
 
     @staticmethod
@@ -151,6 +155,8 @@ class Sampler:
                 for j, view in enumerate(views):
                     try:
                         decided += self._verify_rows(rows[j : j + 1], [view], position)
+                    except GrammarDeadEnd as error:  # the request's own grammar: a 400 naming its field
+                        decided.append((RequestFailed(str(error), error.field), False))
                     except Exception as error:  # noqa: BLE001 - this request fails, the batch goes on
                         logger.exception("verifying request %s failed", view.request_id)
                         decided.append((RequestFailed(f"sampling failed: {type(error).__name__}: {error}"), False))
@@ -215,6 +221,23 @@ class Sampler:
             self._generators.pop(request_id, None)
         if self._matchers is not None:
             self._matchers.release(request_ids)
+
+
+def _check_some_token_left(logits: torch.Tensor, seqs) -> None:
+    """Raise GrammarDeadEnd (the request's own input at fault, a 400) for a row whose processors and
+    grammar together left every logit at -inf: nothing could be drawn, and the sampler would fail on
+    NaN probabilities (a grammar complete but held open by min_tokens, a logit_bias against every
+    allowed token)."""
+    empty = torch.isneginf(logits).all(dim=-1)
+    if not bool(empty.any()):
+        return
+    seq = seqs[int(empty.nonzero()[0])]
+    params = seq.params
+    field = (params.structured.field if params.structured is not None
+             else "logit_bias" if getattr(params, "logit_bias", None) else "min_tokens")
+    raise GrammarDeadEnd(f"{field}: after {len(seq.output_token_ids)} generated tokens the request's own settings "
+                         f"(structured output, min_tokens, logit_bias, bad words) exclude every token, so none "
+                         f"can be drawn; the request was stopped", field)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

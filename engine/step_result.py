@@ -15,6 +15,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class RequestFailed:
     message: str
+    # The request field at fault where the request's own input made it fail (a grammar no token of the
+    # vocabulary can continue): the server answers 400 naming it; None: the server's fault (500).
+    param: str | None = None
 
 
 StepToken = int | None | RequestFailed

@@ -45,7 +45,12 @@ class EngineFailed(Exception):
 
 
 class RequestError(Exception):
-    """This request failed on its own (its output carries the error); the engine carried on."""
+    """This request failed on its own (its output carries the error); the engine carried on. param: the
+    request field at fault where the request's own input made it fail (a 400), else None (a 500)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class RequestCut(Exception):
@@ -72,7 +77,7 @@ class RequestStream:
                 raise item
             if item.error is not None:
                 self.finished = True
-                raise RequestError(item.error)
+                raise RequestError(item.error, item.error_param)
             self.finished = item.finished
             yield item
 

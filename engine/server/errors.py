@@ -50,6 +50,14 @@ def overloaded(message: str, retry_after_s: int) -> APIError:
     return APIError(429, message, "rate_limit_error", None, "queue_full", {"Retry-After": str(retry_after_s)})
 
 
+def request_error(error) -> APIError:
+    """The answer to a request that failed on its own (async_engine.RequestError): a 400 naming the field
+    where its own input was at fault, else request_failed."""
+    if error.param is not None:
+        return invalid(str(error), error.param, "request_input_failed")
+    return request_failed(str(error))
+
+
 def request_failed(reason: str) -> APIError:
     """This request failed inside the engine (the server's fault, not the client's); the engine
     and every other request carried on, so a retry is served normally."""

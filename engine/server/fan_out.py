@@ -37,7 +37,7 @@ from iterserve.engine.server.errors import (
     invalid,
     overloaded,
     request_cut,
-    request_failed,
+    request_error,
     unavailable,
 )
 
@@ -131,7 +131,7 @@ async def final_outputs(request: Request, engine: AsyncEngine, choices: Choices)
         except EngineFailed as error:
             raise unavailable(str(error), "engine_failed") from None
         except RequestError as error:
-            raise request_failed(str(error)) from None
+            raise request_error(error) from None
         except RequestCut as error:  # cut by the drain: a 503, never a 200 with truncated text
             raise request_cut(str(error)) from None
         except ClientDisconnected:

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import StreamingResponse
 
 from iterserve.engine.server.async_engine import EngineFailed, RequestCut, RequestError
-from iterserve.engine.server.errors import APIError, error_body, request_cut, request_failed
+from iterserve.engine.server.errors import APIError, error_body, request_cut, request_error
 from iterserve.engine.server.fan_out import ClientDisconnected
 
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -43,8 +43,8 @@ async def _frames(events: AsyncIterator[dict]) -> AsyncIterator[str]:
     except EngineFailed as error:
         yield _frame(error_body(str(error), "server_error", None, "engine_failed"))
     except RequestError as error:
-        failed = request_failed(str(error))
-        yield _frame(error_body(failed.message, failed.type, None, failed.code))
+        failed = request_error(error)
+        yield _frame(error_body(failed.message, failed.type, failed.param, failed.code))
     except APIError as error:  # a later choice refused (429 or 503) after the stream began
         yield _frame(error_body(error.message, error.type, error.param, error.code))
     finally:

@@ -81,6 +81,7 @@ class Grammars:
 
     def __init__(self, tokenizer, vocab_size: int, cache_size: int = CACHE_SIZE):
         self._tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_token_id  # the grammars' stop token
         self.vocab_size = vocab_size
         self._cache_size = cache_size
         self._cache: OrderedDict[StructuredOutput, object] = OrderedDict()
@@ -177,6 +178,16 @@ class Grammars:
                                       structured.field) from None
 
 
+class GrammarDeadEnd(Exception):
+    """A request's grammar allows no token of the vocabulary at this step: the text so far matches a
+    prefix of the grammar that no token can extend (a regex of characters the tokenizer spells only
+    in byte sequences the grammar cuts). The request's own input is at fault: field names it."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
 class GrammarMatchers:
     """One xgrammar matcher per constrained request: fills the bitmask rows, advances on each token."""
 
@@ -196,13 +207,28 @@ class GrammarMatchers:
         return matcher
 
     def mask(self, logits: torch.Tensor, rows: list[int], seqs) -> None:
-        """Disallowed tokens of each constrained row set to -inf, in place (rows index logits)."""
+        """Disallowed tokens of each constrained row set to -inf, in place (rows index logits). Raises
+        GrammarDeadEnd where a row's grammar allows no token (every logit would be -inf and no
+        distribution could be drawn from)."""
         import xgrammar as xgr
 
         bitmask = xgr.allocate_token_bitmask(len(rows), self.grammars.vocab_size)
         for j, row in enumerate(rows):
             seq = seqs[row]
-            self._matcher(seq.request_id, seq.params.structured).fill_next_token_bitmask(bitmask, j)
+            matcher = self._matcher(seq.request_id, seq.params.structured)
+            if matcher.is_terminated():
+                # the grammar is complete (it accepted the stop token) but the request goes on (ignore_eos,
+                # min_tokens): only the stop token keeps the output a match
+                self._allow_only(bitmask, j, self.grammars.eos_token_id)
+            else:
+                matcher.fill_next_token_bitmask(bitmask, j)
+        dead = (bitmask == 0).all(dim=1)
+        if bool(dead.any()):
+            seq = seqs[rows[int(dead.nonzero()[0])]]
+            structured = seq.params.structured
+            raise GrammarDeadEnd(f"{structured.field}: after {len(seq.output_token_ids)} generated tokens no token of "
+                                 f"the model's vocabulary continues a match ({structured.kind}); the request was "
+                                 f"stopped", structured.field)
         if len(rows) == logits.shape[0]:
             target = logits
         else:
@@ -212,6 +238,13 @@ class GrammarMatchers:
         xgr.apply_token_bitmask_inplace(target, bitmask.to(logits.device), vocab_size=self.grammars.vocab_size)
         if target is not logits:
             logits[torch.tensor(rows, device=logits.device)] = target
+
+    @staticmethod
+    def _allow_only(bitmask: torch.Tensor, row: int, token_id: int) -> None:
+        """Row row of an xgrammar bitmask (int32 words, bit t % 32 of word t // 32) allows token_id only."""
+        bit = 1 << (token_id % 32)
+        bitmask[row].zero_()
+        bitmask[row, token_id // 32] = bit - (1 << 32) if bit >= 1 << 31 else bit
 
     def accept(self, request_id: str, token_id: int) -> bool:
         matcher = self._matchers.get(request_id)

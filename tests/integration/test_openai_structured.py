@@ -173,6 +173,47 @@ def test_invalid_structured_outputs_are_a_400_naming_the_field(server, body, par
     assert response.json()["error"]["param"].startswith(param)
 
 
+# A grammar every token of the vocabulary leaves part-way: the first step had tokens to offer, the ninth
+# none (the schemathesis run's request, greedy here); every logit was -inf and sampling failed with a 500.
+DEAD_END = {"prompt": ["\U0008fe4a\x04\x81\x8d"], "temperature": 0,
+            "guided_regex": "\u00a4\x08ps\x80\r\U00065f8a\x83U\x18\u00df\U0009578a\x10"}
+
+
+def test_a_grammar_no_token_can_continue_mid_answer_is_a_400_naming_the_field(server):
+    response = httpx.post(f"{server.url}/v1/completions", json=DEAD_END, timeout=300)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "guided_regex" and "no token of the model's vocabulary continues" in error["message"]
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**DEAD_END, "stream": True}, timeout=300) as streamed:
+        events = [line[6:] for line in streamed.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["param"] == "guided_regex", events
+    assert server_healthy(server)
+
+
+def test_a_complete_grammar_held_open_gives_stop_tokens_or_a_400(server):
+    """ignore_eos past a complete grammar: the matcher had accepted its stop token and asking it for the
+    next mask raised (a 500, found by the schemathesis run); now only the stop token is allowed, so the
+    text stays the match. min_tokens past it bans that stop token too: nothing is left, a 400."""
+    url = f"{server.url}/v1/completions"
+    held = httpx.post(url, json={"prompt": "Is the sky blue? Answer:", "guided_json": {"type": "boolean"},
+                                 "ignore_eos": True, "max_tokens": 12}, timeout=300)
+    assert held.status_code == 200, held.text
+    choice = held.json()["choices"][0]
+    assert choice["text"] in ("true", "false") and choice["finish_reason"] == "length", choice
+    banned = httpx.post(url, json={"prompt": "Pick:", "guided_choice": ["yes", "no"], "min_tokens": 8,
+                                   "max_tokens": 12}, timeout=300)
+    assert banned.status_code == 400, banned.text
+    assert banned.json()["error"]["param"] == "guided_choice"
+    assert server_healthy(server)
+
+
+def server_healthy(server) -> bool:
+    """The engine carried on: a plain request after the failed one is served."""
+    response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=300)
+    return response.status_code == 200
+
+
 def test_text_response_format_changes_nothing(server):
     plain = chat(server, temperature=0, max_tokens=16).json()["choices"][0]["message"]["content"]
     text = chat(server, temperature=0, max_tokens=16, response_format={"type": "text"}).json()
