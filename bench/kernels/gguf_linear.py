@@ -4,9 +4,7 @@ counts from a one-sequence decode step to a prefill chunk: median time per call,
 (2 x rows x N x K), the weight bytes read per second (the bound of small-row calls) and the speed
 against fp32 in the same run (speed_vs_fp32). From the kernel's panel threshold on, "Q4_1 row tiles"
 and "Q8_0 row tiles" time the same formats on the per-row tiles (cpu_gguf.linear(panel_rows=...)): what
-the panels gain in the same run. "Q4_1 dense" and "Q8_0 dense" time the dequantized-tile path
-(cpu_gguf.dense_linear: the fp32 GEMM on tiles dequantized per call) at every row count, the other
-formats the blocks at every row count: where the two cross is cpu_gguf.DENSE_ROWS's threshold.
+the panels gain in the same run.
 
 Every format runs the same weight (random, quantized by gguf's quantizers for the 32-weight
 formats; random valid blocks for the K-quants, whose speed does not depend on the values).
@@ -181,17 +179,12 @@ def main() -> None:
                         "w8a8": (lambda x=x, w=(qweight, wscale, wsum): cpu_w8a8.linear(x, *w, args.threads), n * k)}
             for name, blocks in formats.items():
                 variants[name] = (lambda x=x, b=blocks, t=cpu_gguf.BY_NAME[name]:
-                                  cpu_gguf.linear(x, b, t, args.threads, dense_rows=0), blocks.numel())
+                                  cpu_gguf.linear(x, b, t, args.threads), blocks.numel())
             for name in ("Q4_1", "Q8_0"):  # the file's formats on the row tiles, where the panels serve
                 if name in formats and rows >= cpu_gguf.panel_rows(cpu_gguf.BY_NAME[name]):
                     variants[f"{name} row tiles"] = (
                         lambda x=x, b=formats[name], t=cpu_gguf.BY_NAME[name]:
-                        cpu_gguf.linear(x, b, t, args.threads, panel_rows=1 << 30, dense_rows=0),
-                        formats[name].numel())
-            for name in ("Q4_1", "Q8_0"):  # the same blocks dequantized tile by tile into torch's GEMM
-                if name in formats:
-                    variants[f"{name} dense"] = (
-                        lambda x=x, b=formats[name], t=cpu_gguf.BY_NAME[name]: cpu_gguf.dense_linear(x, b, t),
+                        cpu_gguf.linear(x, b, t, args.threads, panel_rows=1 << 30),
                         formats[name].numel())
             for variant, (fn, nbytes) in variants.items():
                 seconds = timed(fn, args.repeats, clock)

@@ -1,6 +1,5 @@
 """Step time of the embedded SmolLM2-135M per --quantization mode (none: dequantized fp32; gguf: the
-file's own Q4_1 / Q8_0 blocks at every row count; dense: what `auto` runs, the blocks below
-cpu_gguf.dense_threshold() rows (--dense-rows) and the dequantized weight from there; w8a8), for
+file's own Q4_1 / Q8_0 blocks, what `auto` runs; w8a8), for
 decode steps of 1..64 sequences at a context of --context tokens and one prefill chunk: the model's
 forward and logits of the sampled rows, medians of --repeats steps. The modes alternate step by step
 in one process, so a busy machine slows them alike: read the ratios.
@@ -11,7 +10,6 @@ in one process, so a busy machine slows them alike: read the ratios.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -25,9 +23,7 @@ def main() -> None:
     from iterserve.engine.attention.backend import AttentionMetadata
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--modes", default="none,gguf,dense,w8a8")
-    parser.add_argument("--dense-rows", type=int,
-                        help="the dense arm's threshold (default: this CPU's, cpu_gguf.dense_threshold())")
+    parser.add_argument("--modes", default="none,gguf,w8a8")
     parser.add_argument("--batches", default="1,4,16,64")
     parser.add_argument("--prefill", type=int, default=256, help="tokens of the prefill step")
     parser.add_argument("--context", type=int, default=128, help="tokens already cached per decode sequence")
@@ -47,11 +43,7 @@ def main() -> None:
     cpu_w8a8.set_threads(args.threads)
     machine = common.machine(args.threads)
     modes = args.modes.split(",")
-    # gguf and dense run one model: the arm sets the threshold its linears read (0: the blocks only)
-    dense_rows = {"gguf": 0, "dense": cpu_gguf.dense_threshold() if args.dense_rows is None else args.dense_rows}
-    built = list(dict.fromkeys("gguf" if mode == "dense" else mode for mode in modes))
-    models, _, path = build_models(built)
-    models["dense"] = models.get("gguf")
+    models, _, path = build_models(modes)
     shapes = [("decode", int(b)) for b in args.batches.split(",")] + [("prefill", args.prefill)]
     results = []
     with torch.inference_mode():
@@ -69,8 +61,6 @@ def main() -> None:
             times = {mode: [] for mode in modes}
             for _ in range(args.repeats + 1):
                 for mode in modes:
-                    if mode in dense_rows:
-                        os.environ[cpu_gguf.DENSE_ROWS_ENV] = str(dense_rows[mode])
                     start = clock()
                     hidden = models[mode](ids, positions, pools[mode], meta)
                     models[mode].compute_logits(hidden[-sampled:])
@@ -83,7 +73,7 @@ def main() -> None:
             results.append(row)
             print(kind, size, " ".join(f"{m} {row[f'{m}_ms']:.1f} ms" for m in modes), flush=True)
     common.write_json(args.json, {"model": path.name, "threads": args.threads, "context": args.context,
-                                  "clock": args.clock, "isa": cpu_gguf.isa_path(), "dense_rows": dense_rows["dense"],
+                                  "clock": args.clock, "isa": cpu_gguf.isa_path(),
                                   "results": results, "machine": common.finish_machine(machine)})
 
 

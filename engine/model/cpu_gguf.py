@@ -3,12 +3,6 @@ on CPU): y = x . W^T with W as the file stores it (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
 Q5_K, Q6_K)
 and x block-quantized to int8 as llama.cpp's Q8_1 does.
 
-Steps of many rows (from dense_threshold() rows: DENSE_ROWS per instruction set, or
-$ITERSERVE_GGUF_DENSE_ROWS) compute exactly instead, where torch's fp32 GEMM beats the integer kernel
-(plain AVX2): dense_linear dequantizes a tile of weight rows at a time (the C dequantizer below, gguf's
-own fp32 values bit for bit) into a per-thread scratch and multiplies it as `--quantization none` does,
-so those steps give the none mode's bits and no fp32 copy of the weight is kept.
-
 Activations: each row is cut into blocks of 32; a block's scale is dx = amax / 127 (amax = max |x|
 of the block; a block with amax below MIN_AMAX is all zeros, one with NaN or inf has dx = NaN),
 qx = round(x * (1 / dx)) (half to even) in -127..127, and the integer sums of qx over elements 0-15 and
@@ -25,8 +19,8 @@ integer dot P = sum (q - offset) * qx over the group (int32: vpmaddubsw + vpmadd
 VNNI; the offset as -offset x the group's sum of qx), then, in fp32 with no fused multiply-adds,
 acc = acc + float(P) * (dx * wd) and, for formats with a minimum, acc = acc + xs * wmin with
 xs = float(S) * dx (S the group's sum of qx); blocks and groups in order, y = acc. One float step per
-group where llama.cpp and the earlier per-lane arithmetic scale 8 lanes each: the integers are summed
-first (exact), so fewer roundings and a quarter to an eighth of the float work. A row's result never
+group where llama.cpp's AVX2 kernels scale 8 lanes a block: the integers are summed first (exact), so
+fewer roundings and a quarter to an eighth of the float work. A row's result never
 depends on the other rows of its call, the tiling or the thread count.
 
 Tiling: below panel_rows(type) activation rows (plain AVX2: 3, Q8_0 12; AVX-512 VNNI: 8), register
@@ -52,7 +46,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import re
 import threading
 from pathlib import Path
@@ -235,7 +228,6 @@ typedef struct {
     const float* xs; /* per block and scale group: float(the group's sum of x) x dx (formats with a minimum) */
     const int32_t* xi; /* per block and scale group: -offset x the group's sum of x (formats with an offset) */
     int panels; /* 1: the panel path (many rows), 0: the row tiles */
-    int dequantize; /* 1: write rows n_begin..n_end of W as fp32 to y (gguf_dequantize) */
 } share_t;
 
 static inline int has_min_of(const int type) {
@@ -599,57 +591,7 @@ static uint8_t* panel_scratch(int64_t k) {
     return buffer;
 }
 
-/* ---- Dequantization (the dense path of many rows): W's rows as fp32, gguf's own arithmetic ----
-   gguf's numpy dequantization (what `--quantization none` multiplies by) computes each weight as one
-   fp32 multiply of the block's (sub-block's) scale by the integer q - offset, then, for formats with a
-   minimum, one fp32 add (Q4_1, Q5_1: + m; Q2_K, Q4_K, Q5_K: - dmin x min, here + (-(dmin x min)): the
-   same IEEE operation). decode() gives those scales and minimums, computed as numpy does, so with no
-   contraction into fused multiply-adds (the build's -ffp-contract=off) every weight has the same bits. */
-static inline __attribute__((always_inline)) void dequantize_type(const int type, const share_t* s) {
-    const int64_t nb = s->k / 32;
-    const int offset = type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q6_K ? 32 : type == Q3_K ? 4 : 0;
-    const int has_min = type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K || type == Q2_K;
-    for (int64_t n = s->n_begin; n < s->n_end; n++) {
-        const uint8_t* row = s->w + n * s->row_bytes;
-        float* out = s->y + n * s->ldy;
-        for (int64_t g = 0; g < nb; g++) {
-            __m256i q;
-            __m256 wd, wmin = _mm256_setzero_ps();
-            decode(type, row, g, &q, &wd, &wmin);
-            /* lanes 0-3 hold weights 0-15's scale and minimum, lanes 4-7 weights 16-31's */
-            const __m256 d[2] = {_mm256_set1_ps(_mm256_cvtss_f32(wd)),
-                                 _mm256_set1_ps(_mm_cvtss_f32(_mm256_extractf128_ps(wd, 1)))};
-            const __m256 m[2] = {_mm256_set1_ps(_mm256_cvtss_f32(wmin)),
-                                 _mm256_set1_ps(_mm_cvtss_f32(_mm256_extractf128_ps(wmin, 1)))};
-            const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
-            for (int j = 0; j < 4; j++) {
-                const __m128i bytes = j & 1 ? _mm_srli_si128(halves[j >> 1], 8) : halves[j >> 1];
-                __m256i v = type == Q8_0 ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
-                if (offset) v = _mm256_sub_epi32(v, _mm256_set1_epi32(offset));
-                __m256 w = _mm256_mul_ps(d[j >> 1], _mm256_cvtepi32_ps(v));
-                if (has_min) w = _mm256_add_ps(w, m[j >> 1]);
-                _mm256_storeu_ps(out + g * 32 + 8 * j, w);
-            }
-        }
-    }
-}
-
 static void run_share(const share_t* s) {
-    if (s->dequantize) {
-        switch (s->type) {
-            case Q8_0: dequantize_type(Q8_0, s); break;
-            case Q4_0: dequantize_type(Q4_0, s); break;
-            case Q4_1: dequantize_type(Q4_1, s); break;
-            case Q5_0: dequantize_type(Q5_0, s); break;
-            case Q5_1: dequantize_type(Q5_1, s); break;
-            case Q4_K: dequantize_type(Q4_K, s); break;
-            case Q5_K: dequantize_type(Q5_K, s); break;
-            case Q6_K: dequantize_type(Q6_K, s); break;
-            case Q2_K: dequantize_type(Q2_K, s); break;
-            case Q3_K: dequantize_type(Q3_K, s); break;
-        }
-        return;
-    }
     uint8_t* panel = s->panels ? panel_scratch(s->k) : NULL;
     if (panel) {
         switch (s->type) {
@@ -767,8 +709,8 @@ static int check_format(int type, int64_t k) {
 /* The row count from which gguf_linear computes on panels by default, per format. On plain AVX2 (this EPYC,
    one thread, 3072 x 768) the panels were 1.2-1.8x faster than the row tiles from 3 rows on in every format
    but Q8_0, whose 32 bytes a block leave nothing to decode once for several rows: its panels were 0.55x at 4
-   rows, 0.81x at 8 and 1.01x at 12 on the LM head (49152 x 576), 1.23x at 16. With VNNI (unmeasured since
-   the integer-first arithmetic) 8, where the earlier per-lane panels already paid. */
+   rows, 0.81x at 8 and 1.01x at 12 on the LM head (49152 x 576), 1.23x at 16. With AVX-512 VNNI 8
+   (unmeasured). */
 int gguf_panel_rows(int type) {
     if (PW == 16) return 8;
     return type == Q8_0 ? 12 : 3;
@@ -817,18 +759,7 @@ int gguf_linear(int type, const float* x, int64_t ldx, int64_t m_rows, int64_t k
                 if (per16) xi[i1] = -offset * s1;
             }
         }
-    share_t all = {type, w, row_bytes, k, q, d, m_rows, y, ldy, 0, n, xs, xi, panels, 0};
-    run_split(&all, threads);
-    return 0;
-}
-
-/* y [n, k] (row stride ldy) = W's n rows of row_bytes in ggml type `type`, as fp32: bit for bit gguf's numpy
-   dequantization. Returns 0, 1 when k is not a multiple of the format's block, 2 for an unknown type. */
-int gguf_dequantize(int type, const uint8_t* w, int64_t row_bytes, int64_t n, int64_t k, float* y, int64_t ldy,
-                    int threads) {
-    const int status = check_format(type, k);
-    if (status) return status;
-    share_t all = {type, w, row_bytes, k, NULL, NULL, 0, y, ldy, 0, n, NULL, NULL, 0, 1};
+    share_t all = {type, w, row_bytes, k, q, d, m_rows, y, ldy, 0, n, xs, xi, panels};
     run_split(&all, threads);
     return 0;
 }
@@ -887,53 +818,7 @@ def build(isa: str) -> ctypes.CDLL | None:
     lib.gguf_panel_rows.restype = ctypes.c_int
     lib.gguf_scratch_bytes.argtypes = [i64, i64]
     lib.gguf_scratch_bytes.restype = i64
-    lib.gguf_dequantize.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, i64, ctypes.c_int]
-    lib.gguf_dequantize.restype = ctypes.c_int
     return lib
-
-
-# The activation row count from which linear() multiplies by the dequantized weight (torch's fp32 GEMM, tile by
-# tile) instead of computing on the blocks, per isa_path(); 0: never.
-# avx2: 48. On this EPYC (AVX2, no VNNI), one thread, the real model's steps (bench/kernels/gguf_step_time.py,
-# CPU clock; blocks / dense / none) at 32 rows 201 / 213 / 235 ms, 48 rows 285 / 274 / 313, 64 rows
-# 374 / 348 / 402, a 256-token prefill 1095 / 813 / 904; one Q4_1 linear (gguf_linear.py) at 256 rows
-# 1.17-1.29x faster dense than on the blocks, at 48-64 rows within 0.9-1.2x of them.
-# avx512-vnni: the panels measured 1.03-1.79x fp32 from 64 to 512 rows on every shape (Q8_0 and Q4_1; Q4_K and
-# Q6_K 1.03-1.40x; docs/perf/gguf_linear.json, one thread), so those steps stay on the blocks. avx-vnni (the
-# same 8-column panels as avx2 with avx2's vpmaddubsw + vpmaddwd + vpaddd as one vpdpbusd) is unmeasured and
-# keeps the blocks too.
-# Every default is 0 (never dense) for now, avx2 included although 48 rows measured faster: the switch makes a
-# step's row count decide a row's arithmetic, so a request's tokens would depend on what else shares its steps
-# (the server's tests compare a batched request's tokens with the same request alone), and a fuzzed request met
-# a non-finite probability with it on. ITERSERVE_GGUF_DENSE_ROWS=48 turns it on for benchmarks.
-DENSE_ROWS = {"avx2": 0, "avx-vnni": 0, "avx512-vnni": 0}
-DENSE_ROWS_ENV = "ITERSERVE_GGUF_DENSE_ROWS"  # overrides DENSE_ROWS (benchmarks; 0: always the blocks)
-# Most fp32 bytes of one dequantized tile. Each tile is a GEMM call that packs x again (a 256-row prefill
-# of K = 576 is 590 KB), so the tiles are as large as stays in cache: on this EPYC (512 KiB L2, 32 MiB L3)
-# 1 MiB tiles beat 256 KiB ones by 1.1-1.2x at 64 and 256 rows (down 576x1536 at 256 rows: 6.6 ms
-# against 8.0; torch's GEMM on the whole weight 5.3), 64 KiB ones were 2x slower.
-TILE_BYTES = 1 << 20
-
-
-@functools.cache
-def _isa_dense_rows() -> int:
-    return DENSE_ROWS[isa_path()]
-
-
-def dense_threshold() -> int:
-    """The row count from which linear() multiplies by dequantized tiles: $ITERSERVE_GGUF_DENSE_ROWS where
-    set (0: never), else DENSE_ROWS for this CPU's isa_path()."""
-    raw = os.environ.get(DENSE_ROWS_ENV)
-    if raw is None:
-        return _isa_dense_rows()
-    try:
-        rows = int(raw)
-    except ValueError:
-        rows = -1
-    if rows < 0:
-        raise ValueError(f"{DENSE_ROWS_ENV}={raw!r}: set a row count from which GGUF linears multiply by the "
-                         f"dequantized weight (0: never), or unset it for this CPU's default")
-    return rows
 
 
 def panel_rows(type_id: int, lib: ctypes.CDLL | None = None) -> int:
@@ -969,14 +854,6 @@ def file_blocks(tensor) -> tuple[int, torch.Tensor] | None:
 _local = threading.local()
 
 
-def _dense_scratch(floats: int) -> torch.Tensor:
-    """This thread's dequantized tile (fp32), grown as needed and kept."""
-    buffer = getattr(_local, "tile", None)
-    if buffer is None or buffer.numel() < floats:
-        buffer = _local.tile = torch.empty(floats)
-    return buffer
-
-
 def _scratch(nbytes: int) -> torch.Tensor:
     """This thread's scratch for the quantized activations, grown as needed and kept: a fresh buffer of a
     prefill's size per call is a fresh mmap, and its page faults cost more than the product at 64 rows."""
@@ -993,16 +870,11 @@ def _check(status: int, call: str, type_id: int, k: int) -> None:
 
 
 def linear(x: torch.Tensor, blocks: torch.Tensor, type_id: int, threads: int,
-           lib: ctypes.CDLL | None = None, panel_rows: int | None = None,
-           dense_rows: int | None = None) -> torch.Tensor:
-    """y = x @ W.T, x fp32 [M, K] (unit stride along K), W as blocks uint8 [N, row bytes]: from dense_rows
-    rows on (dense_threshold(); 0: never) on the dequantized weight (dense_linear: the `none` mode's bits), below
-    on the blocks. panel_rows: the row count from which the kernel decodes weight panels (panel_rows(); the
-    tests and the benchmark move it to run either block path at any row count: the same bits)."""
+           lib: ctypes.CDLL | None = None, panel_rows: int | None = None) -> torch.Tensor:
+    """y = x @ W.T, x fp32 [M, K] (unit stride along K), W as blocks uint8 [N, row bytes]. panel_rows: the
+    row count from which the kernel decodes weight panels (panel_rows(type_id); the tests and the benchmark
+    move it to run either block path at any row count: the same bits)."""
     rows, k = x.shape
-    threshold = dense_threshold() if dense_rows is None else dense_rows
-    if threshold and rows >= threshold:
-        return dense_linear(x, blocks, type_id, lib)
     n = blocks.shape[0]
     lib = lib or load()
     y = torch.empty(rows, n)
@@ -1012,56 +884,6 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, type_id: int, threads: int,
                                  n, y.data_ptr(), n, scratch.data_ptr(), threads,
                                  lib.gguf_panel_rows(type_id) if panel_rows is None else panel_rows)
     _check(status, "gguf_linear", type_id, k)
-    return y
-
-
-def dequantize_into(out: torch.Tensor, blocks: torch.Tensor, type_id: int, threads: int = 1,
-                    lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """out fp32 [N, K] (unit stride along K) = the blocks uint8 [N, row bytes] dequantized on the kernel:
-    dequantize()'s values (gguf's own arithmetic) bit for bit."""
-    n, k = out.shape
-    lib = lib or load()
-    status = lib.gguf_dequantize(type_id, blocks.data_ptr(), blocks.stride(0), n, k, out.data_ptr(), out.stride(0),
-                                 threads)
-    _check(status, "gguf_dequantize", type_id, k)
-    return out
-
-
-def tile_rows(k: int, n: int) -> int:
-    """Weight rows per dequantized tile of dense_linear for a weight [n, k]: all n where they fit TILE_BYTES
-    of fp32, else the fewest tiles that do, of equal whole 16s (the last overlaps the one before)."""
-    most = max(16, TILE_BYTES // (4 * k) // 16 * 16)
-    if n <= most:
-        return n
-    per_tile = -(-n // -(-n // most))
-    return -(-per_tile // 16) * 16
-
-
-def dense_linear(x: torch.Tensor, blocks: torch.Tensor, type_id: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """y = x @ dequantize(W).T as `--quantization none` computes it: tile_rows() weight rows at a time are
-    dequantized into this thread's scratch and multiplied by the none mode's own dense linear (layers.linear:
-    torch's fp32 GEMM), so no fp32 copy of the weight is kept and each output column gets the same GEMM on
-    the same fp32 values (the tests check that the tiling leaves the bits alone)."""
-    # imported here: layers imports quant, which imports this module
-    from iterserve.engine.model.layers import linear as dense
-
-    rows, k = x.shape
-    n = blocks.shape[0]
-    step = tile_rows(k, n)
-    tile = _dense_scratch(step * k)
-    with native.profiled("cpu_gguf::dense_linear"):
-        if step == n:
-            return dense(x, dequantize_into(tile[: n * k].view(n, k), blocks, type_id, 1, lib))
-        y = torch.empty(rows, n)
-        w = tile[: step * k].view(step, k)
-        for start in range(0, n, step):
-            # every tile step rows: the last one ends at row n, overlapping the one before (a GEMM of a few
-            # columns, say 5, took another path of MKL's and rounded differently from the whole weight's)
-            n0 = min(start, n - step)
-            # on this thread: the GEMM's threads run between tiles, and the pool's workers, spinning after a
-            # share, would take their cores
-            dequantize_into(w, blocks[n0:n0 + step], type_id, 1, lib)
-            y[:, n0:n0 + step] = dense(x, w)
     return y
 
 

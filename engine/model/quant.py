@@ -178,10 +178,8 @@ def effective_mode(requested: str, gguf_file: bool, device: torch.device, dtype_
 
 class GGUFLinear(QuantLinear):
     """y = x @ W.T with W in the GGUF file's own block formats (cpu_gguf.py), one part per run of
-    output rows sharing a format (a fused q/k/v of Q4_K and Q6_K tensors is two parts); a step of
-    cpu_gguf.dense_threshold() rows or more multiplies by the weight dequantized tile by tile (the
-    none mode's bits, cpu_gguf.dense_linear). Without the kernel (no C compiler, no AVX2) it
-    multiplies by the dequantized weight (logged once)."""
+    output rows sharing a format (a fused q/k/v of Q4_K and Q6_K tensors is two parts). Without the
+    kernel (no C compiler, no AVX2) it multiplies by the dequantized weight (logged once)."""
 
     kind = "gguf"
 

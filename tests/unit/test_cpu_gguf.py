@@ -62,13 +62,6 @@ def test_unpack_gives_gguf_s_own_weights(name):
 needs_kernel = pytest.mark.skipif(cpu_gguf.load() is None, reason="needs AVX2 and a C compiler")
 
 
-@pytest.fixture(autouse=True)
-def blocks_at_every_row_count(monkeypatch):
-    """These tests are of the block kernel: no call here goes to the dense path of many rows
-    (test_cpu_gguf_dense.py)."""
-    monkeypatch.setenv(cpu_gguf.DENSE_ROWS_ENV, "0")
-
-
 @needs_kernel
 @pytest.mark.parametrize("name", SMALL + K_QUANTS)
 def test_the_kernel_matches_its_torch_reference_bit_for_bit(name):
@@ -95,7 +88,7 @@ def test_the_kernel_matches_its_torch_reference_bit_for_bit(name):
 @needs_kernel
 @pytest.mark.parametrize("name", SMALL + K_QUANTS)
 def test_the_panel_path_of_many_rows_matches_the_reference_bit_for_bit(name):
-    """From cpu_gguf.panel_rows() rows on the kernel decodes 16 (AVX2: 8) weight rows at a time into a
+    """From cpu_gguf.panel_rows(type) rows on the kernel decodes 16 (AVX2: 8) weight rows at a time into a
     panel shared by all rows: at the threshold, an odd count (the 2-row tile's tail), a prefill chunk,
     67 weight rows (a panel's tail, uneven thread shares) and K = 1536 (several panels per cache tile)."""
     type_id = cpu_gguf.BY_NAME[name]
