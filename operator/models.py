@@ -615,8 +615,11 @@ class PrefillPoolStatus(WireModel):
 class SloStatus(WireModel):
     """SLO mode: what the last tick predicted and measured (seconds), and whether it planned on them."""
 
-    predicted_ttft_p95: float | None = Field(None, description="Predicted p95 TTFT at the desired replicas.")
-    predicted_itl_p95: float | None = Field(None, description="Predicted p95 ITL at the desired replicas.")
+    predicted_ttft_p95: float | None = Field(None, description="Predicted p95 TTFT at the desired replicas; where "
+                                              "SLO mode fell back, at the current ones (the prediction predictionError "
+                                              "compares with the measurement).")
+    predicted_itl_p95: float | None = Field(None, description="Predicted p95 ITL at the desired replicas; where SLO "
+                                             "mode fell back, at the current ones.")
     measured_ttft_p95: float | None = Field(None, description="Measured p95 TTFT over the window (warm pods only).")
     measured_itl_p95: float | None = Field(None, description="Measured p95 ITL over the window (warm pods only).")
     prediction_error: float | None = Field(None, description=(

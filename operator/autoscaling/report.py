@@ -226,8 +226,10 @@ def _seconds(value: float | None) -> float | None:
 
 
 def slo_status(slo) -> dict:
-    """status.slo from SLO mode's outcome (policy.Decision.slo); an unbounded prediction is null."""
-    predicted = slo.predicted
+    """status.slo from SLO mode's outcome (policy.Decision.slo); an unbounded prediction is null. Where SLO
+    mode fell back (no proposal of its own), the prediction at the current replicas: what it compared
+    with the measurement (predictionError), so the status shows why it fell back."""
+    predicted = slo.predicted or slo.predicted_current
     return {
         "predictedTtftP95": _seconds(predicted.ttft_p95_s) if predicted else None,
         "predictedItlP95": _seconds(predicted.itl_p95_s) if predicted else None,

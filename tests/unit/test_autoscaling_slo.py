@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from iterserve.operator.autoscaling.policy import PodSample, PodState, State, decide
+from iterserve.operator.autoscaling.report import slo_status
 from iterserve.operator.autoscaling.settings import DirectionRules, RatePolicy, settings_from_spec
 from iterserve.operator.models import AutoscalingSpec, InferenceServiceSpec
 from iterserve.replica_model.plan import Workload, plan, predict
@@ -113,6 +114,10 @@ def test_a_prediction_far_from_the_measurement_falls_back_to_the_queue_signal_an
     assert d.slo.fallback and d.slo.prediction_error > 0.5
     assert d.reason == "waiting_above_target" and d.desired_replicas == 4  # 35 waiting / 10 per replica
     assert "waiting-requests signal" in d.message and d.signal == "SLO"
+    # status.slo shows what it compared: the prediction at the current replica, beside the measurement
+    status = slo_status(d.slo)
+    assert status["fallback"] and status["measuredTtftP95"] == pytest.approx(3.0, rel=0.2)
+    assert status["predictedTtftP95"] is not None and status["predictedTtftP95"] < 0.5
 
 
 def test_samples_from_a_pod_still_warming_are_left_out_of_the_measurement_and_the_workload():
