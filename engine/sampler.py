@@ -27,7 +27,7 @@ from iterserve.engine.penalties import apply_min_p, process_logits
 from iterserve.engine.sequence import Sequence
 from iterserve.engine.spec_decode.rejection import sample_position, verify_position
 from iterserve.engine.step_result import RequestFailed
-from iterserve.engine.structured import GrammarDeadEnd, GrammarMatchers, Grammars
+from iterserve.engine.structured import GrammarMatchers, Grammars, NoTokenLeft
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class Sampler:
         for row, seq in enumerate(seqs):
             try:
                 results.append(self.sample_batch(logits[row : row + 1], [seq])[0])
-            except GrammarDeadEnd as error:  # the request's own grammar: a 400 naming its field
+            except NoTokenLeft as error:  # the request's own settings: a 400 naming the field
                 results.append(RequestFailed(str(error), error.field))
             except Exception as error:  # noqa: BLE001 - this request fails, the batch goes on
                 logger.exception("sampling failed for request %s (%s)", seq.request_id, seq.params)
@@ -155,7 +155,7 @@ class Sampler:
                 for j, view in enumerate(views):
                     try:
                         decided += self._verify_rows(rows[j : j + 1], [view], position)
-                    except GrammarDeadEnd as error:  # the request's own grammar: a 400 naming its field
+                    except NoTokenLeft as error:  # the request's own settings: a 400 naming the field
                         decided.append((RequestFailed(str(error), error.field), False))
                     except Exception as error:  # noqa: BLE001 - this request fails, the batch goes on
                         logger.exception("verifying request %s failed", view.request_id)
@@ -224,7 +224,7 @@ class Sampler:
 
 
 def _check_some_token_left(logits: torch.Tensor, seqs) -> None:
-    """Raise GrammarDeadEnd (the request's own input at fault, a 400) for a row whose processors and
+    """Raise NoTokenLeft (the request's own input at fault, a 400) for a row whose processors and
     grammar together left every logit at -inf: nothing could be drawn, and the sampler would fail on
     NaN probabilities (a grammar complete but held open by min_tokens, a logit_bias against every
     allowed token)."""
@@ -234,8 +234,8 @@ def _check_some_token_left(logits: torch.Tensor, seqs) -> None:
     seq = seqs[int(empty.nonzero()[0])]
     params = seq.params
     field = (params.structured.field if params.structured is not None
-             else "logit_bias" if getattr(params, "logit_bias", None) else "min_tokens")
-    raise GrammarDeadEnd(f"{field}: after {len(seq.output_token_ids)} generated tokens the request's own settings "
+             else "logit_bias" if params.logit_bias else "min_tokens")
+    raise NoTokenLeft(f"{field}: after {len(seq.output_token_ids)} generated tokens the request's own settings "
                          f"(structured output, min_tokens, logit_bias, bad words) exclude every token, so none "
                          f"can be drawn; the request was stopped", field)
 

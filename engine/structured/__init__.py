@@ -178,10 +178,11 @@ class Grammars:
                                       structured.field) from None
 
 
-class GrammarDeadEnd(Exception):
-    """A request's grammar allows no token of the vocabulary at this step: the text so far matches a
-    prefix of the grammar that no token can extend (a regex of characters the tokenizer spells only
-    in byte sequences the grammar cuts). The request's own input is at fault: field names it."""
+class NoTokenLeft(Exception):
+    """A request's own settings leave no token of the vocabulary to draw at this step: its grammar
+    allows none (the text so far matches a prefix no token can extend: a regex of characters the
+    tokenizer spells only in byte sequences the grammar cuts), or the grammar, min_tokens and
+    logit_bias together exclude every one. The request's input is at fault: field names it."""
 
     def __init__(self, message: str, field: str):
         super().__init__(message)
@@ -208,7 +209,7 @@ class GrammarMatchers:
 
     def mask(self, logits: torch.Tensor, rows: list[int], seqs) -> None:
         """Disallowed tokens of each constrained row set to -inf, in place (rows index logits). Raises
-        GrammarDeadEnd where a row's grammar allows no token (every logit would be -inf and no
+        NoTokenLeft where a row's grammar allows no token (every logit would be -inf and no
         distribution could be drawn from)."""
         import xgrammar as xgr
 
@@ -226,7 +227,7 @@ class GrammarMatchers:
         if bool(dead.any()):
             seq = seqs[rows[int(dead.nonzero()[0])]]
             structured = seq.params.structured
-            raise GrammarDeadEnd(f"{structured.field}: after {len(seq.output_token_ids)} generated tokens no token of "
+            raise NoTokenLeft(f"{structured.field}: after {len(seq.output_token_ids)} generated tokens no token of "
                                  f"the model's vocabulary continues a match ({structured.kind}); the request was "
                                  f"stopped", structured.field)
         if len(rows) == logits.shape[0]:
