@@ -134,10 +134,14 @@ def cache_dir() -> Path:
     return fallback
 
 
+def find_compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
 def build(name: str, source: str, flags: list[str] | None = None) -> ctypes.CDLL | None:
     """The library compiled from source (cached); None, with a warning naming why, where it cannot
     be built here."""
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    compiler = find_compiler()
     if compiler is None:
         logger.warning("no C compiler found (set CC or install gcc): the %s kernel is unavailable", name)
         return None

@@ -46,6 +46,7 @@ from iterserve.operator.routing import router_labels
 STEP_PROFILE = "smollm2-135m-cpu"  # the shipped profile of the embedded model on one CPU thread
 PHASES = ("before", "step", "after")
 CHUNK_SECONDS = 5.0
+WORKLOAD_WAIT_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,11 @@ class Load:
     after_seconds: float = 60
     seed: int = 0
     stop_step_on_scale_up: bool = False  # the test's short form: end the step at the first scale-up
+    # SLO mode reads a workload only once a warm pod's readings cover half its window; on a slow
+    # machine the pod can still be short of that when `before_seconds` ends, and the step's first
+    # decision is then the waiting-requests fallback. True: the light phase goes on until
+    # status.slo carries an arrival rate, at most WORKLOAD_WAIT_SECONDS more.
+    before_until_workload: bool = False
 
 
 @dataclass(frozen=True)
@@ -210,7 +216,9 @@ async def _drive(load: Load, endpoints, requests: RequestLog, sampler: Sampler, 
         requests.phase = phase
         began = time.time()
         log(f"  {phase}: {rate:g} req/s for {seconds:g} s")
-        while (left := began + seconds - time.time()) > 0.05:
+        while (left := began + seconds - time.time()) > 0.05 or (
+                phase == "before" and load.before_until_workload and not _workload_read(sampler)
+                and (left := began + seconds + WORKLOAD_WAIT_SECONDS - time.time()) > 0.05):
             if phase == "step" and load.stop_step_on_scale_up and _scaled_up(sampler):
                 log(f"  step: the first scale-up is recorded after {time.time() - began:.1f} s; ending the step")
                 break
@@ -222,10 +230,17 @@ async def _drive(load: Load, endpoints, requests: RequestLog, sampler: Sampler, 
                             on_result=requests.on_result)
             tasks.append(asyncio.create_task(run_load(spec)))
             await asyncio.sleep(piece)
+        if phase == "before" and time.time() - began > seconds + 1:
+            log(f"  before: SLO mode read a workload after {time.time() - began:.1f} s")
         phases[phase] = [began, time.time()]
     await asyncio.gather(*tasks)
     phases["end"] = time.time()
     return phases
+
+
+def _workload_read(sampler: Sampler) -> bool:
+    latest = sampler.latest
+    return bool(latest and (latest.get("slo") or {}).get("arrivalRate") is not None)
 
 
 def _scaled_up(sampler: Sampler) -> bool:

@@ -791,6 +791,12 @@ ISA_FLAGS = {"avx512-vnni": ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512v
              "avx2": []}
 
 
+def compile_flags(isa: str) -> list[str]:
+    """The kernel's own flags for isa, after native.build's."""
+    # no reassociation and no contraction: the float steps must round as reference() does
+    return ["-mf16c", "-fno-associative-math", "-ffp-contract=off", *ISA_FLAGS[isa]]
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled kernel (AVX2 CPUs with a C compiler), else None (logged)."""
     return build(isa_path())
@@ -803,10 +809,7 @@ def build(isa: str) -> ctypes.CDLL | None:
     if not native.has_avx2() or "f16c" not in _cpu_flags():
         logger.warning("GGUF linears multiply by the dequantized weight: this CPU has no AVX2/F16C")
         return None
-    extra = ISA_FLAGS[isa]
-    # no reassociation and no contraction: the float steps must round as reference() does
-    lib = native.build(f"gguf_linear_{isa.replace('-', '_')}", _SOURCE,
-                       ["-mf16c", "-fno-associative-math", "-ffp-contract=off", *extra])
+    lib = native.build(f"gguf_linear_{isa.replace('-', '_')}", _SOURCE, compile_flags(isa))
     if lib is None:
         logger.warning("GGUF linears multiply by the dequantized weight: the C kernel is unavailable")
         return None

@@ -20,7 +20,7 @@ def test_slo_mode_scales_up_on_a_load_step_and_reports_predicted_and_measured_p9
     # served 4 req/s of this load at p95 0.33 s, so a smaller step may need no second replica).
     policy = Policy("slo", 1500, True, max_replicas=2, slo_window_seconds=15)
     load = Load(output_tokens=16, light_rate=0.5, step_rate=10, before_seconds=10, step_seconds=45, after_seconds=0,
-                stop_step_on_scale_up=True)
+                stop_step_on_scale_up=True, before_until_workload=True)
     result = run_policy(k8s_cluster, tmp_path / "run", policy, load)
     summary = summarize(result)
     (tmp_path / "slo.json").write_text(json.dumps({"summary": summary, **result}, indent=1, default=str))

@@ -3,10 +3,13 @@ reference bit for bit in every format, at every row count, tiling tail and threa
 
 from __future__ import annotations
 
+import subprocess
+
 import numpy as np
 import pytest
 import torch
 
+from iterserve.engine import native
 from iterserve.engine.model import cpu_gguf
 
 SMALL = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
@@ -147,10 +150,17 @@ def test_the_plain_avx2_path_gives_the_same_bits_as_vnni():
 
 
 @needs_kernel
-@pytest.mark.parametrize("isa", sorted(cpu_gguf.ISA_FLAGS))
-def test_every_instruction_set_path_compiles(isa):
-    """The paths this CPU cannot run still compile (the ones it can run are compared above)."""
-    assert cpu_gguf.build(isa) is not None
+@pytest.mark.parametrize("isa", sorted(set(cpu_gguf.ISA_FLAGS) - {cpu_gguf.isa_path()}))
+def test_every_instruction_set_path_this_cpu_cannot_run_compiles(isa, tmp_path):
+    """The paths this CPU cannot run still compile (the ones it can run are compared above). At -O1:
+    the intrinsics are checked the same (always_inline functions are inlined at every level), in
+    20 s where -O3 took 50 s for each path."""
+    source = tmp_path / "gguf.c"
+    source.write_text(cpu_gguf._SOURCE)
+    flags = ["-O1" if flag == "-O3" else flag for flag in native.BASE_FLAGS]
+    done = subprocess.run([native.find_compiler(), *flags, *native.isa_flags(), *cpu_gguf.compile_flags(isa), str(source), "-o",
+                           str(tmp_path / "gguf.so"), "-lm"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
 
 
 @needs_kernel
