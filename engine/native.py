@@ -1,9 +1,15 @@
 """Small C kernels for CPUs, compiled once per machine and loaded with ctypes.
 
-`build(name, source)` compiles `source` with the system C compiler (the one torch.compile also
-needs) into ~/.cache/iterserve/native, keyed by source, compiler and instruction-set flags, and
-returns the loaded library, or None where no compiler works (the caller logs its fallback). A
-ctypes call releases the GIL, so a kernel runs while other Python threads go on.
+`build(name, source)` returns the loaded library: a prebuilt one where `prebuilt_dir()` holds it
+(named by source and flags), else one compiled with the system C compiler (the one torch.compile
+also needs) into ~/.cache/iterserve/native, keyed by source, compiler and instruction-set flags;
+None where neither works (the caller logs its fallback). A ctypes call releases the GIL, so a
+kernel runs while other Python threads go on.
+
+Prebuilt kernels (`python -m iterserve.engine.native prebuild`): the CPU image has no compiler,
+so its build compiles every kernel for every instruction-set path into the image; `make install`
+fills the venv's folder for this CPU, so an engine whose HOME is fresh (a pod of the local
+runtime) starts without compiling (the GGUF kernel alone takes ~50 s of one core).
 """
 
 from __future__ import annotations
@@ -15,7 +21,10 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -116,9 +125,28 @@ def has_avx2() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
+AVX2_FLAGS = ["-mavx2", "-mfma"]
+PREBUILT_ENV = "ITERSERVE_NATIVE_PREBUILT"
+# The modules whose kernels `prebuild` compiles: each has native_builds(every_isa) -> [(name, source, flags)].
+KERNEL_MODULES = ("iterserve.engine.attention.cpu_paged", "iterserve.engine.model.cpu_fused",
+                  "iterserve.engine.model.cpu_gguf", "iterserve.engine.model.cpu_w8a8")
+
+
 def isa_flags() -> list[str]:
     # Never -march=native: the cache directory can outlive the machine (VMs change CPUs between runs).
-    return ["-mavx2", "-mfma"] if has_avx2() else []
+    return AVX2_FLAGS if has_avx2() else []
+
+
+def prebuilt_dir() -> Path:
+    """Where prebuilt kernels are looked for: $ITERSERVE_NATIVE_PREBUILT, else the environment's
+    share/iterserve/native (the image's venv, or .venv)."""
+    return Path(os.environ.get(PREBUILT_ENV) or Path(sys.prefix) / "share" / "iterserve" / "native")
+
+
+def prebuilt_name(name: str, source: str, flags: list[str]) -> str:
+    """A prebuilt library's file name: by source and every flag, not by compiler (a machine that
+    loads it may have none)."""
+    return f"{name}_{hashlib.sha256(chr(0).join([source, *flags]).encode()).hexdigest()[:16]}.so"
 
 
 def cache_dir() -> Path:
@@ -141,11 +169,19 @@ def find_compiler() -> str | None:
 def build(name: str, source: str, flags: list[str] | None = None) -> ctypes.CDLL | None:
     """The library compiled from source (cached); None, with a warning naming why, where it cannot
     be built here."""
+    flags = BASE_FLAGS + isa_flags() + list(flags or [])
+    prebuilt = prebuilt_dir() / prebuilt_name(name, source, flags)
+    if prebuilt.is_file():
+        try:
+            return ctypes.CDLL(str(prebuilt))
+        except OSError as error:
+            logger.warning("the prebuilt %s kernel %s did not load (%s): compiling it", name, prebuilt, error)
     compiler = find_compiler()
     if compiler is None:
-        logger.warning("no C compiler found (set CC or install gcc): the %s kernel is unavailable", name)
+        logger.warning("no C compiler found (set CC or install gcc) and no prebuilt %s kernel in %s "
+                       "(python -m iterserve.engine.native prebuild): the kernel is unavailable", name,
+                       prebuilt_dir())
         return None
-    flags = BASE_FLAGS + isa_flags() + list(flags or [])
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
         key = hashlib.sha256("\0".join([source, compiler, version, *flags]).encode()).hexdigest()[:16]
@@ -169,9 +205,82 @@ def build(name: str, source: str, flags: list[str] | None = None) -> ctypes.CDLL
         return None
 
 
+def prebuild(directory: Path, every_isa: bool) -> list[Path]:
+    """Compile every kernel (for every instruction-set path, or this CPU's) into directory, for
+    AVX2 CPUs, as build() would name them; the ones already there are kept. Raises
+    RuntimeError naming the kernel and the compiler's message where one does not compile."""
+    import importlib
+
+    compiler = find_compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler found: set CC or install gcc")
+    directory.mkdir(parents=True, exist_ok=True)
+    jobs = []
+    for module in KERNEL_MODULES:
+        for name, source, extra in importlib.import_module(module).native_builds(every_isa):
+            flags = BASE_FLAGS + AVX2_FLAGS + extra
+            jobs.append((name, source, flags, directory / prebuilt_name(name, source, flags)))
+
+    def compile_one(job) -> Path:
+        name, source, flags, target = job
+        if target.is_file():
+            logger.info("%s: %s is there", name, target.name)
+            return target
+        started = time.monotonic()
+        source_file = target.with_suffix(f".{os.getpid()}.c")
+        partial = target.with_suffix(f".{os.getpid()}.so")
+        source_file.write_text(source)
+        try:
+            done = subprocess.run([compiler, *flags, str(source_file), "-o", str(partial), "-lm"],
+                                  capture_output=True, text=True, timeout=600)
+            if done.returncode != 0:
+                raise RuntimeError(f"the {name} kernel did not compile:\n{done.stderr[-4000:]}")
+            os.replace(partial, target)
+        finally:
+            source_file.unlink(missing_ok=True)
+            partial.unlink(missing_ok=True)
+        logger.info("%s: compiled %s in %.1f s", name, target.name, time.monotonic() - started)
+        return target
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return list(pool.map(compile_one, jobs))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m iterserve.engine.native",
+        description="Compile the CPU kernels ahead of time, so that engines load them without a C compiler "
+                    "and without compiling at start-up.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    pre = sub.add_parser("prebuild", help="compile every kernel into a folder build() looks in")
+    pre.add_argument("directory", nargs="?", type=Path, default=None,
+                     help=f"default: ${PREBUILT_ENV}, else <this environment>/share/iterserve/native "
+                          f"(here {prebuilt_dir()})")
+    pre.add_argument("--every-isa", action="store_true",
+                     help="also the paths this CPU cannot run (AVX-512 VNNI, AVX-VNNI): for an image "
+                          "that runs on any x86-64 node with AVX2")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    directory = args.directory or prebuilt_dir()
+    started = time.monotonic()
+    try:
+        built = prebuild(directory, args.every_isa)
+    except RuntimeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"{len(built)} kernels in {directory} ({time.monotonic() - started:.1f} s)")
+    return 0
+
+
 def profiled(name: str) -> contextlib.AbstractContextManager:
     """A torch.profiler label for a kernel call while a profile is recording (bench/kernels/step_profile.py
     names the kernels in its top ops), else nothing: record_function costs ~10 us a call."""
     if torch.autograd.profiler._is_profiler_enabled:
         return torch.profiler.record_function(name)
     return contextlib.nullcontext()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

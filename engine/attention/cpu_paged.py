@@ -209,10 +209,15 @@ int paged_decode_attention(
 }
 """
 
+def native_builds(every_isa: bool) -> list[tuple[str, str, list[str]]]:
+    """The kernel as native.prebuild compiles it."""
+    return [("paged_decode", _SOURCE, [])]
+
+
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use; None where no C compiler works (logged once)."""
-    lib = native.build("paged_decode", _SOURCE)
+    lib = native.build(*native_builds(False)[0])
     if lib is None:
         logger.warning("CPU decode attention gathers KV blocks (torch SDPA path)")
         return None

@@ -112,12 +112,17 @@ void silu_mul(const float* gate_up, int64_t rows, int64_t inner, float* out) {
 """
 
 
+def native_builds(every_isa: bool) -> list[tuple[str, str, list[str]]]:
+    """The kernels as native.prebuild compiles them (one path for every AVX2 CPU)."""
+    # no FMA contraction: rotary rounds each product as torch does
+    return [("cpu_fused", _SOURCE, ["-ffp-contract=off", "-fno-associative-math"])]
+
+
 @functools.cache
 def load() -> ctypes.CDLL | None:
     if not native.has_avx2():
         return None
-    # no FMA contraction: rotary rounds each product as torch does
-    lib = native.build("cpu_fused", _SOURCE, ["-ffp-contract=off", "-fno-associative-math"])
+    lib = native.build(*native_builds(False)[0])
     if lib is None:
         logger.warning("the decoder's small ops stay torch ops: the fused C kernels are unavailable")
         return None

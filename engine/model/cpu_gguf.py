@@ -797,6 +797,15 @@ def compile_flags(isa: str) -> list[str]:
     return ["-mf16c", "-fno-associative-math", "-ffp-contract=off", *ISA_FLAGS[isa]]
 
 
+def _native_build(isa: str) -> tuple[str, str, list[str]]:
+    return f"gguf_linear_{isa.replace('-', '_')}", _SOURCE, compile_flags(isa)
+
+
+def native_builds(every_isa: bool) -> list[tuple[str, str, list[str]]]:
+    """The kernel as native.prebuild compiles it: this CPU's path, or every path (an image)."""
+    return [_native_build(isa) for isa in (sorted(ISA_FLAGS) if every_isa else [isa_path()])]
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled kernel (AVX2 CPUs with a C compiler), else None (logged)."""
     return build(isa_path())
@@ -809,7 +818,7 @@ def build(isa: str) -> ctypes.CDLL | None:
     if not native.has_avx2() or "f16c" not in _cpu_flags():
         logger.warning("GGUF linears multiply by the dequantized weight: this CPU has no AVX2/F16C")
         return None
-    lib = native.build(f"gguf_linear_{isa.replace('-', '_')}", _SOURCE, compile_flags(isa))
+    lib = native.build(*_native_build(isa))
     if lib is None:
         logger.warning("GGUF linears multiply by the dequantized weight: the C kernel is unavailable")
         return None

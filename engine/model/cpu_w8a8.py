@@ -232,14 +232,22 @@ int w8a8_linear(const float* x, int64_t ldx, int64_t m_rows, int64_t k, const in
 """
 
 
+# no reassociation: y = float(dot) * (row scale * weight scale) must round as reference() does
+FLAGS = ["-fno-associative-math"]
+
+
+def native_builds(every_isa: bool) -> list[tuple[str, str, list[str]]]:
+    """The kernel as native.prebuild compiles it (one path for every AVX2 CPU)."""
+    return [("w8a8_linear", _SOURCE, FLAGS)]
+
+
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel (AVX2 CPUs with a C compiler), else None: w8a8 then runs `reference()`."""
     if not native.has_avx2():
         logger.warning("w8a8 linears run in torch ops (slow): this CPU has no AVX2")
         return None
-    # no reassociation: y = float(dot) * (row scale * weight scale) must round as reference() does
-    lib = native.build("w8a8_linear", _SOURCE, ["-fno-associative-math"])
+    lib = native.build(*native_builds(False)[0])
     if lib is None:
         logger.warning("w8a8 linears run in torch ops (slow): the C kernel is unavailable")
         return None

@@ -15,9 +15,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.cluster]
 
 
 def test_slo_mode_scales_up_on_a_load_step_and_reports_predicted_and_measured_p95(k8s_cluster, tmp_path):
-    # 0.5 req/s: one replica is predicted to meet 1.5 s (smollm2-135m-cpu: p95 ~0.64 s). 10 req/s:
-    # one replica cannot keep up on any CPU this runs on (on an idle AVX-512 machine one replica
-    # served 4 req/s of this load at p95 0.33 s, so a smaller step may need no second replica).
+    # 0.5 req/s: one replica is predicted to meet 1.5 s (smollm2-135m-cpu: p95 ~0.12 s). 10 req/s:
+    # one replica cannot keep up on any CPU this runs on (on an idle 2-core EPYC one replica served
+    # 4 req/s of this load at p95 1.25 s, so a smaller step may need no second replica).
     policy = Policy("slo", 1500, True, max_replicas=2, slo_window_seconds=15)
     load = Load(output_tokens=16, light_rate=0.5, step_rate=10, before_seconds=10, step_seconds=45, after_seconds=0,
                 stop_step_on_scale_up=True, before_until_workload=True)

@@ -27,6 +27,7 @@ MAX_LOGIT_ERROR = 1e-3  # logits span about +-20; fp32 reordering errors are ~1e
 
 
 @pytest.mark.slow
+@pytest.mark.beside_cluster
 def test_compiled_greedy_tokens_equal_eager():
     previous = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -124,6 +124,9 @@ def test_the_engine_in_the_image_answers_a_chat_completion_with_the_embedded_mod
     reply = chat(engine.url)
     assert reply["choices"][0]["message"]["content"].strip()
     assert reply["usage"]["completion_tokens"] > 0
+    # The image has no compiler: the GGUF, w8a8, fused and attention kernels are its prebuilt ones.
+    logs = podman.logs(engine.name)
+    assert " ready in " in logs and "unavailable" not in logs and "dequantized weight" not in logs, logs[-3000:]
 
 
 @container_test

@@ -19,7 +19,7 @@ from tests.client_venv import client_python
 from tests.hf_fixture import reference_folder
 from tests.server_fixture import running_server
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.slow, pytest.mark.beside_cluster, pytest.mark.timeout(1800)]
 
 MC = [  # question, choices, answer
     ("The capital of France is", ["Paris", "London", "Berlin", "Madrid"], 0),

@@ -16,6 +16,7 @@ from iterserve.engine.config import EngineConfig
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.beside_cluster  # ~4 minutes of one core: run in the lane that mostly waits
 MAX_TOKENS = 20
 CODE = [
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
