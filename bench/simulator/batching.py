@@ -7,15 +7,15 @@ latency target is the continuous mode's p95 at its highest rate that still keeps
 within 10% of the arrival span); each mode's throughput at that target is interpolated along its
 curve, and the ratio reported.
 
-    .venv/bin/python -m bench.simulator.batching --json docs/perf/batching_sim.json --plot docs/perf/batching_sim.png
+    .venv/bin/python -m bench.simulator.batching --json docs/perf/sim/batching_sim.json --plot docs/perf/sim/batching_sim.png
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
+from bench.common import write_json
 from iterserve.operator.models import InferenceServiceSpec
 from iterserve.replica_model.profile import load_profile
 from iterserve.simulate.cli import simulate
@@ -105,8 +105,7 @@ def main() -> int:
               + (f"{at['static']:.1f} tok/s -> {ratio:.2f}x" if at["static"] else "never under the target"))
     print(f"bench wall {time.perf_counter() - started:.1f} s")
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(results, handle, indent=2)
+        write_json(args.json, results)
     if args.plot:
         _plot(results, args.plot)
     return 0

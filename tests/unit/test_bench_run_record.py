@@ -42,7 +42,7 @@ NO_DOCUMENTED_COMMAND = {
     "cpu_attention.json", "cpu_attention_prefetch.json", "guidellm_sweep.json", "quant_linear.json",
     "robustness.json", "routing_identical_exponential.json", "routing_identical_same_hop.json",
     "step_overhead.json", "step_profile.json", "step_split.json", "step_split_served.json",
-    "step_threads.json", "structured_outputs.json", "sim/batching_sim.json", "sim/speed.json",
+    "step_threads.json", "structured_outputs.json",
 }
 
 
