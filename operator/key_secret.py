@@ -1,5 +1,5 @@
 """A random key the operator keeps for an InferenceService's pods: Secret `<name>-<suffix>`, data
-key `key`, fresh random bytes, created once and never rewritten, owned by the InferenceService so
+key `key`, fresh random text (key_bytes random bytes, URL-safe base64), created once and never rewritten, owned by the InferenceService so
 it goes with it. The pods that need it mount it read-only and get `<flag> <file>`; nothing else
 holds it: the operator never lists, watches or logs Secrets' data, and clients never see it.
 
@@ -48,7 +48,9 @@ class KeySecret:
             "type": "Opaque",
             "metadata": {"name": self.secret_name(owner.name), "namespace": owner.namespace,
                          "labels": common_labels(owner.name), "ownerReferences": [owner_reference(owner)]},
-            "data": {KEY: base64.b64encode(secrets.token_bytes(self.key_bytes)).decode()},
+            # Text, not raw bytes: the readers strip surrounding whitespace (a hand-written key file
+            # ends in a newline), which would cut a raw key that happens to start or end with one.
+            "data": {KEY: base64.b64encode(secrets.token_urlsafe(self.key_bytes).encode()).decode()},
         }
 
     def args(self) -> list[str]:

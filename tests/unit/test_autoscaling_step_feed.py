@@ -264,9 +264,10 @@ def test_more_pods_than_a_tick_reads_are_read_in_turn(answering):
     urls = {f"p{index:02d}": f"{base}/pod/p{index:02d}" for index in range(20)}
     feed = StepFeed(OnlineProfile(settings_for(spec({"ttftP95Ms": 200})).slo.profile), "x")
     pods = [StepSource(n, u, 0.0) for n, u in urls.items()]
-    asyncio.run(feed.read(EngineAdmin(TOKEN, 2.0), pods, time.time))
+    admin = EngineAdmin(TOKEN, 30.0)  # the turn is what is checked: a loaded CI machine took over 2 s an answer
+    asyncio.run(feed.read(admin, pods, time.time))
     first = set(seen)
     seen.clear()
-    asyncio.run(feed.read(EngineAdmin(TOKEN, 2.0), pods, time.time))
+    asyncio.run(feed.read(admin, pods, time.time))
     assert feed.errors == {}
     assert len(first) == 16 and len(set(seen)) == 16 and first | set(seen) == set(urls)

@@ -26,7 +26,9 @@ def test_a_disaggregated_service_gets_one_random_key_owned_by_it():
     Reconciler(kube).reconcile("ns", "llm")
     secret = kube.objects[("Secret", "llm-kv-auth")]
     key = base64.b64decode(secret["data"]["key"])
-    assert len(key) == 32 and set(secret["data"]) == {"key"}
+    # 32 random bytes as URL-safe text: nothing a reader's strip() could cut
+    assert len(base64.urlsafe_b64decode(key + b"=")) == 32 and key.isascii() and key == key.strip()
+    assert set(secret["data"]) == {"key"}
     [owner] = secret["metadata"]["ownerReferences"]
     assert owner["uid"] == "u1" and owner["controller"] is True
     other = kv_auth.build_secret(type("O", (), {"name": "llm", "namespace": "ns", "uid": "u1"})())

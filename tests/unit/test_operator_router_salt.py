@@ -32,7 +32,9 @@ def test_a_tenant_header_gets_one_random_salt_key_owned_by_the_service():
     Reconciler(kube).reconcile("ns", "llm")
     secret = kube.objects[("Secret", "llm-tenant-salt")]
     key = base64.b64decode(secret["data"]["key"])
-    assert len(key) == 32 and set(secret["data"]) == {"key"}
+    # 32 random bytes as URL-safe text: nothing a reader's strip() could cut
+    assert len(base64.urlsafe_b64decode(key + b"=")) == 32 and key.isascii() and key == key.strip()
+    assert set(secret["data"]) == {"key"}
     [owner] = secret["metadata"]["ownerReferences"]
     assert owner["uid"] == "u1" and owner["controller"] is True
     other = router_salt.build_secret(type("O", (), {"name": "llm", "namespace": "ns", "uid": "u1"})())
