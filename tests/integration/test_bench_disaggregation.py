@@ -21,7 +21,6 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-@pytest.mark.beside_cluster  # fake-model engines that mostly sleep their step time, as the cluster tests do
 def test_disaggregation_bench_fake_model_plumbing(tmp_path):
     out, png = tmp_path / "disagg.json", tmp_path / "disagg.png"
     result = subprocess.run([sys.executable, "-m", "bench.cluster.disaggregation", "--fake-model", "--requests", "8", "--rate", "2",

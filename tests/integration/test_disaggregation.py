@@ -42,8 +42,7 @@ from iterserve.engine import metrics as names
 from tests.kv_auth_helpers import key_file, remote_decode
 from tests.server_fixture import ServerProcess, iterserve_command
 
-pytestmark = [pytest.mark.slow, pytest.mark.beside_cluster,  # ~4 minutes of three real engines: the lane that mostly waits
-              pytest.mark.timeout(1200)]  # a loaded machine takes minutes to load three models
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # a loaded machine takes minutes to load three models
 # One client (a new one per call costs an SSL context each); idle connections are dropped before
 # uvicorn's 5 s keep-alive closes them, so a reused one is never already closed.
 HTTP = httpx.Client(timeout=120, limits=httpx.Limits(keepalive_expiry=1.0))
