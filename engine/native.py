@@ -188,21 +188,27 @@ def build(name: str, source: str, flags: list[str] | None = None) -> ctypes.CDLL
         directory = cache_dir()
         library = directory / f"{name}_{key}.so"
         if not library.exists():
-            source_file = directory / f"{name}_{key}.{os.getpid()}.c"
-            partial = directory / f"{name}_{key}.{os.getpid()}.so"
-            source_file.write_text(source)
-            try:
-                subprocess.run([compiler, *flags, str(source_file), "-o", str(partial), "-lm"], check=True,
-                               capture_output=True, text=True, timeout=120)
-                os.replace(partial, library)  # atomic: concurrent engines never load a half-written file
-            finally:
-                source_file.unlink(missing_ok=True)
-                partial.unlink(missing_ok=True)
+            _compile(compiler, source, flags, library, timeout=120)
         return ctypes.CDLL(str(library))
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", "") or error
         logger.warning("the %s kernel did not build (%s)", name, detail)
         return None
+
+
+def _compile(compiler: str, source: str, flags: list[str], library: Path, timeout: float) -> None:
+    """Compile source into library through a temporary file, renamed into place (atomic: a
+    concurrent engine never loads a half-written file); raises CalledProcessError on failure."""
+    source_file = library.with_suffix(f".{os.getpid()}.c")
+    partial = library.with_suffix(f".{os.getpid()}.so")
+    source_file.write_text(source)
+    try:
+        subprocess.run([compiler, *flags, str(source_file), "-o", str(partial), "-lm"], check=True,
+                       capture_output=True, text=True, timeout=timeout)
+        os.replace(partial, library)
+    finally:
+        source_file.unlink(missing_ok=True)
+        partial.unlink(missing_ok=True)
 
 
 def prebuild(directory: Path, every_isa: bool) -> list[Path]:
@@ -227,18 +233,10 @@ def prebuild(directory: Path, every_isa: bool) -> list[Path]:
             logger.info("%s: %s is there", name, target.name)
             return target
         started = time.monotonic()
-        source_file = target.with_suffix(f".{os.getpid()}.c")
-        partial = target.with_suffix(f".{os.getpid()}.so")
-        source_file.write_text(source)
         try:
-            done = subprocess.run([compiler, *flags, str(source_file), "-o", str(partial), "-lm"],
-                                  capture_output=True, text=True, timeout=600)
-            if done.returncode != 0:
-                raise RuntimeError(f"the {name} kernel did not compile:\n{done.stderr[-4000:]}")
-            os.replace(partial, target)
-        finally:
-            source_file.unlink(missing_ok=True)
-            partial.unlink(missing_ok=True)
+            _compile(compiler, source, flags, target, timeout=600)
+        except subprocess.CalledProcessError as error:
+            raise RuntimeError(f"the {name} kernel did not compile:\n{error.stderr[-4000:]}") from None
         logger.info("%s: compiled %s in %.1f s", name, target.name, time.monotonic() - started)
         return target
 
