@@ -235,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         with ChartAlerting(handle, workdir / "monitoring", namespace=MONITORING_NAMESPACE) as monitoring, \
                 PrometheusAdapter(handle, workdir, monitoring.prometheus.url, rules, namespace=MONITORING_NAMESPACE):
             for mode in modes:
-                scenario = replace(base, autoscaling_mode=mode.split("+")[0])
+                # answer_wait_seconds 0: every mode gets the same load, however it answers.
+                scenario = replace(base, autoscaling_mode=mode.split("+")[0], answer_wait_seconds=0)
                 print(f"{mode}: running the whole loop")
                 if scenario.autoscaling_mode == "External":
                     running = scenario.max_num_seqs if mode == "External+running" else None

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 from e2e.wholeloop.checks import Check, _same, _t
+from e2e.wholeloop.go_on import go_on, ready_at_least
 from e2e.wholeloop.plot import plot_clients
 from e2e.wholeloop.timeline import RequestLog, Sampler, epoch
 from iterserve.devcluster.podrunner import local_runtime_scheduling
@@ -47,6 +48,9 @@ class DisaggregatedScenario:
     short_rate: float = 5.0
     short_prompt_tokens: int = 32  # under threshold_tokens: prefilled on the decode pod itself
     short_max_tokens: int = 128
+    # Each pool's load goes on past its seconds, at most this much more, until that pool has a second
+    # Ready replica (a loaded machine starts pods later; e2e/wholeloop/go_on.py).
+    answer_wait_seconds: float = 60
     light_rate: float = 0.5  # per kind (long and short) after the load, until both pools are at min
     light_max_tokens: int = 16
     settle_seconds: float = 5  # one light chunk at min replicas
@@ -168,6 +172,8 @@ async def drive(scenario: DisaggregatedScenario, endpoints, requests: RequestLog
     tasks = [asyncio.create_task(run_load(spec(scenario.long_rate, scenario.long_seconds, scenario.long_prompt_tokens,
                                                scenario.long_max_tokens, scenario.seed)))]
     await asyncio.sleep(scenario.long_seconds)
+    await _until_ready(sampler, "prefill_ready", phases["long"][0], scenario, tasks, log, lambda seconds, chunk: spec(
+        scenario.long_rate, seconds, scenario.long_prompt_tokens, scenario.long_max_tokens, scenario.seed + 100 + chunk))
     begin("short")
     log(f"short prompts: {scenario.short_prompt_tokens} tokens, {scenario.short_max_tokens} out, "
         f"{scenario.short_rate:g} req/s for {scenario.short_seconds:g} s")
@@ -175,6 +181,9 @@ async def drive(scenario: DisaggregatedScenario, endpoints, requests: RequestLog
                                                    scenario.short_prompt_tokens, scenario.short_max_tokens,
                                                    scenario.seed + 1))))
     await asyncio.sleep(scenario.short_seconds)
+    await _until_ready(sampler, "replicas_ready", phases["short"][0], scenario, tasks, log, lambda seconds, chunk: spec(
+        scenario.short_rate, seconds, scenario.short_prompt_tokens, scenario.short_max_tokens,
+        scenario.seed + 200 + chunk))
     begin("light")
     log(f"light: {scenario.light_rate:g} req/s of each kind until both pools are back at their minimum "
         f"for {scenario.settle_seconds:g} s")
@@ -194,6 +203,18 @@ async def drive(scenario: DisaggregatedScenario, endpoints, requests: RequestLog
     await asyncio.gather(*tasks)
     phases["light"][1] = round(time.time() - origin, 2)
     return phases
+
+
+async def _until_ready(sampler: Sampler, key: str, since: float, scenario: DisaggregatedScenario,
+                       tasks: list[asyncio.Task], log, chunk_spec) -> None:
+    """The phase's load goes on until its pool (`key`: prefill_ready, replicas_ready for decode)
+    has a second Ready replica, at most answer_wait_seconds more."""
+    ready = ready_at_least(sampler, key, 2, since)
+    went_on = await go_on(ready, chunk_spec, scenario.answer_wait_seconds, tasks)
+    if went_on > 0.05:
+        pool = "prefill" if key == "prefill_ready" else "decode"
+        log(f"  went on {went_on:.1f} s more, until the {pool} pool had a second Ready replica"
+            + ("" if ready() else " (it never did)"))
 
 
 # ---------------------------------------------------------------------------------------- checks

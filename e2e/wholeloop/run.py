@@ -12,10 +12,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 from e2e.wholeloop import disaggregated
+from e2e.wholeloop.checks import AFTER_RETUNE_SETTLE_SECONDS, MIN_AFTER_WINDOW_SECONDS
 from e2e.wholeloop.endpoints import ReadyEndpoints
+from e2e.wholeloop.go_on import go_on, ready_at_least
 from e2e.wholeloop.scenario import NAME, Scenario, inference_service
 from e2e.wholeloop.stack import Stack, wait_for
-from e2e.wholeloop.timeline import RequestLog, Sampler
+from e2e.wholeloop.timeline import RequestLog, Sampler, epoch
 from iterserve.engine import metrics as names
 from iterserve.engine.loadgen import LoadSpec, run_load
 from iterserve.operator.models import GROUP, PLURAL, READY, VERSION
@@ -132,6 +134,16 @@ async def _drive(scenario: Scenario, endpoints, requests: RequestLog, sampler: S
     heavy = asyncio.create_task(run_load(spec(scenario.heavy_rate, scenario.heavy_seconds, scenario.output_tokens,
                                               scenario.seed)))
     await asyncio.sleep(scenario.heavy_seconds)
+    more: list[asyncio.Task] = []
+    scaled = ready_at_least(sampler, "replicas_ready", 2, phases["heavy"][0])
+    went_on = await go_on(lambda: scaled() and _retune_window_covered(sampler),
+                          lambda seconds, chunk: spec(scenario.heavy_rate, seconds, scenario.output_tokens,
+                                                      scenario.seed + 100 + chunk),
+                          scenario.answer_wait_seconds, more)
+    if went_on > 0.05:
+        log(f"heavy: went on {went_on:.1f} s more, until a second replica was Ready and the retuned pod had "
+            f"{MIN_AFTER_WINDOW_SECONDS} s of load after its last retune"
+            + ("" if scaled() and _retune_window_covered(sampler) else " (it never did)"))
     requests.phase = "light"
     phases["heavy"][1] = round(time.time() - origin, 2)
     phases["light"] = [phases["heavy"][1], None]
@@ -149,6 +161,18 @@ async def _drive(scenario: Scenario, endpoints, requests: RequestLog, sampler: S
         settled_since = (settled_since or time.monotonic()) if at_min else None
         if settled_since is not None and time.monotonic() - settled_since >= scenario.settle_seconds:
             break
-    await heavy
+    await asyncio.gather(heavy, *more)
     phases["light"][1] = round(time.time() - origin, 2)
     return phases
+
+
+def _retune_window_covered(sampler: Sampler) -> bool:
+    """The first pod retuned for KV pressure has had its settling time and a whole measured
+    window of load since its last retune (what checks.py's preemption-rate check reads)."""
+    retunes = sorted((d for d in list(sampler.timeline.decisions.values())
+                      if d["action"] == "RetuneDown" and d["reason"] == "kv_pressure"), key=lambda d: d["time"])
+    if not retunes:
+        return False
+    last = max(epoch(d["time"]) for d in retunes if d["pod"] == retunes[0]["pod"])
+    # +2 s: a decision reaches the timeline up to a sampling interval after its (whole-second) stamp.
+    return time.time() >= last + AFTER_RETUNE_SETTLE_SECONDS + MIN_AFTER_WINDOW_SECONDS + 2

@@ -28,6 +28,10 @@ class Scenario:
     idle_seconds: float = 10  # before the load: one replica, nothing to do
     heavy_seconds: float = 75  # Poisson arrivals at heavy_rate
     heavy_rate: float = 8.0  # requests/s: one replica keeps ~4/s, three keep up
+    # The heavy load goes on past heavy_seconds, at most this much more, until a second replica is
+    # Ready and the first retuned pod has run a whole measured window after its last retune (a
+    # loaded machine starts pods and retunes later; e2e/wholeloop/go_on.py).
+    answer_wait_seconds: float = 60
     light_rate: float = 1.0  # requests/s after the heavy phase, through the scale-down and its drain
     light_max_tokens: int = 64
     settle_seconds: float = 8  # back at min replicas this long, with nothing terminating, ends the run
@@ -57,7 +61,7 @@ class Scenario:
         # The CI run. The KV retune's last step comes ~8 s into the load (scale-ups at +0 and +13 s,
         # docs/perf/whole_loop_alerts.json); the preemption rate after it is measured from that
         # step +8 s for up to 40 s and needs at least 10 s of load: 50 s of load leave a retune
-        # as late as +32 s room. Nothing is checked in the idle phase, and at min replicas one
+        # as late as +32 s room (later, the load goes on: answer_wait_seconds). Nothing is checked in the idle phase, and at min replicas one
         # light chunk (5 s) of load is enough to see that the scale-down has settled.
         return cls(heavy_seconds=50, idle_seconds=3, settle_seconds=5)
 
