@@ -29,6 +29,11 @@ PrometheusRule with short `for` windows, and an Alertmanager with the chart's ex
 delivering to a webhook sink; the summary lists alerts_fired and alerts_resolved as the sink saw
 them (needs `make system-packages`).
 
+A load phase lasts its set seconds and then goes on with the same load, at most 60 s more, until
+the loop's answer to it can be seen (a second Ready replica; the retuned pod's measured window
+after its last retune): a loaded machine starts pods later, and the checks judge the operator,
+not the machine's speed. The log says when a phase went on, and the JSON's phases say how long.
+
 Needs `make cluster-tools` (the control-plane binaries and helm in e2e/cluster/bin). Exits 1 if a
 check fails. --quick is the CI run's shape (~2 min); without it the load lasts twice as long (~4 min).
 """
