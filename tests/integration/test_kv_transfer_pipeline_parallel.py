@@ -21,35 +21,33 @@ processes over gloo on 127.0.0.1), behind `iterserve router`, on a small random 
 
 from __future__ import annotations
 
-import random
-import socket
-import subprocess
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from pathlib import Path
-
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from iterserve.devcluster.waiting import free_port, wait_for
+from iterserve.devcluster.waiting import wait_for
 from iterserve.engine import metrics as names
-from iterserve.engine.config import EngineConfig
-from iterserve.engine.llm_engine import LLMEngine
-from iterserve.engine.sampling_params import SamplingParams
 from tests import tp_models
-from tests.kv_auth_helpers import key_file, remote_decode, run_engine, sign_lease
-from tests.server_fixture import ServerProcess, iterserve_command
+from tests.kv_auth_helpers import run_engine, sign_lease
+from tests.sharded_pd import (
+    GREEDY,
+    assert_router_completions_equal,
+    complete,
+    engine_pair,
+    full_log,
+    greedy_texts,
+    lease,
+    local_lease,
+    metric,
+    one_process,
+    reference_prompts,
+    router,
+    two_node_pair,
+    wait_unpinned,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-MAX_TOKENS = 8
-NUM_BLOCKS = 24
-STORY = ("Once upon a time, in a small village at the edge of a great forest, there lived an old clockmaker "
-         "who had never once left the valley. Every morning he opened his shop, wound the hundred clocks.")
 # One stage's KV per token: 1 of the 2 layers x 4 KV heads x head_dim 16 x (K, V) x 4 bytes (fp32).
 STAGE_BYTES_PER_TOKEN = 1 * 4 * 16 * 2 * 4
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -57,64 +55,12 @@ def model(tmp_path_factory):
     return str(tp_models.build("h8kv4", tmp_path_factory.mktemp("pd-pp") / "h8kv4"))
 
 
-def free_port_run(count: int) -> int:
-    """A port P with P + 1 .. P + count - 1 free too (a prefill engine of `count` ranks listens on all),
-    below Linux's ephemeral range (32768-60999), which gloo and every free_port() take ports from."""
-    rng = random.Random()
-    for _ in range(200):
-        first = rng.randrange(20000, 32000)
-        try:
-            for port in range(first, first + count):
-                with socket.socket() as probe:
-                    probe.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return first
-    raise RuntimeError(f"no {count} consecutive free ports")
-
-
-@contextmanager
-def engine_pair(model: str, logs: Path, tp: int, pp: int):
-    """(prefill, decode, the prefill engine's --kv-transfer-port): two `iterserve serve` groups of
-    tp x pp ranks each."""
-    kv_port = free_port_run(tp * pp)
-    common = ["--model", model, "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
-              "--kv-auth-key-file", key_file(), "--device", "cpu", "--dtype", "float32", "--attention-backend",
-              "torch", "--num-kv-blocks", str(NUM_BLOCKS), "--max-model-len", "256", "--kv-transfer-timeout", "20"]
-    env = {"OMP_NUM_THREADS": "1"}
-    servers = [ServerProcess([*common, "--role", "prefill", "--kv-transfer-port", str(kv_port)], env,
-                             logs / f"prefill-tp{tp}-pp{pp}.log"),
-               ServerProcess([*common, "--role", "decode"], env, logs / f"decode-tp{tp}-pp{pp}.log")]
-    try:
-        for server in servers:
-            server.wait_ready(300)
-        yield servers[0], servers[1], kv_port
-    finally:
-        for server in servers:
-            server.stop()
-
-
 @pytest.fixture(scope="module")
 def pd(model, tmp_path_factory):
     """(prefill, decode, the router's URL, the prefill engine's --kv-transfer-port), two stages each."""
-    with engine_pair(model, tmp_path_factory.mktemp("pd-pp-logs"), 1, 2) as (prefill, decode, kv_port):
-        port = free_port()
-        router = subprocess.Popen([*iterserve_command(), "router", "--port", str(port), "--prefill", prefill.url,
-                                   "--decode", decode.url, "--pd-threshold-tokens", "0", "--kv-auth-key-file",
-                                   key_file()], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd="/")
-        try:
-            url = f"http://127.0.0.1:{port}"
-            wait_for(lambda: _status(f"{url}/health") == 200, 30, 0.1, what="router up")
-            yield prefill, decode, url, kv_port
-        finally:
-            router.terminate()
-            router.wait(10)
-
-
-def one_process(model: str, role: str) -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig(
-        model=model, role=role, kv_auth_key_file=key_file(), num_kv_blocks=NUM_BLOCKS, max_model_len=256,
-        device="cpu", dtype="float32", attention_backend="torch"))
+    with engine_pair(model, tmp_path_factory.mktemp("pd-pp-logs"), 1, 2) as (prefill, decode, kv_port), \
+            router(prefill, decode) as url:
+        yield prefill, decode, url, kv_port
 
 
 @pytest.fixture(scope="module")
@@ -136,62 +82,12 @@ def single_prefill(model):
 
 @pytest.fixture(scope="module")
 def prompts(single):
-    ids = single.tokenizer.encode(STORY)
-    return {n: ids[:n] for n in (5, 16, 17, 33)}  # in this order: each a prefix of the next
+    return reference_prompts(single)
 
 
 @pytest.fixture(scope="module")
 def expected(single, prompts):
-    for n, ids in prompts.items():
-        single.add_request(prompt_token_ids=ids, params=GREEDY, request_id=f"ref-{n}")
-    return {int(rid.removeprefix("ref-")): out.outputs[0].text for rid, out in run_engine(single, 120).items()}
-
-
-def _status(url: str) -> int | None:
-    try:
-        return httpx.get(url, timeout=2).status_code
-    except httpx.HTTPError:
-        return None
-
-
-def complete(url: str, prompt: list[int], **extra) -> dict:
-    answer = httpx.post(f"{url}/v1/completions", timeout=120, json={
-        "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, **extra})
-    assert answer.status_code == 200, answer.text
-    return answer.json()
-
-
-def lease(prefill: ServerProcess, prompt: list[int]) -> dict:
-    """The prefill engine's kv_transfer_params for prompt (a prefill call, as the router signs it)."""
-    return complete(prefill.url, prompt, max_tokens=1, kv_transfer_params=remote_decode())["kv_transfer_params"]
-
-
-def local_lease(prefill: LLMEngine, prompt: list[int], request_id: str) -> dict:
-    prefill.add_request(prompt_token_ids=prompt, params=SamplingParams(temperature=0, max_tokens=1),
-                        request_id=request_id, kv_transfer_params=remote_decode())
-    return run_engine(prefill, 120)[request_id].kv_transfer_params
-
-
-def remote_decisions(url: str) -> float:
-    """The router's prompts sent to the prefill engine."""
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        for sample in family.samples:
-            if sample.name == names.ROUTER_PD_DECISIONS_TOTAL and sample.labels.get("reason") == "remote":
-                return sample.value
-    return 0.0
-
-
-def metric(server: ServerProcess, name: str) -> float:
-    return server.metrics().get(name, 0.0)
-
-
-def wait_unpinned(prefill: ServerProcess) -> None:
-    """Every lease released (not left to expire) and its blocks freed."""
-    wait_for(lambda: metric(prefill, names.KV_PINNED_BLOCKS) == 0, 10, 0.05, what="the prefill engine's leases freed")
-
-
-def full_log(server: ServerProcess) -> str:
-    return server.log_path.read_text(errors="replace")
+    return greedy_texts(single, prompts)
 
 
 def test_each_rank_pulls_its_stages_kv_from_the_same_rank_of_the_prefill_engine(pd, single, single_prefill, prompts,
@@ -220,19 +116,7 @@ def test_each_rank_pulls_its_stages_kv_from_the_same_rank_of_the_prefill_engine(
 
 def test_completions_through_the_router_equal_one_process(pd, prompts, expected):
     prefill, decode, url, _ = pd
-    pulls, remote = metric(decode, names.KV_TRANSFER_SECONDS + "_count"), remote_decisions(url)
-    for n, ids in prompts.items():
-        assert complete(url, ids)["choices"][0]["text"] == expected[n], n
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        answers = dict(zip(prompts, pool.map(lambda ids: complete(url, ids), prompts.values()), strict=True))
-    for n, answer in answers.items():
-        assert answer["choices"][0]["text"] == expected[n], n
-    # Every prompt the router prefilled remotely moved its KV: all of the first round's (the router
-    # counts a prompt it saw before as cached on the decode engine, so the second round's may not).
-    assert remote_decisions(url) - remote >= len(prompts)
-    assert metric(decode, names.KV_TRANSFER_SECONDS + "_count") - pulls == remote_decisions(url) - remote
-    assert metric(decode, names.KV_TRANSFER_FAILURES_TOTAL) == 0
-    wait_unpinned(prefill)
+    assert_router_completions_equal(url, prefill, decode, prompts, expected)
 
 
 def test_a_decode_engine_of_another_pipeline_size_refuses_the_lease_and_computes_the_prompt(
@@ -294,24 +178,7 @@ def test_groups_of_two_nodes_move_each_stages_kv_from_its_own_node(model, prompt
     store on 127.0.0.1): stage 1 runs on node 1, the prefill leader's lease names its listener as
     node 1 advertises it, and the decode group's stage 1 gets its pull order and its load through
     the store."""
-    kv_port = free_port_run(2)
-    common = ["--model", model, "--pipeline-parallel-size", "2", "--kv-auth-key-file", key_file(), "--device", "cpu",
-              "--dtype", "float32", "--attention-backend", "torch", "--num-kv-blocks", str(NUM_BLOCKS),
-              "--max-model-len", "256", "--kv-transfer-timeout", "20", "--nnodes", "2", "--master-addr", "127.0.0.1",
-              "--rendezvous-timeout", "240"]
-    groups, nodes = [], []
-    try:
-        for role, extra in (("prefill", ["--kv-transfer-port", str(kv_port)]), ("decode", [])):
-            master = ["--master-port", str(free_port())]
-            nodes.append(subprocess.Popen(
-                [*iterserve_command(), "serve", *common, *master, "--role", role, "--node-rank", "1",
-                 "--worker-health-port", str(free_port())], cwd=tmp_path,
-                stdout=(tmp_path / f"{role}-node1.log").open("wb"), stderr=subprocess.STDOUT))
-            groups.append(ServerProcess([*common, *master, "--role", role, "--node-rank", "0", *extra],
-                                        {"OMP_NUM_THREADS": "1"}, tmp_path / f"{role}.log"))
-        for server in groups:
-            server.wait_ready(300)
-        prefill, decode = groups
+    with two_node_pair(model, tmp_path, 1, 2) as (prefill, decode, kv_port):
         params = lease(prefill, prompts[33])
         assert params["pipeline_parallel_size"] == 2 and params["shards"] == [["127.0.0.1", kv_port + 1]]
         answer = complete(decode.url, prompts[33], kv_transfer_params={**params, "do_remote_prefill": True})
@@ -319,9 +186,3 @@ def test_groups_of_two_nodes_move_each_stages_kv_from_its_own_node(model, prompt
         assert metric(decode, names.KV_TRANSFER_SECONDS + "_count") == 1
         assert metric(decode, names.KV_TRANSFER_FAILURES_TOTAL) == 0
         wait_unpinned(prefill)
-    finally:
-        for server in groups:
-            server.stop()
-        for node in nodes:
-            node.terminate()
-            node.wait(30)

@@ -17,30 +17,28 @@ processes over gloo on 127.0.0.1), behind `iterserve router`, on a small random 
 
 from __future__ import annotations
 
-import random
-import socket
-import subprocess
-from concurrent.futures import ThreadPoolExecutor
-
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from iterserve.devcluster.waiting import free_port, wait_for
 from iterserve.engine import metrics as names
-from iterserve.engine.config import EngineConfig
-from iterserve.engine.llm_engine import LLMEngine
-from iterserve.engine.sampling_params import SamplingParams
 from tests import tp_models
-from tests.kv_auth_helpers import key_file, remote_decode, run_engine, sign_lease
-from tests.server_fixture import ServerProcess, iterserve_command
+from tests.kv_auth_helpers import run_engine, sign_lease
+from tests.sharded_pd import (
+    GREEDY,
+    assert_router_completions_equal,
+    complete,
+    engine_pair,
+    greedy_texts,
+    lease,
+    metric,
+    one_process,
+    reference_prompts,
+    router,
+    two_node_pair,
+    wait_unpinned,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-MAX_TOKENS = 8
-NUM_BLOCKS = 24
-STORY = ("Once upon a time, in a small village at the edge of a great forest, there lived an old clockmaker "
-         "who had never once left the valley. Every morning he opened his shop, wound the hundred clocks.")
 # One rank's KV per token: 2 of the 4 KV heads x head_dim 16 x (K, V) x 2 layers x 4 bytes (fp32).
 RANK_BYTES_PER_TOKEN = 2 * 16 * 2 * 2 * 4
 
@@ -50,121 +48,30 @@ def model(tmp_path_factory):
     return str(tp_models.build("h8kv4", tmp_path_factory.mktemp("pd-tp") / "h8kv4"))
 
 
-def two_free_ports() -> int:
-    """A port P with P + 1 free too (a prefill engine of two ranks listens on both), below Linux's
-    ephemeral range (32768-60999): gloo and every free_port() take ports from that range, and one
-    of them took P + 1 between this probe and rank 1's listen."""
-    rng = random.Random()
-    for _ in range(200):
-        first = rng.randrange(20000, 32000)
-        try:
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", first))
-        except OSError:
-            continue
-        try:
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", first + 1))
-            return first
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports")
-
-
 @pytest.fixture(scope="module")
 def pd(model, tmp_path_factory):
-    """(prefill, decode, the router's URL, the prefill engine's --kv-transfer-port)."""
-    logs = tmp_path_factory.mktemp("pd-tp-logs")
-    kv_port = two_free_ports()
-    common = ["--model", model, "--tensor-parallel-size", "2", "--kv-auth-key-file", key_file(), "--device", "cpu",
-              "--dtype", "float32", "--attention-backend", "torch", "--num-kv-blocks", str(NUM_BLOCKS),
-              "--max-model-len", "256", "--kv-transfer-timeout", "20"]
-    env = {"OMP_NUM_THREADS": "1"}
-    servers = [ServerProcess([*common, "--role", "prefill", "--kv-transfer-port", str(kv_port)], env,
-                             logs / "prefill.log"),
-               ServerProcess([*common, "--role", "decode"], env, logs / "decode.log")]
-    router = None
-    try:
-        for server in servers:
-            server.wait_ready(300)
-        port = free_port()
-        router = subprocess.Popen([*iterserve_command(), "router", "--port", str(port), "--prefill", servers[0].url,
-                                   "--decode", servers[1].url, "--pd-threshold-tokens", "0", "--kv-auth-key-file",
-                                   key_file()], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd="/")
-        url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _status(f"{url}/health") == 200, 30, 0.1, what="router up")
-        yield servers[0], servers[1], url, kv_port
-    finally:
-        if router is not None:
-            router.terminate()
-            router.wait(10)
-        for server in servers:
-            server.stop()
+    """(prefill, decode, the router's URL, the prefill engine's --kv-transfer-port), two ranks each."""
+    with engine_pair(model, tmp_path_factory.mktemp("pd-tp-logs"), 2, 1) as (prefill, decode, kv_port), \
+            router(prefill, decode) as url:
+        yield prefill, decode, url, kv_port
 
 
 @pytest.fixture(scope="module")
 def single(model):
     """One process (TP=1) of role decode: the reference, and a decode engine of another size."""
-    engine = LLMEngine.from_config(EngineConfig(
-        model=model, role="decode", kv_auth_key_file=key_file(), num_kv_blocks=NUM_BLOCKS, max_model_len=256,
-        device="cpu", dtype="float32", attention_backend="torch"))
+    engine = one_process(model, "decode")
     yield engine
     engine.close()
 
 
 @pytest.fixture(scope="module")
 def prompts(single):
-    ids = single.tokenizer.encode(STORY)
-    return {n: ids[:n] for n in (5, 16, 17, 33)}  # in this order: each a prefix of the next
+    return reference_prompts(single)
 
 
 @pytest.fixture(scope="module")
 def expected(single, prompts):
-    for n, ids in prompts.items():
-        single.add_request(prompt_token_ids=ids, params=SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
-                                                                       ignore_eos=True), request_id=f"ref-{n}")
-    return {int(rid.removeprefix("ref-")): out.outputs[0].text for rid, out in run(single).items()}
-
-
-def run(engine: LLMEngine, timeout: float = 120) -> dict:
-    return run_engine(engine, timeout)
-
-
-def _status(url: str) -> int | None:
-    try:
-        return httpx.get(url, timeout=2).status_code
-    except httpx.HTTPError:
-        return None
-
-
-def complete(url: str, prompt: list[int], **extra) -> dict:
-    answer = httpx.post(f"{url}/v1/completions", timeout=120, json={
-        "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, **extra})
-    assert answer.status_code == 200, answer.text
-    return answer.json()
-
-
-def lease(prefill: ServerProcess, prompt: list[int]) -> dict:
-    """The prefill engine's kv_transfer_params for prompt (a prefill call, as the router signs it)."""
-    return complete(prefill.url, prompt, max_tokens=1, kv_transfer_params=remote_decode())["kv_transfer_params"]
-
-
-def remote_decisions(url: str) -> float:
-    """The router's prompts sent to the prefill engine."""
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        for sample in family.samples:
-            if sample.name == names.ROUTER_PD_DECISIONS_TOTAL and sample.labels.get("reason") == "remote":
-                return sample.value
-    return 0.0
-
-
-def metric(server: ServerProcess, name: str) -> float:
-    return server.metrics().get(name, 0.0)
-
-
-def wait_unpinned(prefill: ServerProcess) -> None:
-    """Every lease released (not left to expire) and its blocks freed."""
-    wait_for(lambda: metric(prefill, names.KV_PINNED_BLOCKS) == 0, 10, 0.05, what="the prefill engine's leases freed")
+    return greedy_texts(single, prompts)
 
 
 def test_each_rank_pulls_its_shard_from_the_same_rank_of_the_prefill_engine(pd, prompts, expected):
@@ -183,29 +90,16 @@ def test_each_rank_pulls_its_shard_from_the_same_rank_of_the_prefill_engine(pd, 
 
 def test_completions_through_the_router_equal_one_process(pd, prompts, expected):
     prefill, decode, url, _ = pd
-    pulls, remote = metric(decode, names.KV_TRANSFER_SECONDS + "_count"), remote_decisions(url)
-    for n, ids in prompts.items():
-        assert complete(url, ids)["choices"][0]["text"] == expected[n], n
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        answers = dict(zip(prompts, pool.map(lambda ids: complete(url, ids), prompts.values()), strict=True))
-    for n, answer in answers.items():
-        assert answer["choices"][0]["text"] == expected[n], n
-    # Every prompt the router prefilled remotely moved its KV: all of the first round's (the router
-    # counts a prompt it saw before as cached on the decode engine, so the second round's may not).
-    assert remote_decisions(url) - remote >= len(prompts)
-    assert metric(decode, names.KV_TRANSFER_SECONDS + "_count") - pulls == remote_decisions(url) - remote
-    assert metric(decode, names.KV_TRANSFER_FAILURES_TOTAL) == 0
-    wait_unpinned(prefill)
+    assert_router_completions_equal(url, prefill, decode, prompts, expected)
 
 
 def test_a_decode_engine_of_another_size_refuses_the_lease_and_computes_the_prompt(pd, single, prompts, expected):
     prefill = pd[0]
     params = lease(prefill, prompts[33])
-    single.add_request(prompt_token_ids=prompts[33], params=SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
-                                                                           ignore_eos=True),
-                       request_id="mismatch", kv_transfer_params={**params, "do_remote_prefill": True})
+    single.add_request(prompt_token_ids=prompts[33], params=GREEDY, request_id="mismatch",
+                       kv_transfer_params={**params, "do_remote_prefill": True})
     seq = single._sequences["mismatch"]
-    out = run(single)["mismatch"]
+    out = run_engine(single, 120)["mismatch"]
     assert out.error is None and out.outputs[0].text == expected[33]
     assert "the prefill engine runs --tensor-parallel-size 2, this decode engine 1" in seq.kv_transfer.failure
     assert single.stats().kv_pulls_ok == 0
@@ -226,28 +120,11 @@ def test_a_failure_on_one_rank_fails_the_pull_on_every_rank(pd, prompts, expecte
     assert metric(decode, names.KV_TRANSFER_FAILURES_TOTAL) == failures + 1
 
 
-def test_groups_of_two_nodes_move_each_ranks_shard_from_its_own_node(model, single, prompts, expected, tmp_path):
+def test_groups_of_two_nodes_move_each_ranks_shard_from_its_own_node(model, prompts, expected, tmp_path):
     """--nnodes 2 on both sides (two `iterserve serve` processes each, the store on 127.0.0.1): the
     prefill leader's lease names rank 1's listener as rank 1's node advertises it, and the decode
     group's rank 1 gets its pull order and its load through the store."""
-    kv_port = two_free_ports()
-    common = ["--model", model, "--tensor-parallel-size", "2", "--kv-auth-key-file", key_file(), "--device", "cpu",
-              "--dtype", "float32", "--attention-backend", "torch", "--num-kv-blocks", str(NUM_BLOCKS),
-              "--max-model-len", "256", "--kv-transfer-timeout", "20", "--nnodes", "2", "--master-addr", "127.0.0.1",
-              "--rendezvous-timeout", "240"]
-    groups, nodes = [], []
-    try:
-        for role, extra in (("prefill", ["--kv-transfer-port", str(kv_port)]), ("decode", [])):
-            master = ["--master-port", str(free_port())]
-            nodes.append(subprocess.Popen(
-                [*iterserve_command(), "serve", *common, *master, "--role", role, "--node-rank", "1",
-                 "--worker-health-port", str(free_port())], cwd=tmp_path,
-                stdout=(tmp_path / f"{role}-node1.log").open("wb"), stderr=subprocess.STDOUT))
-            groups.append(ServerProcess([*common, *master, "--role", role, "--node-rank", "0", *extra],
-                                        {"OMP_NUM_THREADS": "1"}, tmp_path / f"{role}.log"))
-        for server in groups:
-            server.wait_ready(300)
-        prefill, decode = groups
+    with two_node_pair(model, tmp_path, 2, 1) as (prefill, decode, kv_port):
         params = lease(prefill, prompts[33])
         assert params["port"] == kv_port and params["shards"] == [["127.0.0.1", kv_port + 1]]
         answer = complete(decode.url, prompts[33], kv_transfer_params={**params, "do_remote_prefill": True})
@@ -255,9 +132,3 @@ def test_groups_of_two_nodes_move_each_ranks_shard_from_its_own_node(model, sing
         assert metric(decode, names.KV_TRANSFER_SECONDS + "_count") == 1
         assert metric(decode, names.KV_TRANSFER_FAILURES_TOTAL) == 0
         wait_unpinned(prefill)
-    finally:
-        for server in groups:
-            server.stop()
-        for node in nodes:
-            node.terminate()
-            node.wait(30)
