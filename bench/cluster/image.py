@@ -23,7 +23,9 @@ from pathlib import Path
 
 import httpx
 
+from bench.common import write_json
 from iterserve.devcluster import podman
+from iterserve.machine import cpu_model
 
 READY_TIMEOUT_S = 300.0
 
@@ -79,12 +81,11 @@ def main() -> None:
         "size_gb": round(facts["size_bytes"] / 1e9, 2),
         "start_to_ready_s": runs,
         "start_to_ready_median_s": statistics.median(runs),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": {"cpus": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
+                    "load_average_at_end": list(os.getloadavg())},
     }
     print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(str(args.json) if args.json else None, result)  # with the run record (commit, CPU, command)
 
 
 if __name__ == "__main__":
